@@ -1,0 +1,22 @@
+"""Prism's inference engine for Qwen3-VL.
+
+Public API: :class:`Engine`, :class:`SamplingParams`, :class:`Completion`, :class:`Telemetry` and
+the :class:`PrismError` family.
+"""
+
+from .engine import Engine, EngineOptions
+from .errors import CheckpointError, InvalidImageError, InvalidRequestError, PrismError
+from .outputs import Completion, Telemetry
+from .sampling import SamplingParams
+
+__all__ = [
+    "CheckpointError",
+    "Completion",
+    "Engine",
+    "EngineOptions",
+    "InvalidImageError",
+    "InvalidRequestError",
+    "PrismError",
+    "SamplingParams",
+    "Telemetry",
+]

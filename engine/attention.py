@@ -1,0 +1,94 @@
+"""The decoder's attention step behind one interface, and the plain (contiguous) KV cache.
+
+Every decoder layer calls ``ctx.attend(layer, q, k, v)`` on the flat batch of new tokens. The
+context object owns where K/V live and which earlier tokens each query sees; the model never
+indexes a cache itself. This keeps the model unchanged when the storage changes (paged pools,
+quantised pages, compacted prefixes).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionContext(Protocol):
+    """What a decoder layer needs from the KV store for one forward step."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's K/V for ``layer`` and attend.
+
+        Args:
+            q: ``[T, num_heads, head_dim]`` queries of the step's T new tokens (after Q-norm and
+                M-RoPE), model dtype.
+            k, v: ``[T, num_kv_heads, head_dim]`` their keys (after K-norm and M-RoPE) and values.
+
+        Returns:
+            ``[T, num_heads, head_dim]`` attention output, model dtype.
+        """
+        ...
+
+
+def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
+    """Causal grouped-query attention of one sequence with dense K/V, accumulated by SDPA.
+
+    Args:
+        q: ``[T, H, D]`` queries for sequence positions ``q_offset .. q_offset + T - 1``.
+        k, v: ``[S, Hkv, D]`` keys / values for positions ``0 .. S - 1`` (``S >= q_offset + T``);
+            ``H`` must be a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (H / Hkv)``).
+
+    Returns:
+        ``[T, H, D]``; softmax scale ``D ** -0.5``.
+    """
+    t, s = q.shape[0], k.shape[0]
+    gqa = q.shape[1] != k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if q_offset == 0 and t == s:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
+    elif t == 1 and s == q_offset + 1:  # one decode token sees every stored key
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa)
+    else:
+        visible = torch.arange(s, device=q.device)[None, :] <= (q_offset + torch.arange(t, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, enable_gqa=gqa)
+    return out.transpose(0, 1)
+
+
+class DenseKVCache:
+    """K/V of one sequence in contiguous per-layer tensors ``[capacity, Hkv, D]`` (model dtype).
+
+    The single-sequence reference store; the paged pool replaces it for serving.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int, dtype, device):
+        shape = (capacity, num_kv_heads, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+        self.capacity = capacity
+
+    def step(self, num_new: int) -> DenseStep:
+        """Context for a forward step that appends ``num_new`` tokens.
+
+        Raises:
+            ValueError: the cache would overflow its capacity.
+        """
+        if self.length + num_new > self.capacity:
+            raise ValueError(f"KV cache capacity {self.capacity} tokens exceeded")
+        ctx = DenseStep(self, self.length, num_new)
+        self.length += num_new
+        return ctx
+
+
+class DenseStep:
+    """:class:`AttentionContext` over a :class:`DenseKVCache` for one sequence."""
+
+    def __init__(self, cache: DenseKVCache, start: int, num_new: int):
+        self.cache, self.start, self.num_new = cache, start, num_new
+
+    def attend(self, layer, q, k, v):
+        end = self.start + self.num_new
+        self.cache.k[layer][self.start : end] = k
+        self.cache.v[layer][self.start : end] = v
+        return causal_gqa_attention(q, self.cache.k[layer][:end], self.cache.v[layer][:end], self.start)

@@ -1,0 +1,27 @@
+"""Exceptions raised by the Prism engine.
+
+Every error a caller can act on derives from :class:`PrismError`, so the web app can catch one
+family and show its message to the user.
+"""
+
+
+class PrismError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidImageError(PrismError, ValueError):
+    """A user-supplied image cannot be used: not an image, truncated, too large, bad aspect ratio.
+
+    The message is written for the person who uploaded the image and says what to do.
+    """
+
+
+class CheckpointError(PrismError, ValueError):
+    """A checkpoint folder is missing, incomplete, or its config is inconsistent.
+
+    The message names the folder, the field or the tensor names at fault.
+    """
+
+
+class InvalidRequestError(PrismError, ValueError):
+    """A request is malformed (bad message format, bad sampling parameters)."""

@@ -1,0 +1,60 @@
+"""What a request returns: :class:`Completion` and its :class:`Telemetry`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Telemetry:
+    """Timings and counts of one request. Times in milliseconds, counts in tokens.
+
+    Attributes:
+        prompt_tokens: tokens in the prompt (visual placeholders included).
+        computed_tokens: prompt tokens the engine actually prefilled.
+        visual_tokens: image / video tokens in the prompt.
+        generated_tokens: tokens generated.
+        queue_ms: from submission until the engine started the request.
+        vision_ms: time spent in the vision encoder (0 when it did not run).
+        vision_encoder_ran: whether the vision encoder ran for this request.
+        prefill_ms: time of the prompt prefill (vision excluded).
+        ttft_ms: from submission to the first generated token.
+        e2e_ms: from submission to the last token.
+        decode_tokens_per_s: generated tokens after the first, per second of decoding.
+        tpot_ms: mean time per output token after the first.
+    """
+
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    visual_tokens: int = 0
+    generated_tokens: int = 0
+    queue_ms: float = 0.0
+    vision_ms: float = 0.0
+    vision_encoder_ran: bool = False
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    tpot_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Completion:
+    """The result of one request.
+
+    Attributes:
+        text: generated text (special tokens and any stop string removed).
+        token_ids: generated token ids (an end-of-sequence token that ended generation included).
+        prompt_token_ids: the prompt's token ids as the model saw them.
+        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens`` reached).
+        telemetry: timings and counts.
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    telemetry: Telemetry = field(default_factory=Telemetry)

@@ -1,0 +1,103 @@
+"""Sampling parameters and the token sampler.
+
+Order of logit processing follows common practice (the transformers ``generate`` processors):
+repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858: positive logits divided by the
+penalty, negative ones multiplied), then temperature, top-k, top-p (nucleus, Holtzman et al. 2019,
+arXiv:1904.09751), then a draw from the per-request seeded generator. ``temperature == 0`` is greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Attributes:
+        max_tokens: most tokens to generate (generated tokens only, not the prompt).
+        temperature: 0 for greedy decoding; otherwise logits are divided by it.
+        top_p: keep the smallest set of tokens whose probability mass reaches ``top_p`` (1 = off).
+        top_k: keep the ``top_k`` most likely tokens (0 = off).
+        seed: seed of this request's own random generator; None draws a fresh one.
+        repetition_penalty: > 1 discourages tokens already in the prompt or output (1 = off).
+        stop: strings that end generation; the stop string itself is not part of the text.
+        ignore_eos: keep generating past end-of-sequence tokens (benchmarks, tests).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] | list[str] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Picks the next token of one request from float32 logits ``[vocab]``."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.params = params
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device=device)
+            if params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor, seen_tokens: torch.Tensor | None = None) -> int:
+        """Choose a token id.
+
+        Args:
+            logits: float32 ``[vocab]``.
+            seen_tokens: int64 ids of prompt + generated tokens, for the repetition penalty.
+        """
+        p = self.params
+        logits = logits.float()
+        if p.repetition_penalty != 1.0 and seen_tokens is not None and seen_tokens.numel():
+            logits = logits.clone()
+            seen = seen_tokens.to(logits.device).unique()
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if p.greedy:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if p.top_k > 0 and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            probs = sorted_logits.softmax(-1)
+            # drop a token when the mass before it already reaches top_p (the top token always stays)
+            drop = (probs.cumsum(-1) - probs) >= p.top_p
+            logits = logits.clone()
+            logits[order[drop]] = float("-inf")
+        probs = logits.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

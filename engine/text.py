@@ -1,0 +1,133 @@
+"""Qwen3-VL language decoder: embeddings, pre-norm decoder layers with Q/K RMSNorm, M-RoPE and
+grouped-query attention, SwiGLU MLP, DeepStack injection, final norm and LM head.
+
+Architecture from the Qwen3 technical report (arXiv:2505.09388) and the Qwen3-VL model card;
+parameter names follow the Hugging Face checkpoint (``model.language_model.*``, ``lm_head``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionContext
+from .config import TextConfig
+from .layers import RMSNorm, activation
+from .rope import MRoPE, apply_rope
+
+
+@dataclass
+class VisualInjection:
+    """Visual features to place into a step's flat token batch.
+
+    ``rows`` int64 ``[V]`` are the indices (into the step's ``T`` tokens) of visual placeholder
+    tokens; ``embeds`` ``[V, hidden]`` replace their token embeddings; ``deepstack[j]`` ``[V, hidden]``
+    is added to their hidden states after decoder layer ``j``.
+    """
+
+    rows: torch.Tensor
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer: int, ctx: AttentionContext):
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(ctx.attend(layer, q, k, v).reshape(t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020, arXiv:2002.05202)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layer, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextDecoder(nn.Module):
+    """Token embeddings, decoder layers and the final norm (no LM head)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = MRoPE(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        visual: VisualInjection | None = None,
+    ) -> torch.Tensor:
+        """Run the step's ``T`` new tokens.
+
+        Args:
+            input_ids: int64 ``[T]``.
+            positions: int64 ``[3, T]`` logical M-RoPE positions.
+            ctx: where K/V are stored and which earlier tokens each query sees.
+            visual: features for the visual placeholder tokens among the ``T``.
+
+        Returns:
+            ``[T, hidden]`` final-normed hidden states, model dtype.
+        """
+        x = self.embed_tokens(input_ids)
+        if visual is not None and visual.rows.numel():
+            x = x.index_copy(0, visual.rows, visual.embeds.to(x.dtype))
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, ctx)
+            if visual is not None and visual.rows.numel() and i < len(visual.deepstack):
+                x = x.index_add(0, visual.rows, visual.deepstack[i].to(x.dtype))
+        return self.norm(x)
+
+
+class LMHead(nn.Module):
+    """Output projection to vocabulary logits; shares the embedding matrix when tied."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        return F.linear(hidden, self.weight).float()

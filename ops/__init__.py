@@ -1,0 +1,1 @@
+"""Prism ops package."""
