@@ -336,8 +336,7 @@ def _check_spec(spec: dict[str, Any]) -> None:
     section = rope.get("mrope_section")
     if section is None or len(section) != 3 or sum(section) != text["head_dim"] // 2:
         problems.append(
-            f"text_config mrope_section {section} must have 3 parts summing to "
-            f"head_dim/2 = {text['head_dim'] // 2}"
+            f"text_config mrope_section {section} must have 3 parts summing to head_dim/2 = {text['head_dim'] // 2}"
         )
     if text["vocab_size"] < NUM_BPE_TOKENS + len(ADDED_TOKENS):
         problems.append(f"text_config.vocab_size must be at least {NUM_BPE_TOKENS + len(ADDED_TOKENS)}")
