@@ -92,3 +92,21 @@ class DenseStep:
         self.cache.k[layer][self.start : end] = k
         self.cache.v[layer][self.start : end] = v
         return causal_gqa_attention(q, self.cache.k[layer][:end], self.cache.v[layer][:end], self.start)
+
+
+class PagedStep:
+    """:class:`AttentionContext` over the paged pool for one step of a flat batch.
+
+    Stores the step's K/V through ``meta.slot_mapping`` (quantising to Scaled-FP8 when the pool
+    does) and attends each sequence's queries to its pages (see :func:`ops.reference.paged_attention`).
+    """
+
+    def __init__(self, pool, meta):
+        self.pool, self.meta = pool, meta
+
+    def attend(self, layer, q, k, v):
+        from ops import paged_attention, store_kv
+
+        cache = self.pool.layers[layer]
+        store_kv(k, v, cache, self.meta.slot_mapping)
+        return paged_attention(q, cache, self.meta)

@@ -15,7 +15,22 @@ def _is_emoji_part(ch: str) -> bool:
         or 0x2600 <= cp <= 0x27BF  # misc symbols, dingbats
         or cp in (0x200D, 0xFE0F, 0x20E3)  # ZWJ, variation selector 16, keycap
         or 0xE0020 <= cp <= 0xE007F  # tag characters (subdivision flags)
+        # text-default pictographs that become emoji with VS16 (arrows, technical, shapes, ...)
+        or 0x2190 <= cp <= 0x21FF
+        or 0x2300 <= cp <= 0x23FF
+        or 0x25A0 <= cp <= 0x25FF
+        or 0x2900 <= cp <= 0x297F
+        or 0x2B00 <= cp <= 0x2BFF
+        or cp in _PICTOGRAPHS
     )
+
+
+#: Other code points that can start an emoji sequence: (c), (r), !!, !?, TM, (i), circled M, wavy
+#: dash, part alternation mark, circled ideographs "congratulation" and "secret".
+_PICTOGRAPHS = frozenset((0xA9, 0xAE, 0x203C, 0x2049, 0x2122, 0x2139, 0x24C2, 0x3030, 0x303D, 0x3297, 0x3299))
+
+#: Keycap bases: "1" may still become the keycap "1\ufe0f\u20e3" when the next token arrives.
+_KEYCAP_BASES = frozenset("0123456789#*")
 
 
 class TextStream:
@@ -84,6 +99,8 @@ class TextStream:
                     break
         emoji = 0
         while emoji < len(text) and _is_emoji_part(text[len(text) - 1 - emoji]):
+            emoji += 1
+        if emoji < len(text) and text[len(text) - 1 - emoji] in _KEYCAP_BASES:
             emoji += 1
         return max(hold, emoji)
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -16,18 +17,21 @@ from pathlib import Path
 
 import torch
 
-from .attention import DenseKVCache
 from .detokenize import TextStream
-from .errors import InvalidRequestError, PrismError
+from .errors import EngineOverloadedError, InvalidRequestError, PrismError, RequestTooLargeError
 from .hub import resolve_checkpoint
 from .images import ImageOptions
 from .inputs import Prompt, PromptBuilder
+from .kv_cache import KV_DTYPES, PagePool
 from .model import Qwen3VL, load_model
-from .outputs import Completion, Telemetry
-from .rope import decode_positions
+from .outputs import Completion
+from .request import Request, Status
+from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
-from .text import VisualInjection
+from .scheduler import Scheduler, SchedulerConfig
 from .vision import VisionFeatures
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,8 +47,15 @@ class EngineOptions:
         max_image_bytes: refuse image files larger than this many bytes.
         image_background: RGB colour transparent images are composited onto.
         max_model_len: longest prompt + output in tokens (default: the checkpoint's
-            ``max_position_embeddings``).
+            ``max_position_embeddings``, capped by the KV pool).
         progress: show progress bars while loading.
+        kv_cache_dtype: ``"fp8_e4m3"`` (Scaled-FP8 pages) or ``"auto"`` (the model dtype).
+        kv_cache_bytes: KV pool size in bytes, scales included. Default: on CUDA
+            ``gpu_memory_utilization`` of the memory free after loading the model; on CPU 512 MiB.
+        page_size: tokens per KV page.
+        max_num_seqs, max_num_batched_tokens, max_waiting: scheduler limits
+            (see :class:`~engine.scheduler.SchedulerConfig`).
+        debug_checks: check the pool's page accounting after every step (slow; for tests).
     """
 
     min_pixels: int | None = None
@@ -54,6 +65,14 @@ class EngineOptions:
     image_background: tuple[int, int, int] = ImageOptions.background
     max_model_len: int | None = None
     progress: bool = True
+    kv_cache_dtype: str = "fp8_e4m3"
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+    page_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    max_waiting: int = 256
+    debug_checks: bool = False
 
     def image_options(self) -> ImageOptions:
         return ImageOptions(
@@ -92,13 +111,16 @@ def _eos_ids(folder: Path, tokenizer) -> set[int]:
 
 
 class Engine:
-    """A loaded Qwen3-VL model with its processor, answering chat requests.
+    """A loaded Qwen3-VL model serving chat requests with continuous batching.
 
     Build it with :meth:`from_pretrained`. :meth:`generate` and :meth:`stream` may be called from
-    several threads; requests run one at a time.
+    many threads at once: every request joins one background loop that batches them over a
+    paged KV pool. :meth:`close` (or leaving a ``with`` block) stops the loop.
     """
 
     def __init__(self, model: Qwen3VL, processor, *, model_id: str, folder: Path, options: EngineOptions):
+        if options.kv_cache_dtype not in KV_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {options.kv_cache_dtype!r}")
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -107,7 +129,6 @@ class Engine:
         cfg = model.config
         self.config = cfg
         self.eos_token_ids = _eos_ids(folder, self.tokenizer)
-        self.max_model_len = options.max_model_len or cfg.text.max_position_embeddings
         self.prompts = PromptBuilder(
             processor,
             image_token_id=cfg.image_token_id,
@@ -117,13 +138,45 @@ class Engine:
             min_pixels=options.min_pixels,
             max_pixels=options.max_pixels,
         )
-        self._lock = threading.Lock()
+        self.pool = self._make_pool()
+        self.max_model_len = min(options.max_model_len or cfg.text.max_position_embeddings,
+                                 self.pool.capacity_tokens)
+        self.scheduler = Scheduler(
+            self.pool, SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, options.max_waiting)
+        )
+        self.runner = ModelRunner(model, self.pool, self.vision_features)
+        self._cv = threading.Condition()
+        self._inbox: list[Request] = []
+        self._cancels: list[Request] = []
+        self._stopping = False
         self._closed = False
+        self.steps = 0
+        self.tokens_generated = 0
+        self._thread = threading.Thread(target=self._loop, name="prism-engine", daemon=True)
+        self._thread.start()
+
+    def _make_pool(self) -> PagePool:
+        t, o = self.config.text, self.options
+        shape = dict(num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim)
+        per_page = PagePool.bytes_per_page(
+            **shape, page_size=o.page_size, kv_cache_dtype=o.kv_cache_dtype, model_dtype=self.model.dtype
+        )
+        budget = o.kv_cache_bytes
+        if budget is None:
+            if self.model.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.model.device)
+                budget = int(free * o.gpu_memory_utilization)
+            else:
+                budget = 512 << 20
+        return PagePool(
+            **shape, num_pages=budget // per_page, page_size=o.page_size, kv_cache_dtype=o.kv_cache_dtype,
+            model_dtype=self.model.dtype, device=self.model.device,
+        )
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, model: str | Path, *, device=None, dtype=None, **options) -> Engine:
-        """Load a checkpoint folder or Hugging Face model id.
+        """Load a checkpoint folder or Hugging Face model id and start the engine loop.
 
         Args:
             model: local folder or model id (see :func:`engine.hub.resolve_checkpoint`).
@@ -164,8 +217,11 @@ class Engine:
         """Answer ``messages`` and return the whole :class:`Completion`.
 
         Raises:
-            InvalidRequestError: malformed messages, or prompt + ``max_tokens`` beyond the model length.
+            InvalidRequestError: malformed messages or sampling parameters.
+            RequestTooLargeError: prompt + ``max_tokens`` beyond the model length or the KV pool.
             InvalidImageError: an image cannot be used.
+            EngineOverloadedError: the waiting queue is full.
+            PrismError: the engine is closed, or the request failed inside the engine.
         """
         for item in self.stream(messages, sampling):
             if isinstance(item, Completion):
@@ -176,26 +232,90 @@ class Engine:
         """Yield text deltas as they are generated, then the :class:`Completion`.
 
         Deltas never split a UTF-8 character or an emoji sequence and never contain any part of a
-        stop string; joined they equal ``Completion.text``. Errors are those of :meth:`generate`.
+        stop string; joined they equal ``Completion.text``. Closing the iterator early (or
+        dropping it) cancels the request and frees its KV pages. Errors are those of
+        :meth:`generate`; input errors are raised before the first delta.
+        """
+        req = self.submit(messages, sampling)
+        return self._drain(req)
+
+    def submit(self, messages, sampling: SamplingParams | None = None) -> Request:
+        """Validate and queue a request; its outputs arrive on ``request.outbox``.
+
+        Raises: as :meth:`generate`, except failures inside the engine loop.
         """
         if self._closed:
             raise PrismError("engine is closed")
         sampling = sampling or SamplingParams()
         submitted = time.perf_counter()
-        with self._lock:
-            yield from self._run(messages, sampling, submitted)
+        prompt = self.prompts.build(messages)
+        self._check_fits(prompt, sampling)
+        req = Request(
+            prompt=prompt,
+            sampling=sampling,
+            sampler=Sampler(sampling, self.device),
+            stream=TextStream(self.tokenizer, sampling.stop),
+            submitted=submitted,
+        )
+        req.telemetry.prompt_tokens = len(prompt.input_ids)
+        req.telemetry.visual_tokens = prompt.num_visual_tokens
+        with self._cv:
+            if self._stopping:
+                raise PrismError("engine is closed")
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.options.max_waiting:
+                raise EngineOverloadedError(
+                    f"Prism is busy: {self.options.max_waiting} requests are already waiting. Try again shortly."
+                )
+            self._inbox.append(req)
+            self._cv.notify()
+        return req
+
+    def cancel(self, req: Request, wait: bool = True) -> None:
+        """Stop ``req``; its KV pages are freed before the engine's next step.
+
+        With ``wait`` the call returns once the pages are free.
+        """
+        with self._cv:
+            if req.status is Status.FINISHED or req.cancelled:
+                return
+            req.cancelled = True
+            self._cancels.append(req)
+            self._cv.notify()
+            if wait:
+                self._cv.wait_for(lambda: req.status is Status.FINISHED or not self._thread.is_alive(), timeout=60)
+
+    def stats(self) -> dict:
+        """Engine counters: KV pool pages (total, used, free, page size, capacity in tokens),
+        running and waiting requests, steps run and tokens generated."""
+        with self._cv:
+            return {
+                "pages_total": self.pool.num_pages,
+                "pages_used": self.pool.num_used,
+                "pages_free": self.pool.num_free,
+                "page_size": self.pool.page_size,
+                "capacity_tokens": self.pool.capacity_tokens,
+                "kv_cache_dtype": self.pool.kv_cache_dtype,
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting) + len(self._inbox),
+                "steps": self.steps,
+                "tokens_generated": self.tokens_generated,
+            }
 
     def count_prompt_tokens(self, messages) -> int:
         """Prompt length in tokens of ``messages`` (images processed, nothing run)."""
         return len(self.prompts.build(messages).input_ids)
 
     def close(self) -> None:
-        """Release the model's memory; later calls raise :class:`PrismError`."""
-        with self._lock:
-            self._closed = True
-            self.model = None
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        """Stop the loop (running requests fail with PrismError) and release memory."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = self._stopping = True
+            self._cv.notify_all()
+        self._thread.join()
+        self.pool = self.runner = self.model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:
         return self
@@ -203,77 +323,125 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ one request
-    def _run(self, messages, sampling: SamplingParams, submitted: float):
-        tel = Telemetry()
-        started = time.perf_counter()
-        tel.queue_ms = (started - submitted) * 1e3
-        prompt = self.prompts.build(messages)
-        n = len(prompt.input_ids)
-        if n + sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model length "
-                f"({self.max_model_len} tokens)"
+    # ------------------------------------------------------------------ request plumbing
+    def _check_fits(self, prompt: Prompt, sampling: SamplingParams) -> None:
+        total = len(prompt.input_ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLargeError(
+                f"prompt ({len(prompt.input_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens "
+                f"exceeds the engine's limit of {self.max_model_len} tokens (model context and KV pool)"
             )
-        tel.prompt_tokens = tel.computed_tokens = n
-        tel.visual_tokens = prompt.num_visual_tokens
-        visual = None
-        if prompt.spans:
-            t = time.perf_counter()
-            features = self.vision_features(prompt)
-            self._sync()
-            tel.vision_ms = (time.perf_counter() - t) * 1e3
-            tel.vision_encoder_ran = True
-            visual = VisualInjection(prompt.visual_rows().to(self.device), features.embeds, features.deepstack)
-        text_cfg = self.config.text
-        cache = DenseKVCache(
-            text_cfg.num_hidden_layers, n + sampling.max_tokens, text_cfg.num_key_value_heads,
-            text_cfg.head_dim, self.dtype, self.device,
-        )
-        sampler = Sampler(sampling, self.device)
-        stream = TextStream(self.tokenizer, sampling.stop)
-        seen = torch.tensor(prompt.input_ids, device=self.device)
-        t = time.perf_counter()
-        ids = torch.tensor(prompt.input_ids, device=self.device)
-        last = torch.tensor([n - 1], device=self.device)
-        logits = self.model(ids, prompt.positions.to(self.device), cache.step(n), visual, last)[0]
-        generated: list[int] = []
-        finish = "length"
-        first_token_at = None
+
+    def _drain(self, req: Request):
+        try:
+            while True:
+                item = req.outbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, Completion):
+                    return
+        finally:
+            if req.status is not Status.FINISHED:
+                self.cancel(req)
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
         while True:
-            token = sampler(logits, seen if sampling.repetition_penalty != 1.0 else None)
-            generated.append(token)
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-                tel.prefill_ms = (first_token_at - t) * 1e3
-                tel.ttft_ms = (first_token_at - submitted) * 1e3
-            if token in self.eos_token_ids and not sampling.ignore_eos:
-                finish = "stop"
-                break
-            delta = stream.push(token)
-            if delta:
-                yield delta
-            if stream.stopped:
-                finish = "stop"
-                break
-            if len(generated) >= sampling.max_tokens:
-                break
-            if sampling.repetition_penalty != 1.0:
-                seen = torch.cat([seen, torch.tensor([token], device=self.device)])
-            index = torch.tensor([n + len(generated) - 1], device=self.device)
-            pos = decode_positions(index, prompt.rope_delta)
-            logits = self.model(torch.tensor([token], device=self.device), pos, cache.step(1))[0]
-        tail = stream.finish()
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopping or self._inbox or self._cancels or self.scheduler.has_work())
+                if self._stopping:
+                    break
+                for req in self._inbox:
+                    self.scheduler.add(req)
+                self._inbox.clear()
+                for req in self._cancels:
+                    self._finish(req, None)
+                self._cancels.clear()
+                self._cv.notify_all()
+            if self.scheduler.has_work():
+                self._step()
+        with self._cv:
+            for req in [*self.scheduler.running, *self.scheduler.waiting, *self._inbox]:
+                self._finish(req, PrismError("the engine was closed before the request finished"))
+            self._inbox.clear()
+            self._cv.notify_all()
+
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            time.sleep(0.001)  # nothing fits right now: pages are held by requests about to finish
+            return
+        now = time.perf_counter()
+        for req, _ in batch.items:
+            if req.first_scheduled is None:
+                req.first_scheduled = now
+                req.telemetry.queue_ms = (now - req.submitted) * 1e3
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception as exc:  # one bad step fails its requests only; the loop goes on
+            log.exception("engine step failed")
+            with self._cv:
+                for req, _ in batch.items:
+                    self._finish(req, PrismError(f"internal error while running the request: {exc}"))
+                self._cv.notify_all()
+            return
+        for req, n in batch.items:
+            req.telemetry.computed_tokens += n
+        with self._cv:
+            self.steps += 1
+            for req, token in sampled:
+                self._accept(req, token)
+            if self.options.debug_checks:
+                self.pool.check(r.block_table for r in self.scheduler.running)
+            self._cv.notify_all()
+
+    def _accept(self, req: Request, token: int) -> None:
+        now = time.perf_counter()
+        req.tokens.append(token)
+        self.tokens_generated += 1
+        if req.first_token_at is None:
+            req.first_token_at = now
+            req.telemetry.ttft_ms = (now - req.submitted) * 1e3
+        if token in self.eos_token_ids and not req.sampling.ignore_eos:
+            return self._finish(req, None, "stop")
+        delta = req.stream.push(token)
+        if delta:
+            req.outbox.put(delta)
+        if req.stream.stopped:
+            return self._finish(req, None, "stop")
+        if len(req.generated) >= req.sampling.max_tokens:
+            return self._finish(req, None, "length")
+
+    def _finish(self, req: Request, error: BaseException | None, reason: str | None = None) -> None:
+        """Free the request's pages and deliver its completion (or error). Holds ``self._cv``."""
+        if req.status is Status.FINISHED:
+            return
+        if req in self._inbox:
+            self._inbox.remove(req)
+            req.status = Status.FINISHED
+        else:
+            self.scheduler.finish(req)
+        if error is not None:
+            req.outbox.put(error)
+            return
+        if req.cancelled and reason is None:
+            reason = "cancelled"  # a partial answer, for a reader other than the canceller
+        tail = req.stream.finish()
         if tail:
-            yield tail
+            req.outbox.put(tail)
+        tel = req.telemetry
         done = time.perf_counter()
-        tel.generated_tokens = len(generated)
-        tel.e2e_ms = (done - submitted) * 1e3
-        if len(generated) > 1:
-            decode_s = done - first_token_at
-            tel.decode_tokens_per_s = (len(generated) - 1) / decode_s if decode_s > 0 else 0.0
-            tel.tpot_ms = decode_s * 1e3 / (len(generated) - 1)
-        yield Completion(stream.text, generated, prompt.input_ids, finish, tel)
+        tel.generated_tokens = len(req.generated)
+        tel.e2e_ms = (done - req.submitted) * 1e3
+        tel.kv_pages = req.max_pages_held
+        if tel.generated_tokens > 1 and req.first_token_at is not None:
+            decode_s = done - req.first_token_at
+            tel.decode_tokens_per_s = (tel.generated_tokens - 1) / decode_s if decode_s > 0 else 0.0
+            tel.tpot_ms = decode_s * 1e3 / (tel.generated_tokens - 1)
+        if req.first_scheduled is not None and req.first_token_at is not None:
+            tel.prefill_ms = (req.first_token_at - req.first_scheduled) * 1e3 - tel.vision_ms
+        req.outbox.put(Completion(req.stream.text, req.generated, list(req.prompt.input_ids), reason, tel))
 
     def vision_features(self, prompt: Prompt) -> VisionFeatures:
         """Run the vision encoder on a prompt's images and videos.
@@ -297,6 +465,3 @@ class Engine:
             offsets[span.kind] += span.length
         return VisionFeatures.concat(pieces)
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)

@@ -25,3 +25,15 @@ class CheckpointError(PrismError, ValueError):
 
 class InvalidRequestError(PrismError, ValueError):
     """A request is malformed (bad message format, bad sampling parameters)."""
+
+
+class EngineOverloadedError(PrismError):
+    """The engine's waiting queue is full; retry later."""
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """Prompt + ``max_tokens`` cannot fit the model's context length or the whole KV pool."""
+
+
+class RequestCancelledError(PrismError):
+    """The request was cancelled before it finished."""

@@ -22,6 +22,8 @@ class Telemetry:
         e2e_ms: from submission to the last token.
         decode_tokens_per_s: generated tokens after the first, per second of decoding.
         tpot_ms: mean time per output token after the first.
+        kv_pages: most KV pages the request held at once.
+        preempted: how often the request was preempted (its KV freed and recomputed).
     """
 
     prompt_tokens: int = 0
@@ -36,6 +38,8 @@ class Telemetry:
     e2e_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
     tpot_ms: float = 0.0
+    kv_pages: int = 0
+    preempted: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,7 +53,8 @@ class Completion:
         text: generated text (special tokens and any stop string removed).
         token_ids: generated token ids (an end-of-sequence token that ended generation included).
         prompt_token_ids: the prompt's token ids as the model saw them.
-        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (``max_tokens`` reached).
+        finish_reason: ``"stop"`` (EOS or a stop string), ``"length"`` (``max_tokens`` reached) or
+            ``"cancelled"`` (stopped by :meth:`Engine.cancel`; the text so far).
         telemetry: timings and counts.
     """
 

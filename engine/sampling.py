@@ -8,11 +8,21 @@ arXiv:1904.09751), then a draw from the per-request seeded generator. ``temperat
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import InvalidRequestError
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -40,18 +50,22 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r:.80}")
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
     @property

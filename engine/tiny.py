@@ -27,6 +27,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -338,6 +339,17 @@ def _check_spec(spec: dict[str, Any]) -> None:
         problems.append(
             f"text_config mrope_section {section} must have 3 parts summing to head_dim/2 = {text['head_dim'] // 2}"
         )
+    elif rope.get("mrope_interleaved", False):
+        # Interleaved M-RoPE gives frequency i to H when i % 3 == 1 and i < 3 * h, to W when
+        # i % 3 == 2 and i < 3 * w, and to T otherwise; the section must be what that yields.
+        n = text["head_dim"] // 2
+        h = len(range(1, min(3 * section[1], n), 3))
+        w = len(range(2, min(3 * section[2], n), 3))
+        if [n - h - w, h, w] != list(section):
+            problems.append(
+                f"interleaved mrope_section {section} cannot be laid out over {n} frequencies "
+                f"(it would act as {[n - h - w, h, w]})"
+            )
     if text["vocab_size"] < NUM_BPE_TOKENS + len(ADDED_TOKENS):
         problems.append(f"text_config.vocab_size must be at least {NUM_BPE_TOKENS + len(ADDED_TOKENS)}")
     if vision["hidden_size"] % vision["num_heads"]:
@@ -693,14 +705,12 @@ def cached_tokenizer_files() -> pathlib.Path:
         try:
             os.replace(staging, target)
         except OSError:
-            # Another process won the race (or a partial folder is in the way): keep theirs if whole.
+            # Another process won the race (keep theirs), or a damaged folder is in the way.
             if not all((target / name).is_file() for name in _TOKENIZER_FILES):
-                raise
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(staging, target)
     finally:
-        if staging.exists():
-            for child in staging.iterdir():
-                child.unlink()
-            staging.rmdir()
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -77,7 +77,7 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rope_float32(q, cos, sin), _rope_float32(k, cos, sin)
         outs = []
-        for qs, ks, vs in zip(q.split(seg_lens), k.split(seg_lens), v.split(seg_lens)):
+        for qs, ks, vs in zip(q.split(seg_lens), k.split(seg_lens), v.split(seg_lens), strict=True):
             o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
             outs.append(o.transpose(0, 1))
         return self.proj(torch.cat(outs).reshape(n, -1))

@@ -514,6 +514,7 @@ def test_overrides_build_a_loadable_deeper_model(tmp_path):
         ("test", {"vision_config": {"deepstack_visual_indexes": [1, 9]}}, "deepstack_visual_indexes"),
         ("test", {"text_config": {"num_key_value_heads": 3}}, "num_key_value_heads"),
         ("test", {"text_config": {"rope_scaling": {"mrope_section": [2, 3, 3, 0]}}}, "mrope_section"),
+        ("test", {"text_config": {"rope_scaling": {"mrope_section": [2, 3, 3]}}}, "would act as \\[3, 3, 2\\]"),
         ("test", {"text_config": {"hidden_size": 96}}, "out_hidden_size"),
         ("test", {"dtype": "int8"}, "dtype"),
         ("test", {"text_config": {"head_dim": None}}, "head_dim"),

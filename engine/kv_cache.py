@@ -1,0 +1,151 @@
+"""The paged KV pool: fixed-size pages for all layers, reference-counted for sharing.
+
+One pool holds, for every decoder layer, ``k`` and ``v`` pages ``[num_pages, page_size, Hkv, D]``,
+stored as float8_e4m3fn with a float32 scale per token and KV head (``kv_cache_dtype="fp8_e4m3"``)
+or in the model dtype (``"auto"``). A page index means the same page in every layer, so a
+sequence's block table (its list of page indices) serves all layers.
+
+Pages carry reference counts so that several sequences (and, later, cached prefixes) can share
+them; a page with more than one reference is never written. Writers that need to append to a
+shared, partly filled last page first take a private copy (copy-on-write, :meth:`PagePool.fork_last`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+
+from ops import KVLayerCache
+from ops import copy_pages, kv_bytes_per_token
+
+from .errors import PrismError
+
+KV_DTYPES = ("fp8_e4m3", "auto")
+
+
+class OutOfPagesError(PrismError):
+    """The pool has fewer free pages than asked for."""
+
+
+class PagePool:
+    """A pool of KV pages shared by all sequences.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: decoder shape.
+        num_pages: pages in the pool (each holds ``page_size`` tokens in every layer).
+        page_size: tokens per page.
+        kv_cache_dtype: ``"fp8_e4m3"`` or ``"auto"`` (the model dtype).
+        model_dtype, device: of the model.
+
+    Raises:
+        ValueError: unknown ``kv_cache_dtype`` or fewer than one page.
+    """
+
+    def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
+                 kv_cache_dtype="fp8_e4m3", model_dtype=torch.float32, device="cpu"):
+        if kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {kv_cache_dtype!r}")
+        if num_pages < 1:
+            raise ValueError("the KV pool needs at least one page; raise kv_cache_bytes")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.kv_cache_dtype = kv_cache_dtype
+        fp8 = kv_cache_dtype == "fp8_e4m3"
+        store = torch.float8_e4m3fn if fp8 else model_dtype
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self._k = torch.empty(shape, dtype=store, device=device)  # untouched pages cost no RAM
+        self._v = torch.empty(shape, dtype=store, device=device)
+        scale_shape = shape[:-1]
+        self._ks = torch.empty(scale_shape, dtype=torch.float32, device=device) if fp8 else None
+        self._vs = torch.empty(scale_shape, dtype=torch.float32, device=device) if fp8 else None
+        self.layers = [
+            KVLayerCache(self._k[i], self._v[i], self._ks[i] if fp8 else None, self._vs[i] if fp8 else None)
+            for i in range(num_layers)
+        ]
+        self.refcount = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low indices first
+
+    # ------------------------------------------------------------------ sizing
+    @staticmethod
+    def bytes_per_page(*, num_layers, num_kv_heads, head_dim, page_size, kv_cache_dtype, model_dtype) -> int:
+        """Bytes one page takes across all layers, scales included."""
+        per_token = kv_bytes_per_token(num_kv_heads, head_dim, kv_cache_dtype, model_dtype)
+        return per_token * page_size * num_layers
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free pages, each with one reference.
+
+        Raises:
+            OutOfPagesError: fewer than ``n`` pages are free (nothing is taken).
+        """
+        if n > len(self._free):
+            raise OutOfPagesError(f"asked for {n} KV pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def incref(self, pages: Iterable[int]) -> None:
+        """Add one reference to each page (sharing it)."""
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"incref of free page {p}")
+            self.refcount[p] += 1
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Drop one reference from each page; pages reaching zero return to the free list."""
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"release of free page {p}")
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+
+    def is_shared(self, page: int) -> bool:
+        return self.refcount[page] > 1
+
+    def fork_last(self, block_table: list[int]) -> None:
+        """Copy-on-write: give ``block_table`` a private copy of its last page if it is shared.
+
+        Raises:
+            OutOfPagesError: no free page for the copy.
+        """
+        if not block_table or not self.is_shared(block_table[-1]):
+            return
+        (fresh,) = self.allocate(1)
+        src = torch.tensor([block_table[-1]], device=self._k.device)
+        dst = torch.tensor([fresh], device=self._k.device)
+        for layer in self.layers:
+            copy_pages(layer, src, dst)
+        self.release([block_table[-1]])
+        block_table[-1] = fresh
+
+    def check(self, holders: Iterable[Iterable[int]]) -> None:
+        """Debug check: every page's reference count equals the number of holders listing it,
+        and the free list holds exactly the unreferenced pages.
+
+        Raises:
+            AssertionError: describing the first inconsistency.
+        """
+        counts = Counter(p for pages in holders for p in pages)
+        for p in range(self.num_pages):
+            assert self.refcount[p] == counts.get(p, 0), (
+                f"page {p}: refcount {self.refcount[p]} but {counts.get(p, 0)} holders"
+            )
+        free = sorted(self._free)
+        assert free == sorted(set(free)), "a page is on the free list twice"
+        assert free == [p for p in range(self.num_pages) if self.refcount[p] == 0], "free list out of sync"

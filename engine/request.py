@@ -1,0 +1,100 @@
+"""One request's state as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .detokenize import TextStream
+from .inputs import Prompt
+from .outputs import Telemetry
+from .sampling import Sampler, SamplingParams
+from .vision import VisionFeatures
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A request in the engine.
+
+    ``tokens`` is the prompt followed by the generated tokens. ``num_computed`` counts the tokens
+    whose K/V is stored in the pages of ``block_table``; the rest are prefilled in later steps.
+    Deltas, the final completion or an exception go to ``outbox`` for the caller's thread.
+    """
+
+    prompt: Prompt
+    sampling: SamplingParams
+    sampler: Sampler
+    stream: TextStream
+    submitted: float = field(default_factory=time.perf_counter)
+    id: int = field(default_factory=lambda: next(_ids))
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    vision: VisionFeatures | None = None
+    cancelled: bool = False
+    finish_reason: str | None = None
+    first_scheduled: float | None = None
+    first_token_at: float | None = None
+    max_pages_held: int = 0
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt.input_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt.input_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V is not stored yet (the next step must compute them)."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_pending > 1
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """Logical M-RoPE positions ``[3, end - start]`` of tokens ``start .. end - 1``."""
+        n = self.num_prompt
+        parts = []
+        if start < n:
+            parts.append(self.prompt.positions[:, start : min(end, n)])
+        if end > n:
+            idx = torch.arange(max(start, n), end) + self.prompt.rope_delta
+            parts.append(idx.unsqueeze(0).expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def visual_rows_in(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Visual tokens among ``start .. end - 1``: their offsets within the range and their
+        indices into the prompt's visual features (both int64)."""
+        offsets, feature_rows, base = [], [], 0
+        for span in self.prompt.spans:
+            lo, hi = max(span.start, start), min(span.end, end)
+            if lo < hi:
+                offsets.append(torch.arange(lo - start, hi - start))
+                feature_rows.append(torch.arange(base + lo - span.start, base + hi - span.start))
+            base += span.length
+        if not offsets:
+            empty = torch.empty(0, dtype=torch.long)
+            return empty, empty
+        return torch.cat(offsets), torch.cat(feature_rows)

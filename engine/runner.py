@@ -1,0 +1,93 @@
+"""Executes one scheduled step on the model: builds the flat batch, runs the decoder over the
+paged KV pool, and samples the next token of every request that reached the end of its tokens."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ops import AttentionMetadata
+
+from .attention import PagedStep
+from .kv_cache import PagePool
+from .model import Qwen3VL
+from .request import Request
+from .scheduler import Batch
+from .text import VisualInjection
+from .vision import VisionFeatures
+
+
+class ModelRunner:
+    """Runs batches on ``model`` with K/V in ``pool``.
+
+    ``encode_vision(prompt) -> VisionFeatures`` computes a prompt's visual features; it runs the
+    first time a request with images is scheduled, and its result stays with the request (also
+    across preemption), so recomputation never reruns the encoder.
+    """
+
+    def __init__(self, model: Qwen3VL, pool: PagePool, encode_vision):
+        self.model = model
+        self.pool = pool
+        self.encode_vision = encode_vision
+        self.device = model.device
+
+    def execute(self, batch: Batch) -> list[tuple[Request, int]]:
+        """Run one step. Returns ``(request, sampled token)`` for requests that produced a token.
+
+        K/V of the step's tokens are stored; ``num_computed`` advances.
+        """
+        page = self.pool.page_size
+        ids, positions, slots = [], [], []
+        query_lens, seq_lens, tables, logit_rows, samplers = [], [], [], [], []
+        vis_rows, vis_parts = [], []
+        offset = 0
+        for req, n in batch.items:
+            start, end = req.num_computed, req.num_computed + n
+            ids.extend(req.tokens[start:end])
+            positions.append(req.positions(start, end))
+            slots.extend(req.block_table[i // page] * page + i % page for i in range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(req.block_table)
+            if req.prompt.spans and start < req.prompt.spans[-1].end:
+                features = self._vision(req)
+                rows, feature_rows = req.visual_rows_in(start, end)
+                if rows.numel():
+                    vis_rows.append(rows + offset)
+                    vis_parts.append(features.select(feature_rows.to(self.device)))
+            if end == len(req.tokens):
+                logit_rows.append(offset + n - 1)
+                samplers.append(req)
+            offset += n
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, self.device)
+        visual = None
+        if vis_rows:
+            feats = VisionFeatures.concat(vis_parts)
+            visual = VisualInjection(torch.cat(vis_rows).to(self.device), feats.embeds, feats.deepstack)
+        logits = self.model(
+            torch.tensor(ids, device=self.device),
+            torch.cat(positions, dim=1).to(self.device),
+            PagedStep(self.pool, meta),
+            visual,
+            torch.tensor(logit_rows, device=self.device, dtype=torch.long),
+        )
+        for req, n in batch.items:
+            req.num_computed += n
+        out = []
+        for row, req in zip(logits, samplers, strict=True):
+            seen = None
+            if req.sampling.repetition_penalty != 1.0:
+                seen = torch.tensor(req.tokens, device=self.device)
+            out.append((req, req.sampler(row, seen)))
+        return out
+
+    def _vision(self, req: Request) -> VisionFeatures:
+        if req.vision is None:
+            t = time.perf_counter()
+            req.vision = self.encode_vision(req.prompt)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            req.telemetry.vision_ms += (time.perf_counter() - t) * 1e3
+            req.telemetry.vision_encoder_ran = True
+        return req.vision
