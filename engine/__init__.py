@@ -5,7 +5,15 @@ the :class:`PrismError` family.
 """
 
 from .engine import Engine, EngineOptions
-from .errors import CheckpointError, InvalidImageError, InvalidRequestError, PrismError
+from .errors import (
+    CheckpointError,
+    EngineOverloadedError,
+    InvalidImageError,
+    InvalidRequestError,
+    PrismError,
+    RequestTooLargeError,
+)
+from .inputs import media_first_messages
 from .outputs import Completion, Telemetry
 from .sampling import SamplingParams
 
@@ -14,9 +22,12 @@ __all__ = [
     "Completion",
     "Engine",
     "EngineOptions",
+    "EngineOverloadedError",
+    "RequestTooLargeError",
     "InvalidImageError",
     "InvalidRequestError",
     "PrismError",
     "SamplingParams",
     "Telemetry",
+    "media_first_messages",
 ]

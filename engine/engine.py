@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -17,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from ops import move_slots
+
+from .compaction import CompactionConfig
 from .detokenize import TextStream
 from .errors import EngineOverloadedError, InvalidRequestError, PrismError, RequestTooLargeError
 from .hub import resolve_checkpoint
@@ -25,11 +29,13 @@ from .inputs import Prompt, PromptBuilder
 from .kv_cache import KV_DTYPES, PagePool
 from .model import Qwen3VL, load_model
 from .outputs import Completion
+from .prefix_cache import PrefixCache, prefix_key
 from .request import Request, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .vision import VisionFeatures
+from .vision_cache import VisionCache
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,15 @@ class EngineOptions:
         max_num_seqs, max_num_batched_tokens, max_waiting: scheduler limits
             (see :class:`~engine.scheduler.SchedulerConfig`).
         debug_checks: check the pool's page accounting after every step (slow; for tests).
+        prefix_cache: keep the KV of each prompt's public prefix for later questions.
+        compaction: ``"uniform"`` or None: how a cached prefix drops visual tokens.
+        keep_ratio, min_keep, compact_video: compaction settings (see
+            :class:`~engine.compaction.CompactionConfig`).
+        cache_scope: ``"session"`` (prefixes are shared only under the same ``cache_salt``) or
+            ``"global"`` (salts ignored; for single-user setups).
+        conversation_reuse: also keep a finished turn's KV so the next turn of the same chat
+            prefills only its new question.
+        vision_cache_bytes: bound of the per-session vision-feature cache.
     """
 
     min_pixels: int | None = None
@@ -73,6 +88,14 @@ class EngineOptions:
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256
     debug_checks: bool = False
+    prefix_cache: bool = True
+    compaction: str | None = "uniform"
+    keep_ratio: float = 0.6
+    min_keep: int = 16
+    compact_video: bool = False
+    cache_scope: str = "session"
+    conversation_reuse: bool = True
+    vision_cache_bytes: int = 256 << 20
 
     def image_options(self) -> ImageOptions:
         return ImageOptions(
@@ -138,13 +161,26 @@ class Engine:
             min_pixels=options.min_pixels,
             max_pixels=options.max_pixels,
         )
+        if options.cache_scope not in ("session", "global"):
+            raise InvalidRequestError(f"cache_scope must be 'session' or 'global', got {options.cache_scope!r}")
+        try:
+            self.compaction = CompactionConfig(
+                options.compaction, options.keep_ratio, options.min_keep, options.compact_video
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        self.namespace = self._namespace(folder)
         self.pool = self._make_pool()
         self.max_model_len = min(options.max_model_len or cfg.text.max_position_embeddings,
                                  self.pool.capacity_tokens)
+        self.prefix_cache = PrefixCache(self.pool) if options.prefix_cache else None
+        self.vision_cache = VisionCache(options.vision_cache_bytes)
         self.scheduler = Scheduler(
-            self.pool, SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, options.max_waiting)
+            self.pool,
+            SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, options.max_waiting),
+            self.prefix_cache,
         )
-        self.runner = ModelRunner(model, self.pool, self.vision_features)
+        self.runner = ModelRunner(model, self.pool, self._encode_request)
         self._cv = threading.Condition()
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
@@ -154,6 +190,18 @@ class Engine:
         self.tokens_generated = 0
         self._thread = threading.Thread(target=self._loop, name="prism-engine", daemon=True)
         self._thread.start()
+
+    def _namespace(self, folder: Path) -> str:
+        """Everything besides the images that changes a prompt's tokens or pixels."""
+        ip = self.processor.image_processor
+        config_sha = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+        parts = [
+            f"model={self.model_id}", f"config={config_sha}", f"size={sorted(self.prompts.size.items())}",
+            f"patch={getattr(ip, 'patch_size', None)}", f"merge={getattr(ip, 'merge_size', None)}",
+            f"temporal={getattr(ip, 'temporal_patch_size', None)}", self.prompts.image_options.namespace(),
+            f"dtype={self.model.dtype}", f"kv={self.options.kv_cache_dtype}",
+        ]
+        return "|".join(parts)
 
     def _make_pool(self) -> PagePool:
         t, o = self.config.text, self.options
@@ -213,8 +261,14 @@ class Engine:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def generate(self, messages, sampling: SamplingParams | None = None) -> Completion:
+    def generate(
+        self, messages, sampling: SamplingParams | None = None, *, cache_salt: str | None = None
+    ) -> Completion:
         """Answer ``messages`` and return the whole :class:`Completion`.
+
+        ``cache_salt`` names the chat session: cached prefixes are shared only between requests
+        with the same salt (unless ``cache_scope="global"``). The server chooses it, never a
+        client. None is one shared anonymous session.
 
         Raises:
             InvalidRequestError: malformed messages or sampling parameters.
@@ -223,23 +277,25 @@ class Engine:
             EngineOverloadedError: the waiting queue is full.
             PrismError: the engine is closed, or the request failed inside the engine.
         """
-        for item in self.stream(messages, sampling):
+        for item in self.stream(messages, sampling, cache_salt=cache_salt):
             if isinstance(item, Completion):
                 return item
         raise RuntimeError("stream ended without a completion")  # pragma: no cover
 
-    def stream(self, messages, sampling: SamplingParams | None = None) -> Iterator[str | Completion]:
+    def stream(
+        self, messages, sampling: SamplingParams | None = None, *, cache_salt: str | None = None
+    ) -> Iterator[str | Completion]:
         """Yield text deltas as they are generated, then the :class:`Completion`.
 
         Deltas never split a UTF-8 character or an emoji sequence and never contain any part of a
         stop string; joined they equal ``Completion.text``. Closing the iterator early (or
-        dropping it) cancels the request and frees its KV pages. Errors are those of
-        :meth:`generate`; input errors are raised before the first delta.
+        dropping it) cancels the request and frees its KV pages. ``cache_salt`` and errors are
+        those of :meth:`generate`; input errors are raised here, before iteration starts.
         """
-        req = self.submit(messages, sampling)
+        req = self.submit(messages, sampling, cache_salt=cache_salt)
         return self._drain(req)
 
-    def submit(self, messages, sampling: SamplingParams | None = None) -> Request:
+    def submit(self, messages, sampling: SamplingParams | None = None, *, cache_salt: str | None = None) -> Request:
         """Validate and queue a request; its outputs arrive on ``request.outbox``.
 
         Raises: as :meth:`generate`, except failures inside the engine loop.
@@ -259,6 +315,12 @@ class Engine:
         )
         req.telemetry.prompt_tokens = len(prompt.input_ids)
         req.telemetry.visual_tokens = prompt.num_visual_tokens
+        req.salt = "" if self.options.cache_scope == "global" else (cache_salt or "")
+        if self.prefix_cache is not None and 0 < prompt.prefix_len < len(prompt.input_ids):
+            req.prefix_key = prefix_key(
+                self.namespace, req.salt, prompt.image_hashes + prompt.video_hashes, self.compaction.namespace(),
+                prompt.input_ids[: prompt.prefix_len],
+            )
         with self._cv:
             if self._stopping:
                 raise PrismError("engine is closed")
@@ -286,7 +348,9 @@ class Engine:
 
     def stats(self) -> dict:
         """Engine counters: KV pool pages (total, used, free, page size, capacity in tokens),
-        running and waiting requests, steps run and tokens generated."""
+        running and waiting requests, steps run, tokens generated, and the prefix cache's
+        entries, pages held, hits, misses, stale fallbacks, evictions, prompt tokens saved and
+        vision-cache hits."""
         with self._cv:
             return {
                 "pages_total": self.pool.num_pages,
@@ -299,7 +363,25 @@ class Engine:
                 "waiting": len(self.scheduler.waiting) + len(self._inbox),
                 "steps": self.steps,
                 "tokens_generated": self.tokens_generated,
+                **self._cache_stats(),
             }
+
+    def _cache_stats(self) -> dict:
+        c = self.prefix_cache
+        if c is None:
+            return {"prefix_cache": False}
+        return {
+            "prefix_cache": True,
+            "cache_entries": len(c.entries),
+            "cache_pages": c.pages_held,
+            "cache_hits": c.stats.hits,
+            "cache_misses": c.stats.misses,
+            "cache_stale": c.stats.stale,
+            "cache_evictions": c.stats.evictions,
+            "prompt_tokens_saved": c.stats.tokens_saved,
+            "vision_cache_hits": self.vision_cache.hits,
+            "vision_cache_entries": len(self.vision_cache),
+        }
 
     def count_prompt_tokens(self, messages) -> int:
         """Prompt length in tokens of ``messages`` (images processed, nothing run)."""
@@ -324,6 +406,27 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ request plumbing
+    def _image_features(self, prompt: Prompt, salt: str) -> tuple[VisionFeatures, bool]:
+        merge2 = self.config.vision.spatial_merge_size ** 2
+        keys = [
+            f"{salt}|{self.namespace}|{h}|{g}" for h, g in zip(prompt.image_hashes, prompt.image_grids, strict=True)
+        ]
+        found = [self.vision_cache.get(k) for k in keys]
+        missing = [i for i, f in enumerate(found) if f is None]
+        if missing:
+            patches = [t * h * w for t, h, w in prompt.image_grids]
+            starts = [sum(patches[:i]) for i in range(len(patches))]
+            pixels = torch.cat([prompt.pixel_values[starts[i] : starts[i] + patches[i]] for i in missing])
+            fresh = self.model.encode_vision(pixels, [prompt.image_grids[i] for i in missing])
+            offset = 0
+            for i in missing:
+                n = patches[i] // merge2
+                rows = torch.arange(offset, offset + n, device=self.device)
+                found[i] = fresh.select(rows)
+                self.vision_cache.put(keys[i], found[i])
+                offset += n
+        return VisionFeatures.concat(found), bool(missing)
+
     def _check_fits(self, prompt: Prompt, sampling: SamplingParams) -> None:
         total = len(prompt.input_ids) + sampling.max_tokens
         if total > self.max_model_len:
@@ -353,6 +456,7 @@ class Engine:
                 if self._stopping:
                     break
                 for req in self._inbox:
+                    self._lookup(req)
                     self.scheduler.add(req)
                 self._inbox.clear()
                 for req in self._cancels:
@@ -387,14 +491,23 @@ class Engine:
                 self._cv.notify_all()
             return
         for req, n in batch.items:
-            req.telemetry.computed_tokens += n
+            if n > 1 or req.num_computed - 1 < req.num_prompt:  # prefill (or recompute), not a decode step
+                req.telemetry.computed_tokens += n
         with self._cv:
             self.steps += 1
+            if self.prefix_cache is not None:
+                self._after_step(batch)
             for req, token in sampled:
                 self._accept(req, token)
             if self.options.debug_checks:
-                self.pool.check(r.block_table for r in self.scheduler.running)
+                self._check_pool()
             self._cv.notify_all()
+
+    def _check_pool(self) -> None:
+        holders = [r.block_table for r in self.scheduler.running]
+        if self.prefix_cache is not None:
+            holders += self.prefix_cache.holders()
+        self.pool.check(holders)
 
     def _accept(self, req: Request, token: int) -> None:
         now = time.perf_counter()
@@ -421,6 +534,8 @@ class Engine:
             self._inbox.remove(req)
             req.status = Status.FINISHED
         else:
+            if reason in ("stop", "length") and self.prefix_cache is not None:
+                self._cache_conversation(req)
             self.scheduler.finish(req)
         if error is not None:
             req.outbox.put(error)
@@ -443,18 +558,95 @@ class Engine:
             tel.prefill_ms = (req.first_token_at - req.first_scheduled) * 1e3 - tel.vision_ms
         req.outbox.put(Completion(req.stream.text, req.generated, list(req.prompt.input_ids), reason, tel))
 
-    def vision_features(self, prompt: Prompt) -> VisionFeatures:
-        """Run the vision encoder on a prompt's images and videos.
+    # ------------------------------------------------------------------ prefix cache
+    def _lookup(self, req: Request) -> None:
+        """Find the request's cached prefix (before admission). Holds ``self._cv``."""
+        tel = req.telemetry
+        if req.prefix_key is None:
+            tel.prefix_cache = "off"
+            return
+        req.match = self.prefix_cache.lookup(req.prefix_key, req.prompt.input_ids, req.prompt.prefix_len)
+        tel.prefix_cache = "hit" if req.match else "miss"
+        if req.match:
+            self.prefix_cache.stats.hits += 1
+        else:
+            self.prefix_cache.stats.misses += 1
 
-        Returns features of all visual tokens in prompt order (``prompt.visual_rows()``).
+    def _after_step(self, batch) -> None:
+        """Compact and cache the public prefix of requests that just computed it."""
+        for req, _ in batch.items:
+            if req.cold_prefix and req.num_computed == req.prompt.prefix_len:
+                self._compact_and_cache(req)
+
+    def _compact_and_cache(self, req: Request) -> None:
+        page = self.pool.page_size
+        n = req.prompt.prefix_len
+        kept = self.compaction.kept_positions(n, req.prompt.spans)
+        k = len(kept)
+        if k < n:
+            table = req.block_table
+            src = torch.tensor([table[i // page] * page + i % page for i in kept.tolist()], device=self.device)
+            dst = torch.tensor([table[i // page] * page + i % page for i in range(k)], device=self.device)
+            for layer in self.pool.layers:
+                move_slots(layer, src, dst)
+            keep_pages = -(-k // page)
+            self.pool.release(table[keep_pages:])
+            del table[keep_pages:]
+        req.kv_offset = n - k
+        req.cold_prefix = False
+        visual_kept = k - (n - req.prompt.num_visual_tokens)
+        tel = req.telemetry
+        tel.visual_tokens_kept = visual_kept
+        tel.prefix_pages = len(req.block_table)
+        tel.prefix_pages_dense = -(-n // page)
+        entry = self.prefix_cache.add_prefix(
+            req.prefix_key, req.salt, req.tokens[:n], req.block_table, k, tel.prefix_pages_dense, visual_kept
+        )
+        if entry is not None:
+            entry.users += 1
+            req.attached = entry
+
+    def _cache_conversation(self, req: Request) -> None:
+        """Keep a finished turn's KV as an extension of its prefix (conversation reuse)."""
+        entry = req.attached
+        if entry is None or not entry.alive or not self.options.conversation_reuse:
+            return
+        if req.num_computed <= len(entry.tokens) or req.kv_offset != entry.kv_offset:
+            return
+        pages = req.block_table[: -(-req.kv_len // self.pool.page_size)]
+        self.prefix_cache.add_extension(entry, req.tokens[: req.num_computed], pages, req.kv_len)
+
+    def clear_prefix_cache(self) -> None:
+        """Evict every cached prefix that no running request uses."""
+        with self._cv:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+
+    def _encode_request(self, req: Request) -> VisionFeatures:
+        features, ran = self.encode_prompt_vision(req.prompt, req.salt)
+        req.telemetry.vision_encoder_ran = ran
+        return features
+
+    def vision_features(self, prompt: Prompt, salt: str = "") -> VisionFeatures:
+        """Vision features of a prompt's images and videos, in prompt order (``prompt.visual_rows()``)."""
+        return self.encode_prompt_vision(prompt, salt)[0]
+
+    def encode_prompt_vision(self, prompt: Prompt, salt: str = "") -> tuple[VisionFeatures, bool]:
+        """Vision features of a prompt's images and videos, in prompt order
+        (``prompt.visual_rows()``), and whether the encoder had to run.
+
+        Image features come from the session's (``salt``'s) vision-feature cache when present;
+        the encoder runs on the others and on videos.
         """
         parts = {}
+        ran = bool(prompt.video_grids)
         if prompt.image_grids:
-            parts["image"] = self.model.encode_vision(prompt.pixel_values, prompt.image_grids)
+            parts["image"], images_ran = self._image_features(prompt, salt)
+            ran = ran or images_ran
         if prompt.video_grids:
             parts["video"] = self.model.encode_vision(prompt.pixel_values_videos, prompt.video_grids)
         if len(parts) == 1:
-            return next(iter(parts.values()))
+            return next(iter(parts.values())), ran
         # images and videos interleaved: gather each span's rows from its own feature tensor
         offsets = {"image": 0, "video": 0}
         pieces = []
@@ -463,5 +655,5 @@ class Engine:
             rows = torch.arange(start, start + span.length, device=self.device)
             pieces.append(parts[span.kind].select(rows))
             offsets[span.kind] += span.length
-        return VisionFeatures.concat(pieces)
+        return VisionFeatures.concat(pieces), ran
 

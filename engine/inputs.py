@@ -13,6 +13,7 @@ the checkpoint's own transformers processor.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ class Prompt:
             ``(t, h, w)`` grids, or None / [] without images.
         pixel_values_videos / video_grids: the same for videos.
         image_hashes: SHA-256 of each image's decoded pixels, in order.
+        video_hashes: SHA-256 over each video's frame hashes and fps, in order.
     """
 
     input_ids: list[int]
@@ -49,6 +51,13 @@ class Prompt:
     pixel_values_videos: torch.Tensor | None = None
     video_grids: list[tuple[int, int, int]] = field(default_factory=list)
     image_hashes: list[str] = field(default_factory=list)
+    video_hashes: list[str] = field(default_factory=list)
+
+    @property
+    def prefix_len(self) -> int:
+        """Length of the public prefix: every token up to and including the last image's or
+        video's ``<|vision_end|>`` (0 without images or videos)."""
+        return self.spans[-1].end + 1 if self.spans else 0
 
     @property
     def num_visual_tokens(self) -> int:
@@ -59,6 +68,13 @@ class Prompt:
         if not self.spans:
             return torch.empty(0, dtype=torch.long)
         return torch.cat([torch.arange(s.start, s.end) for s in self.spans])
+
+
+def _video_sha256(frames, fps: float) -> str:
+    h = hashlib.sha256(f"fps={fps!r}".encode())
+    for frame in frames:
+        h.update(image_sha256(frame).encode())
+    return h.hexdigest()
 
 
 def _normalise(messages) -> tuple[list[dict], list, list[tuple[list, float]]]:
@@ -158,4 +174,39 @@ class PromptBuilder:
             pixel_values_videos=out.get("pixel_values_videos") if videos else None,
             video_grids=video_grids,
             image_hashes=[image_sha256(im) for im in images],
+            video_hashes=[_video_sha256(frames, fps) for frames, fps in videos],
         )
+
+
+def media_first_messages(images, question: str, history=None, *, system: str | None = None) -> list[dict]:
+    """Chat messages in Prism's media-first layout.
+
+    The first user turn numbers the images before any text::
+
+        Image 1: <image>
+        Image 2: <image>
+        Question: {first question}
+
+    so the public prefix (up to the last image) is the same whatever is asked. ``history`` is a
+    list of earlier ``(question, answer)`` pairs; with it, the first user turn carries the first
+    earlier question, answers become assistant turns and later questions follow as user turns,
+    so the conversation extends the same prefix.
+
+    Args:
+        images: image sources (PIL images, paths or bytes), in order.
+        question: the question to answer now.
+        history: earlier ``(question, answer)`` pairs, oldest first.
+        system: an optional system message (placed before the images).
+    """
+    history = list(history or [])
+    questions = [q for q, _ in history] + [question]
+    first = [part for i, img in enumerate(images, 1)
+             for part in ({"type": "text", "text": f"Image {i}: "}, {"type": "image", "image": img},
+                          {"type": "text", "text": "\n"})]
+    first.append({"type": "text", "text": f"Question: {questions[0]}"})
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": first})
+    for (_, answer), q in zip(history, questions[1:], strict=True):
+        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "user", "content": f"Question: {q}"})
+    return messages

@@ -17,8 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ops import KVLayerCache
-from ops import copy_pages, kv_bytes_per_token
+from ops import KVLayerCache, copy_pages, kv_bytes_per_token
 
 from .errors import PrismError
 

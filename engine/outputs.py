@@ -11,7 +11,8 @@ class Telemetry:
 
     Attributes:
         prompt_tokens: tokens in the prompt (visual placeholders included).
-        computed_tokens: prompt tokens the engine actually prefilled.
+        computed_tokens: tokens the engine prefilled: the prompt minus reused cached tokens, plus
+            anything recomputed after a preemption (decode steps not counted).
         visual_tokens: image / video tokens in the prompt.
         generated_tokens: tokens generated.
         queue_ms: from submission until the engine started the request.
@@ -24,6 +25,13 @@ class Telemetry:
         tpot_ms: mean time per output token after the first.
         kv_pages: most KV pages the request held at once.
         preempted: how often the request was preempted (its KV freed and recomputed).
+        prefix_cache: ``"hit"`` (the public prefix's KV was reused), ``"miss"`` (computed and
+            cached now), ``"stale"`` (found, but evicted before the request started: computed
+            again) or ``"off"`` (no images, or prefix caching disabled).
+        cached_tokens: prompt tokens whose KV was reused (prefix and conversation).
+        conversation_reuse_tokens: of those, tokens of earlier turns beyond the public prefix.
+        visual_tokens_kept: visual tokens the compact prefix keeps.
+        prefix_pages / prefix_pages_dense: KV pages of the public prefix, compacted vs dense.
     """
 
     prompt_tokens: int = 0
@@ -40,6 +48,12 @@ class Telemetry:
     tpot_ms: float = 0.0
     kv_pages: int = 0
     preempted: int = 0
+    prefix_cache: str = "off"
+    cached_tokens: int = 0
+    conversation_reuse_tokens: int = 0
+    visual_tokens_kept: int = 0
+    prefix_pages: int = 0
+    prefix_pages_dense: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

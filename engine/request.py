@@ -13,6 +13,7 @@ import torch
 from .detokenize import TextStream
 from .inputs import Prompt
 from .outputs import Telemetry
+from .prefix_cache import Match, PrefixEntry
 from .sampling import Sampler, SamplingParams
 from .vision import VisionFeatures
 
@@ -52,6 +53,13 @@ class Request:
     first_scheduled: float | None = None
     first_token_at: float | None = None
     max_pages_held: int = 0
+    # prefix cache
+    salt: str = ""
+    prefix_key: str | None = None  # None: this prompt is not prefix-cached
+    match: Match | None = None  # found at intake, attached at admission unless evicted meanwhile
+    attached: PrefixEntry | None = None  # the entry whose pages this request uses
+    cold_prefix: bool = False  # computing its public prefix: compact and cache it at the boundary
+    kv_offset: int = 0  # logical tokens removed by compaction (physical = logical - kv_offset)
 
     def __post_init__(self):
         self.tokens = list(self.prompt.input_ids)
@@ -72,6 +80,16 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_pending > 1
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens physically stored in the block table's pages."""
+        return self.num_computed - self.kv_offset
+
+    def slot(self, logical: int, page_size: int) -> int:
+        """Pool slot of logical token ``logical`` (at or after the stored part)."""
+        phys = logical - self.kv_offset
+        return self.block_table[phys // page_size] * page_size + phys % page_size
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """Logical M-RoPE positions ``[3, end - start]`` of tokens ``start .. end - 1``."""

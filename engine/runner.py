@@ -21,7 +21,7 @@ from .vision import VisionFeatures
 class ModelRunner:
     """Runs batches on ``model`` with K/V in ``pool``.
 
-    ``encode_vision(prompt) -> VisionFeatures`` computes a prompt's visual features; it runs the
+    ``encode_vision(request) -> VisionFeatures`` computes a request's visual features; it runs the
     first time a request with images is scheduled, and its result stays with the request (also
     across preemption), so recomputation never reruns the encoder.
     """
@@ -46,9 +46,9 @@ class ModelRunner:
             start, end = req.num_computed, req.num_computed + n
             ids.extend(req.tokens[start:end])
             positions.append(req.positions(start, end))
-            slots.extend(req.block_table[i // page] * page + i % page for i in range(start, end))
+            slots.extend(req.slot(i, page) for i in range(start, end))
             query_lens.append(n)
-            seq_lens.append(end)
+            seq_lens.append(end - req.kv_offset)
             tables.append(req.block_table)
             if req.prompt.spans and start < req.prompt.spans[-1].end:
                 features = self._vision(req)
@@ -85,9 +85,8 @@ class ModelRunner:
     def _vision(self, req: Request) -> VisionFeatures:
         if req.vision is None:
             t = time.perf_counter()
-            req.vision = self.encode_vision(req.prompt)
+            req.vision = self.encode_vision(req)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             req.telemetry.vision_ms += (time.perf_counter() - t) * 1e3
-            req.telemetry.vision_encoder_ran = True
         return req.vision

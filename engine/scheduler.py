@@ -9,6 +9,11 @@ When the pool runs out of pages for a running request, the most recently arrived
 is preempted: its pages are freed and it goes back to the front of the waiting queue, to be
 recomputed later (its prompt and the tokens it already generated are prefilled again, so its
 output does not change).
+
+Cached prefixes yield to running requests: before anyone is preempted, and before a waiting
+request is kept waiting for pages, unused prefix-cache entries are evicted.
+A request whose public prefix was found in the cache attaches the entry's pages at admission (or
+falls back to computing everything, reported as ``stale``, when the entry was evicted since).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache import PagePool
+from .prefix_cache import PrefixCache
 from .request import Request, Status
 
 
@@ -50,9 +56,10 @@ class Batch:
 class Scheduler:
     """Owns the waiting queue, the running set and their pages."""
 
-    def __init__(self, pool: PagePool, config: SchedulerConfig):
+    def __init__(self, pool: PagePool, config: SchedulerConfig, cache: PrefixCache | None = None):
         self.pool = pool
         self.config = config
+        self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -85,46 +92,100 @@ class Scheduler:
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_pending, budget)
-            if self.pages_for(req.num_computed + n) - len(req.block_table) > self.pool.num_free:
+            if not self._admit(req):
                 break  # admit in arrival order only; wait for pages
             self.waiting.popleft()
-            req.block_table += self.pool.allocate(self.pages_for(n))
             req.status = Status.RUNNING
             self.running.append(req)
-            batch.items.append((req, n))
-            budget -= n
+            n = self._chunk(req, budget)
+            if self._grow(req, req.num_computed + n, batch):
+                batch.items.append((req, n))
+                budget -= n
         for req, _ in batch.items:
             req.max_pages_held = max(req.max_pages_held, len(req.block_table))
         return batch
 
     def _prefill_chunk(self, req: Request, budget: int, batch: Batch) -> int:
-        n = min(req.num_pending, budget)
+        n = self._chunk(req, budget)
         if self._grow(req, req.num_computed + n, batch):
             return n
         return 0
 
-    def _grow(self, req: Request, num_tokens: int, batch: Batch) -> bool:
-        """Give ``req`` pages for ``num_tokens`` tokens, preempting later requests if needed.
+    @staticmethod
+    def _chunk(req: Request, budget: int) -> int:
+        n = min(req.num_pending, budget)
+        if req.cold_prefix and req.num_computed < req.prompt.prefix_len:
+            n = min(n, req.prompt.prefix_len - req.num_computed)  # compaction happens at the boundary
+        return n
 
-        Returns False when ``req`` itself had to be preempted.
-        """
-        need = self.pages_for(num_tokens) - len(req.block_table)
-        while need > self.pool.num_free:
+    def _admit(self, req: Request) -> bool:
+        """Attach the request's cached prefix (if still there) and check its first chunk can get
+        pages. Returns False (nothing changed) when it must keep waiting."""
+        match = req.match
+        if match is not None and not match.entry.alive:
+            req.match = match = None
+            req.telemetry.prefix_cache = "stale"
+            self.cache.stats.stale += 1
+        if match is None and req.telemetry.preempted and req.prefix_key is not None:
+            match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
+        if match is not None:
+            first = min(len(req.tokens) - match.length, self.config.max_num_batched_tokens)
+            need = self.pages_for(match.kv_len + first) - self.pages_for(match.kv_len) + 1
+            if not self._free_pages(need):
+                return False
+            req.block_table = self.cache.acquire(match)
+            req.attached = match.entry
+            req.num_computed = match.length
+            req.kv_offset = match.entry.kv_offset
+            self._report_hit(req, match)
+            return True
+        if req.prefix_key is not None:
+            req.cold_prefix = True
+        first = self._chunk(req, self.config.max_num_batched_tokens)
+        return self._free_pages(self.pages_for(first))
+
+    def _report_hit(self, req: Request, match) -> None:
+        entry, tel = match.entry, req.telemetry
+        self.cache.stats.tokens_saved += match.length
+        tel.cached_tokens = match.length
+        tel.conversation_reuse_tokens = match.length - entry.prefix_len
+        tel.visual_tokens_kept = entry.visual_kept
+        tel.prefix_pages = self.pages_for(entry.prefix_len - entry.kv_offset)
+        tel.prefix_pages_dense = entry.dense_pages
+
+    def _free_pages(self, n: int) -> bool:
+        if self.pool.num_free >= n:
+            return True
+        return self.cache is not None and self.cache.make_room(n)
+
+    def _grow(self, req: Request, num_tokens: int, batch: Batch) -> bool:
+        """Give ``req`` pages for its first ``num_tokens`` logical tokens (and a private copy of a
+        shared, partly filled last page), evicting cache entries and then preempting later
+        requests if needed. Returns False when ``req`` itself had to be preempted."""
+        page = self.pool.page_size
+        table = req.block_table
+        cow = bool(table) and req.kv_len % page != 0 and self.pool.is_shared(table[-1])
+        need = self.pages_for(num_tokens - req.kv_offset) - len(table) + cow
+        while not self._free_pages(need):
             victim = self.running[-1]
             self.preempt(victim)
             batch.preempted.append(victim)
             batch.items = [(r, n) for r, n in batch.items if r is not victim]
             if victim is req:
                 return False
+        if cow:
+            self.pool.fork_last(table)
+            need -= 1
         if need > 0:
-            req.block_table += self.pool.allocate(need)
+            table += self.pool.allocate(need)
         return True
 
     def preempt(self, req: Request) -> None:
-        """Free ``req``'s pages and put it back at the front of the waiting queue."""
-        self.pool.release(req.block_table)
-        req.block_table = []
+        """Free ``req``'s pages and put it back at the front of the waiting queue.
+
+        On re-admission it attaches its cached prefix again if that is still there.
+        """
+        self._detach(req)
         req.num_computed = 0
         req.status = Status.WAITING
         req.telemetry.preempted += 1
@@ -137,6 +198,15 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._detach(req)
+        req.status = Status.FINISHED
+
+    def _detach(self, req: Request) -> None:
         self.pool.release(req.block_table)
         req.block_table = []
-        req.status = Status.FINISHED
+        req.kv_offset = 0
+        req.cold_prefix = False
+        req.match = None  # a preempted request looks its prefix up again when re-admitted
+        if req.attached is not None:
+            self.cache.release_user(req.attached)
+            req.attached = None
