@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ops import dispatch as ops
+
 
 class AttentionContext(Protocol):
     """What a decoder layer needs from the KV store for one forward step."""
@@ -98,15 +100,16 @@ class PagedStep:
     """:class:`AttentionContext` over the paged pool for one step of a flat batch.
 
     Stores the step's K/V through ``meta.slot_mapping`` (quantising to Scaled-FP8 when the pool
-    does) and attends each sequence's queries to its pages (see :func:`ops.reference.paged_attention`).
+    does) and attends each sequence's queries to its pages (see :func:`ops.reference.paged_attention`;
+    decode-only steps use the split-context decode op). Triton on CUDA, references on CPU.
     """
 
     def __init__(self, pool, meta):
         self.pool, self.meta = pool, meta
 
     def attend(self, layer, q, k, v):
-        from ops import paged_attention, store_kv
-
         cache = self.pool.layers[layer]
-        store_kv(k, v, cache, self.meta.slot_mapping)
-        return paged_attention(q, cache, self.meta)
+        ops.store_kv(k, v, cache, self.meta.slot_mapping)
+        if self.meta.is_decode_only:
+            return ops.paged_decode_attention(q, cache, self.meta)
+        return ops.paged_attention(q, cache, self.meta)

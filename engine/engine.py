@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ops import move_slots
+from ops.dispatch import move_slots
 
 from .compaction import CompactionConfig
 from .detokenize import TextStream

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ops import KVLayerCache, copy_pages, kv_bytes_per_token
+from ops import KVLayerCache, kv_bytes_per_token
+from ops.dispatch import copy_pages
 
 from .errors import PrismError
 

@@ -105,6 +105,14 @@ def _our_name(name: str) -> str | None:
     return None
 
 
+def _checkpoint_name(ours: str, flat: bool) -> str:
+    """How a checkpoint names our parameter ``ours`` (``flat``: the older layout of :data:`_PREFIXES`)."""
+    for prefix, mine in _PREFIXES[2:] if flat else _PREFIXES:
+        if ours.startswith(mine):
+            return prefix + ours[len(mine) :]
+    return ours  # pragma: no cover - every parameter lives under one of the prefixes
+
+
 def load_model(folder: str | Path, *, device="cpu", dtype=torch.float32, progress: bool = True) -> Qwen3VL:
     """Build :class:`Qwen3VL` from a checkpoint folder and load its weights.
 
@@ -127,7 +135,7 @@ def load_model(folder: str | Path, *, device="cpu", dtype=torch.float32, progres
         model.lm_head.weight = model.language_model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {n for n in params if not (config.tie_word_embeddings and n == "lm_head.weight")}
-    loaded, unknown, bad_shape = set(), [], []
+    loaded, unknown, bad_shape, seen = set(), [], [], []
     files = checkpoint_files(folder)
     total = sum(len(safe_open(str(f), framework="pt").keys()) for f in files)
     with tqdm(total=total, desc=f"Loading {folder.name}", unit="tensor", disable=not progress) as bar:
@@ -135,6 +143,7 @@ def load_model(folder: str | Path, *, device="cpu", dtype=torch.float32, progres
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     bar.update(1)
+                    seen.append(name)
                     ours = _our_name(name)
                     if ours == "lm_head.weight" and config.tie_word_embeddings:
                         continue
@@ -149,7 +158,8 @@ def load_model(folder: str | Path, *, device="cpu", dtype=torch.float32, progres
                     with torch.no_grad():
                         target.copy_(tensor.to(dtype))
                     loaded.add(ours)
-    missing = sorted(expected - loaded)
+    flat = bool(loaded) and not any(n.startswith(("model.visual.", "model.language_model.")) for n in seen)
+    missing = sorted(_checkpoint_name(n, flat) for n in expected - loaded)
     problems = []
     if missing:
         problems.append("missing tensors: " + ", ".join(missing))

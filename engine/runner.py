@@ -88,5 +88,6 @@ class ModelRunner:
             req.vision = self.encode_vision(req)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            req.telemetry.vision_ms += (time.perf_counter() - t) * 1e3
+            if req.telemetry.vision_encoder_ran:  # cached features: the encoder took no time
+                req.telemetry.vision_ms += (time.perf_counter() - t) * 1e3
         return req.vision

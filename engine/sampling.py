@@ -61,7 +61,9 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
         if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+            raise InvalidRequestError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):

@@ -131,7 +131,15 @@ class Scheduler:
         if match is not None:
             first = min(len(req.tokens) - match.length, self.config.max_num_batched_tokens)
             need = self.pages_for(match.kv_len + first) - self.pages_for(match.kv_len) + 1
-            if not self._free_pages(need):
+            # Pin the matched entry while making room: unpinned (users == 0) it is itself an
+            # eviction candidate, and evicting it here left acquire() an empty page list, so the
+            # request ran on uninitialised pages while reporting a hit.
+            match.entry.users += 1
+            try:
+                room = self._free_pages(need)
+            finally:
+                match.entry.users -= 1
+            if not room:
                 return False
             req.block_table = self.cache.acquire(match)
             req.attached = match.entry

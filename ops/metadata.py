@@ -94,7 +94,9 @@ class KVLayerCache:
 
     def __post_init__(self):
         if self.k_cache.dim() != 4:
-            raise ValueError(f"k_cache must be [num_pages, page_size, num_kv_heads, head_dim], got {tuple(self.k_cache.shape)}")
+            raise ValueError(
+                f"k_cache must be [num_pages, page_size, num_kv_heads, head_dim], got {tuple(self.k_cache.shape)}"
+            )
         if self.v_cache.shape != self.k_cache.shape or self.v_cache.dtype != self.k_cache.dtype:
             raise ValueError("k_cache and v_cache must have the same shape and dtype")
         if self.is_fp8:
@@ -249,7 +251,9 @@ class AttentionMetadata:
             if ql < 0 or sl < 0 or ql > sl:
                 raise ValueError(f"sequence {i}: need 0 <= query_len ({ql}) <= seq_len ({sl})")
         if len(slot_mapping) != sum(query_lens):
-            raise ValueError(f"slot_mapping has {len(slot_mapping)} entries, expected sum(query_lens) = {sum(query_lens)}")
+            raise ValueError(
+                f"slot_mapping has {len(slot_mapping)} entries, expected sum(query_lens) = {sum(query_lens)}"
+            )
         width = max((len(t) for t in block_tables), default=0)
         table = torch.full((b, width), -1, dtype=torch.int32)
         for i, pages in enumerate(block_tables):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import FP8_DTYPE, SCALE_DTYPE, AttentionMetadata, KVLayerCache
+from .metadata import FP8_DTYPE, AttentionMetadata, KVLayerCache
 
 #: Largest finite float8_e4m3fn magnitude.
 FP8_MAX = 448.0
@@ -45,7 +45,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(x_fp8, scale)``: ``torch.float8_e4m3fn`` ``[T, H, D]`` and float32 ``[T, H]`` with
-        ``scale = max(amax(|x|), AMAX_FLOOR) / 448`` computed in float32.
+        ``scale = max(amax(|x|), AMAX_FLOOR) / 448``, a correctly rounded float32 division (a kernel
+        must divide with round-to-nearest, e.g. Triton ``tl.math.div_rn``, to match bit for bit).
 
     Raises:
         TypeError: ``x`` is not a floating point tensor.
@@ -54,7 +55,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError(f"quantize_fp8 needs a floating point tensor, got {x.dtype}")
     xf = x.float()
     amax = xf.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # Elementwise tensor / tensor division, correctly rounded on every device: dividing by the Python
+    # scalar would let CUDA multiply by a rounded reciprocal instead (1-ulp different scales).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -110,7 +113,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[1:] != cache.k_cache.shape[2:]:
-        raise ValueError(f"k/v heads and head_dim {tuple(k.shape[1:])} do not match the cache {tuple(cache.k_cache.shape[2:])}")
+        raise ValueError(
+            f"k/v heads and head_dim {tuple(k.shape[1:])} do not match the cache {tuple(cache.k_cache.shape[2:])}"
+        )
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected ({k.shape[0]},)")
     valid = _check_slots(cache, slot_mapping, "slot_mapping", allow_padding=True)
@@ -122,8 +127,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
     if cache.is_fp8:
         kq, ks = quantize_fp8(k)
         vq, vs = quantize_fp8(v)
-        cache.k_cache[page, off] = kq
-        cache.v_cache[page, off] = vq
+        _raw(cache.k_cache)[page, off] = _raw(kq)
+        _raw(cache.v_cache)[page, off] = _raw(vq)
         cache.k_scale[page, off] = ks
         cache.v_scale[page, off] = vs
     else:
@@ -131,8 +136,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
         cache.v_cache[page, off] = v.to(cache.v_cache.dtype)
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as a uint8 view (bit-identical; indexing float8 is not supported everywhere)."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def _gather(t: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    """``t[index]`` for any dtype, FP8 included."""
+    return _raw(t)[index].view(t.dtype)
+
+
 def _layer_tensors(cache: KVLayerCache) -> list[torch.Tensor]:
-    out = [cache.k_cache, cache.v_cache]
+    """The pool tensors of a layer (FP8 payload as uint8 views), for bitwise page / slot copies."""
+    out = [_raw(cache.k_cache), _raw(cache.v_cache)]
     if cache.is_fp8:
         out += [cache.k_scale, cache.v_scale]
     return out
@@ -215,8 +231,8 @@ def _gather_kv(cache: KVLayerCache, pages: torch.Tensor, length: int) -> tuple[t
     """Dense float32 K, V ``[length, Hkv, D]`` of the first ``length`` positions held by ``pages``."""
     hkv, d = cache.num_kv_heads, cache.head_dim
     pages = pages.long()
-    k = cache.k_cache[pages].reshape(-1, hkv, d)[:length]
-    v = cache.v_cache[pages].reshape(-1, hkv, d)[:length]
+    k = _gather(cache.k_cache, pages).reshape(-1, hkv, d)[:length]
+    v = _gather(cache.v_cache, pages).reshape(-1, hkv, d)[:length]
     if cache.is_fp8:
         k = dequantize_fp8(k, cache.k_scale[pages].reshape(-1, hkv)[:length])
         v = dequantize_fp8(v, cache.v_scale[pages].reshape(-1, hkv)[:length])
@@ -319,7 +335,9 @@ def paged_decode_attention(q: torch.Tensor, cache: KVLayerCache, meta: Attention
     ps, hkv, d = cache.page_size, cache.num_kv_heads, cache.head_dim
     num_pages = -(-int(seq_lens.max()) // ps)
     if num_pages > meta.block_tables.shape[1]:
-        raise ValueError(f"seq_len {int(seq_lens.max())} needs {num_pages} pages, block tables have {meta.block_tables.shape[1]}")
+        raise ValueError(
+            f"seq_len {int(seq_lens.max())} needs {num_pages} pages, block tables have {meta.block_tables.shape[1]}"
+        )
     table = meta.block_tables[:, :num_pages].long().to(q.device)  # [B, P]
     pos = torch.arange(num_pages * ps, device=q.device)
     valid = pos[None, :] < seq_lens[:, None]  # [B, S]
@@ -328,8 +346,8 @@ def paged_decode_attention(q: torch.Tensor, cache: KVLayerCache, meta: Attention
     if int(used.min()) < 0 or int(used.max()) >= cache.num_pages:
         raise ValueError(f"block table entries out of range [0, {cache.num_pages})")
     table = torch.where(needed, table, torch.zeros_like(table))  # padding entries read page 0, masked
-    k = cache.k_cache[table].reshape(bsz, -1, hkv, d)
-    v = cache.v_cache[table].reshape(bsz, -1, hkv, d)
+    k = _gather(cache.k_cache, table).reshape(bsz, -1, hkv, d)
+    v = _gather(cache.v_cache, table).reshape(bsz, -1, hkv, d)
     if cache.is_fp8:
         k = dequantize_fp8(k, cache.k_scale[table].reshape(bsz, -1, hkv))
         v = dequantize_fp8(v, cache.v_scale[table].reshape(bsz, -1, hkv))

@@ -1,0 +1,61 @@
+"""Backend choice for the KV-cache ops: Triton kernels for CUDA tensors, the PyTorch references
+otherwise. ``PRISM_OPS=reference`` forces the references everywhere (the oracle on the GPU too);
+``PRISM_OPS=triton`` forces the kernels (with ``TRITON_INTERPRET=1`` on CPU, for tests)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+
+try:  # Triton is optional on CPU-only installs
+    from . import triton_kernels
+except Exception:  # pragma: no cover - depends on the install
+    triton_kernels = None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether ops on tensor ``t`` run as Triton kernels."""
+    mode = os.environ.get("PRISM_OPS", "auto")
+    if triton_kernels is None or mode == "reference":
+        return False
+    if mode == "triton":
+        return True
+    return t.is_cuda
+
+
+def _pick(name: str, t: torch.Tensor):
+    return getattr(triton_kernels if use_triton(t) else reference, name)
+
+
+def store_kv(k, v, cache, slot_mapping) -> None:
+    """See :func:`ops.reference.store_kv`."""
+    _pick("store_kv", k)(k, v, cache, slot_mapping)
+
+
+def paged_attention(q, cache, meta):
+    """See :func:`ops.reference.paged_attention`. GQA groups that are not a power of two use the reference."""
+    group = q.shape[1] // cache.num_kv_heads
+    if use_triton(q) and group & (group - 1) == 0:
+        return triton_kernels.paged_attention(q, cache, meta)
+    return reference.paged_attention(q, cache, meta)
+
+
+def paged_decode_attention(q, cache, meta):
+    """See :func:`ops.reference.paged_decode_attention`."""
+    group = q.shape[1] // cache.num_kv_heads
+    if use_triton(q) and group & (group - 1) == 0:
+        return triton_kernels.paged_decode_attention(q, cache, meta)
+    return reference.paged_decode_attention(q, cache, meta)
+
+
+def move_slots(cache, src_slots, dst_slots) -> None:
+    """See :func:`ops.reference.move_slots`."""
+    _pick("move_slots", cache.k_cache)(cache, src_slots, dst_slots)
+
+
+def copy_pages(cache, src_pages, dst_pages) -> None:
+    """See :func:`ops.reference.copy_pages`."""
+    _pick("copy_pages", cache.k_cache)(cache, src_pages, dst_pages)

@@ -1,0 +1,526 @@
+"""Triton kernels over the paged Scaled-FP8 KV pool, each matching a function of
+:mod:`ops.reference` (the oracle in tests).
+
+- :func:`store_kv`: quantise K and V per (token, KV head) and scatter them into their slots, one pass.
+- :func:`paged_attention`: varlen causal attention of new tokens over their sequence's pages (prefill
+  on top of cached / compacted pages, chunked prefill, conversation reuse, mixed batches).
+  Flash-attention style (Dao et al. 2022, arXiv:2205.14135): online softmax in float32 over blocks of
+  keys; the query heads that share one KV head are processed together, so each K/V tile is read once
+  per group (grouped-query attention, Ainslie et al. 2023, arXiv:2305.13245).
+- :func:`paged_decode_attention`: one new token per sequence, the context split into chunks that run
+  in parallel and are merged by their log-sum-exp (flash-decoding), so even a batch of one fills the GPU.
+- :func:`move_slots` / :func:`copy_pages`: compaction and copy-on-write; gather first, then scatter, so
+  overlapping source and destination slots are safe.
+
+FP8 math: a key's scale multiplies its score column (``q · k_fp8 * s_k``) and a value's scale
+multiplies its probability (``(p * s_v) · v_fp8``), so the FP8 payload enters the matrix units
+exactly; softmax and accumulation are float32.
+
+The kernels run on CUDA, and under ``TRITON_INTERPRET=1`` on CPU tensors (for small tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .metadata import AttentionMetadata, KVLayerCache
+from .reference import AMAX_FLOOR, FP8_MAX
+
+# --------------------------------------------------------------------------------------------------
+# KV store
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    num_kv_heads,
+    amax_floor,
+    fp8_max,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK_D)
+        m = d < D
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=m, other=0.0).to(tl.float32)
+        dst = (slot * num_kv_heads + h) * D + d
+        if FP8:
+            ks = tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor) / fp8_max
+            vs = tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor) / fp8_max
+            kq = tl.clamp(k / ks, -fp8_max, fp8_max)
+            vq = tl.clamp(v / vs, -fp8_max, fp8_max)
+            tl.store(kc_ptr + dst, kq.to(kc_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
+            tl.store(vc_ptr + dst, vq.to(vc_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
+            tl.store(ks_ptr + slot * num_kv_heads + h, ks)
+            tl.store(vs_ptr + slot * num_kv_heads + h, vs)
+        else:
+            tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=m)
+            tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping: torch.Tensor) -> None:
+    """Triton version of :func:`ops.reference.store_kv` (same arguments; no validation, no host sync).
+
+    Args:
+        k, v: ``[T, Hkv, D]`` model dtype, last dim contiguous.
+        cache: the layer's pool (contiguous pages).
+        slot_mapping: int64 ``[T]``; -1 rows are skipped.
+    """
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    fp8 = cache.is_fp8
+    ks = cache.k_scale if fp8 else cache.k_cache
+    vs = cache.v_scale if fp8 else cache.v_cache
+    _store_kv_kernel[(t, hkv)](
+        k,
+        v,
+        cache.k_cache,
+        cache.v_cache,
+        ks,
+        vs,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        hkv,
+        AMAX_FLOOR,
+        FP8_MAX,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        FP8=fp8,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Varlen paged attention (prefill, chunked prefill, mixed batches)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    o_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    block_seq_ptr,
+    block_start_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    num_kv_heads,
+    sm_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(block_seq_ptr + blk)
+    m0 = tl.load(block_start_ptr + blk)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len  # keys before the first new token
+
+    # rows = BLOCK_M tokens x G query heads of this KV head
+    r = tl.arange(0, BLOCK_M * G)
+    tok = m0 + r // G
+    head = kvh * G + r % G
+    row_ok = tok < q_len
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & dm[None, :],
+        other=0.0,
+    )
+    limit = ctx + tok  # last key each row may see (inclusive)
+    hi = tl.minimum(ctx + m0 + BLOCK_M, seq_len)
+
+    m_i = tl.full([BLOCK_M * G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * G], tl.float32)
+    acc = tl.zeros([BLOCK_M * G, BLOCK_D], tl.float32)
+    for n0 in range(0, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kok = kpos < hi
+        page = tl.load(bt_ptr + seq * stride_bt + kpos // PAGE, mask=kok, other=0).to(tl.int64)
+        slot = page * PAGE + kpos % PAGE
+        off = (slot * num_kv_heads + kvh)[:, None] * D + d[None, :]
+        k = tl.load(kc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
+        v = tl.load(vc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if FP8:
+            kscale = tl.load(ks_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)
+            s = s * kscale[None, :]
+        s = s * sm_scale
+        visible = (kpos[None, :] <= limit[:, None]) & kok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP8:
+            vscale = tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)
+            p = p * vscale[None, :]
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dm[None, :],
+    )
+
+
+def _query_blocks(meta: AttentionMetadata, block_m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, first query token) of every BLOCK_M query block; cached on ``meta`` so the host
+    reads ``query_start_loc`` once per step, not once per layer."""
+    cached = getattr(meta, "_triton_blocks", None)
+    if cached is not None and cached[0] == block_m:
+        return cached[1], cached[2]
+    qsl = meta.query_start_loc.tolist()
+    seqs, starts = [], []
+    for b in range(len(qsl) - 1):
+        for m0 in range(0, qsl[b + 1] - qsl[b], block_m):
+            seqs.append(b)
+            starts.append(m0)
+    out = (torch.tensor(seqs, dtype=torch.int32, device=device), torch.tensor(starts, dtype=torch.int32, device=device))
+    meta._triton_blocks = (block_m, *out)
+    return out
+
+
+def paged_attention(q: torch.Tensor, cache: KVLayerCache, meta: AttentionMetadata) -> torch.Tensor:
+    """Triton version of :func:`ops.reference.paged_attention`.
+
+    Args:
+        q: ``[T, Hq, D]`` queries (model dtype).
+        cache: the layer's pool.
+        meta: the step's metadata.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q``'s dtype; rows of padding tokens are left zero.
+    """
+    t, hq, d = q.shape
+    hkv = cache.num_kv_heads
+    g = hq // hkv
+    out = torch.zeros_like(q)
+    if t == 0:
+        return out
+    block_m = max(1, 16 // g) if meta.max_query_len <= 16 else max(1, 64 // g)
+    block_n = 64 if d <= 64 else 32
+    seqs, starts = _query_blocks(meta, block_m, q.device)
+    if seqs.numel() == 0:
+        return out
+    ks = cache.k_scale if cache.is_fp8 else cache.k_cache
+    vs = cache.v_scale if cache.is_fp8 else cache.v_cache
+    _paged_attention_kernel[(seqs.numel(), hkv)](
+        q,
+        out,
+        cache.k_cache,
+        cache.v_cache,
+        ks,
+        vs,
+        seqs,
+        starts,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables.stride(0),
+        hkv,
+        meta.softmax_scale(d),
+        G=g,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        PAGE=cache.page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        FP8=cache.is_fp8,
+        IEEE=q.dtype == torch.float32,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode: split-context attention + log-sum-exp merge
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    num_kv_heads,
+    sm_scale,
+    num_splits,
+    split_len,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    g = tl.arange(0, GP)
+    gok = g < G
+    head = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q = tl.load(
+        q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=gok[:, None] & dm[None, :], other=0.0
+    )
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kok = kpos < hi
+        page = tl.load(bt_ptr + b * stride_bt + kpos // PAGE, mask=kok, other=0).to(tl.int64)
+        slot = page * PAGE + kpos % PAGE
+        off = (slot * num_kv_heads + kvh)[:, None] * D + d[None, :]
+        k = tl.load(kc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
+        v = tl.load(vc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if FP8:
+            s = s * tl.load(ks_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)[None, :]
+        s = tl.where(kok[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP8:
+            p = p * tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)[None, :]
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+    row = (b * num_kv_heads * G + head) * num_splits + sp
+    tl.store(part_o_ptr + row[:, None] * D + d[None, :], out, mask=gok[:, None] & dm[None, :])
+    tl.store(part_lse_ptr + row, lse, mask=gok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    o_ptr,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    sok = s < num_splits
+    row = (b * num_heads + h) * num_splits + s
+    lse = tl.load(part_lse_ptr + row, mask=sok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(sok, tl.exp(lse - m), 0.0)
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    d = tl.arange(0, BLOCK_D)
+    parts = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=sok[:, None] & (d < D)[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, sm_count: int = 132) -> int:
+    """How many context chunks per (sequence, KV head): enough programs for about two waves of the
+    GPU's multiprocessors, never chunks shorter than one key block."""
+    want = max(1, math.ceil(2 * sm_count / max(1, batch * num_kv_heads)))
+    return max(1, min(want, math.ceil(max(1, max_seq_len) / block_n)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor, cache: KVLayerCache, meta: AttentionMetadata, num_splits: int | None = None
+) -> torch.Tensor:
+    """Triton flash-decoding version of :func:`ops.reference.paged_decode_attention`.
+
+    Args:
+        q: ``[B, Hq, D]``, one new token per sequence (already stored in the pages).
+        cache, meta: as :func:`paged_attention`; only ``seq_lens``, ``block_tables``, ``max_seq_len``
+            are read.
+        num_splits: context chunks per sequence (fixed for CUDA-graph capture); None chooses by
+            :func:`decode_splits`.
+
+    Returns:
+        ``[B, Hq, D]`` in ``q``'s dtype.
+    """
+    b, hq, d = q.shape
+    hkv = cache.num_kv_heads
+    g = hq // hkv
+    block_n = 64 if d <= 64 else 32
+    splits = num_splits or decode_splits(b, hkv, meta.max_seq_len, block_n)
+    split_len = math.ceil(max(1, meta.max_seq_len) / splits / block_n) * block_n
+    part_o = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
+    ks = cache.k_scale if cache.is_fp8 else cache.k_cache
+    vs = cache.v_scale if cache.is_fp8 else cache.v_cache
+    bd = triton.next_power_of_2(d)
+    _decode_split_kernel[(b, hkv, splits)](
+        q,
+        part_o,
+        part_lse,
+        cache.k_cache,
+        cache.v_cache,
+        ks,
+        vs,
+        meta.seq_lens,
+        meta.block_tables,
+        q.stride(0),
+        q.stride(1),
+        meta.block_tables.stride(0),
+        hkv,
+        meta.softmax_scale(d),
+        splits,
+        split_len,
+        G=g,
+        GP=max(16, triton.next_power_of_2(g)),
+        D=d,
+        BLOCK_D=bd,
+        PAGE=cache.page_size,
+        BLOCK_N=block_n,
+        FP8=cache.is_fp8,
+        IEEE=q.dtype == torch.float32,
+    )
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(b, hq)](
+        part_o,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        hq,
+        splits,
+        D=d,
+        BLOCK_D=bd,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Compaction and copy-on-write
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gather_rows_kernel(src_ptr, idx_ptr, dst_ptr, row_elems, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(idx_ptr + i).to(tl.int64)
+    m = c < row_elems
+    tl.store(dst_ptr + i * row_elems + c, tl.load(src_ptr + row * row_elems + c, mask=m), mask=m)
+
+
+@triton.jit
+def _scatter_rows_kernel(src_ptr, idx_ptr, dst_ptr, row_elems, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(idx_ptr + i).to(tl.int64)
+    m = c < row_elems
+    tl.store(dst_ptr + row * row_elems + c, tl.load(src_ptr + i * row_elems + c, mask=m), mask=m)
+
+
+def _move_rows(table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``table[dst] = table[src]`` over its first dim, via a gathered copy (overlap-safe)."""
+    n = src.numel()
+    if n == 0:
+        return
+    flat = table.view(table.shape[0], -1)
+    if flat.dtype == torch.float8_e4m3fn:
+        flat = flat.view(torch.uint8)
+    elems = flat.shape[1]
+    block = min(1024, triton.next_power_of_2(elems))
+    tmp = torch.empty((n, elems), dtype=flat.dtype, device=flat.device)
+    grid = (n, triton.cdiv(elems, block))
+    _gather_rows_kernel[grid](flat, src, tmp, elems, BLOCK=block)
+    _scatter_rows_kernel[grid](tmp, dst, flat, elems, BLOCK=block)
+
+
+def move_slots(cache: KVLayerCache, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Triton version of :func:`ops.reference.move_slots`: K/V and scales of ``src_slots`` move to
+    ``dst_slots`` (int64 ``[N]``), correct when the two overlap."""
+    for t in (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale):
+        if t is not None:
+            _move_rows(t.view(cache.num_slots, *t.shape[2:]), src_slots, dst_slots)
+
+
+def copy_pages(cache: KVLayerCache, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    """Triton version of :func:`ops.reference.copy_pages` (payload and scales of whole pages)."""
+    for t in (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale):
+        if t is not None:
+            _move_rows(t, src_pages, dst_pages)
