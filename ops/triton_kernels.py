@@ -65,10 +65,11 @@ def _store_kv_kernel(
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=m, other=0.0).to(tl.float32)
         dst = (slot * num_kv_heads + h) * D + d
         if FP8:
-            ks = tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor) / fp8_max
-            vs = tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor) / fp8_max
-            kq = tl.clamp(k / ks, -fp8_max, fp8_max)
-            vq = tl.clamp(v / vs, -fp8_max, fp8_max)
+            # correctly rounded divisions, as torch's, so scales and payload match the reference bit for bit
+            ks = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor), fp8_max)
+            vs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor), fp8_max)
+            kq = tl.clamp(tl.math.div_rn(k, ks), -fp8_max, fp8_max)
+            vq = tl.clamp(tl.math.div_rn(v, vs), -fp8_max, fp8_max)
             tl.store(kc_ptr + dst, kq.to(kc_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
             tl.store(vc_ptr + dst, vq.to(vc_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
             tl.store(ks_ptr + slot * num_kv_heads + h, ks)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter (tests/test_triton_kernels.py); it must be
+# chosen before the kernels are defined, i.e. before ops.triton_kernels is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: Sample photos and clips shared by the project (``/work/shared/media`` beside the repository).
 MEDIA_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "media"
@@ -37,3 +44,34 @@ def demo_ckpt(tmp_path_factory) -> pathlib.Path:
     from engine.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-demo"), "demo", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(tiny_ckpt):
+    """Return ``make(dtype=torch.float32, **options) -> Engine`` building engines on the "test"
+    checkpoint that share one loaded model (per dtype) and one processor, so tests can afford many
+    engine configurations (pool sizes, chunk sizes, queue limits). Options are
+    :class:`engine.engine.EngineOptions` fields (``progress`` defaults to False). Engines left open
+    are closed at the end of the session."""
+    import torch
+    from transformers import AutoProcessor
+
+    from engine.engine import Engine, EngineOptions
+    from engine.model import load_model
+
+    processor = AutoProcessor.from_pretrained(str(tiny_ckpt))
+    models: dict = {}
+    made: list = []
+
+    def make(dtype=torch.float32, **options) -> Engine:
+        if dtype not in models:
+            models[dtype] = load_model(tiny_ckpt, device="cpu", dtype=dtype, progress=False)
+        options.setdefault("progress", False)
+        engine = Engine(models[dtype], processor, model_id=str(tiny_ckpt), folder=tiny_ckpt,
+                        options=EngineOptions(**options))
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
