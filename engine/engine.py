@@ -71,6 +71,7 @@ class EngineOptions:
         conversation_reuse: also keep a finished turn's KV so the next turn of the same chat
             prefills only its new question.
         vision_cache_bytes: bound of the per-session vision-feature cache.
+        cuda_graphs: on CUDA, replay captured graphs for decode steps (see :mod:`engine.cuda_graphs`).
     """
 
     min_pixels: int | None = None
@@ -96,6 +97,7 @@ class EngineOptions:
     cache_scope: str = "session"
     conversation_reuse: bool = True
     vision_cache_bytes: int = 256 << 20
+    cuda_graphs: bool = True
 
     def image_options(self) -> ImageOptions:
         return ImageOptions(
@@ -180,7 +182,7 @@ class Engine:
             SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, options.max_waiting),
             self.prefix_cache,
         )
-        self.runner = ModelRunner(model, self.pool, self._encode_request)
+        self.runner = ModelRunner(model, self.pool, self._encode_request, self._capture_graphs())
         self._cv = threading.Condition()
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
@@ -190,6 +192,22 @@ class Engine:
         self.tokens_generated = 0
         self._thread = threading.Thread(target=self._loop, name="prism-engine", daemon=True)
         self._thread.start()
+
+    def _capture_graphs(self):
+        if not (self.options.cuda_graphs and self.model.device.type == "cuda"):
+            return None
+        from ops.dispatch import triton_kernels
+
+        if triton_kernels is None:
+            return None
+        from .cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(
+            self.model, self.pool, self.options.max_num_seqs,
+            max_pages_per_seq=-(-self.max_model_len // self.pool.page_size), max_seq_len=self.max_model_len,
+        )
+        graphs.capture()
+        return graphs
 
     def _namespace(self, folder: Path) -> str:
         """Everything besides the images that changes a prompt's tokens or pixels."""

@@ -161,15 +161,21 @@ class MRoPE:
         steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
         self.inv_freq = 1.0 / (theta ** (steps / head_dim))
         self.axis = mrope_axis_of_frequency(half, section, interleaved)
+        self._device_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int64 ``[3, T]`` -> ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``."""
-        inv_freq = self.inv_freq.to(positions.device)
-        axis = self.axis.to(positions.device)
+        inv_freq, axis = self._tables(positions.device)
         chosen = positions.float()[axis]  # [half, T]: the position each frequency rotates by
         angles = (chosen * inv_freq[:, None]).T  # [T, half], float32
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # kept on the device so a decode step copies nothing from the host (CUDA-graph safe)
+        if self._device_tables is None or self._device_tables[0].device != device:
+            self._device_tables = (self.inv_freq.to(device), self.axis.to(device))
+        return self._device_tables
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

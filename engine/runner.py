@@ -26,17 +26,20 @@ class ModelRunner:
     across preemption), so recomputation never reruns the encoder.
     """
 
-    def __init__(self, model: Qwen3VL, pool: PagePool, encode_vision):
+    def __init__(self, model: Qwen3VL, pool: PagePool, encode_vision, graphs=None):
         self.model = model
         self.pool = pool
         self.encode_vision = encode_vision
         self.device = model.device
+        self.graphs = graphs  # DecodeGraphs for pure decode steps on CUDA, or None
 
     def execute(self, batch: Batch) -> list[tuple[Request, int]]:
         """Run one step. Returns ``(request, sampled token)`` for requests that produced a token.
 
         K/V of the step's tokens are stored; ``num_computed`` advances.
         """
+        if self.graphs is not None and self._graphable(batch):
+            return self._decode_with_graph(batch)
         page = self.pool.page_size
         ids, positions, slots = [], [], []
         query_lens, seq_lens, tables, logit_rows, samplers = [], [], [], [], []
@@ -74,13 +77,46 @@ class ModelRunner:
         )
         for req, n in batch.items:
             req.num_computed += n
+        return self._sample(samplers, logits, None)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor | None):
+        """Next token of each request: greedy rows from one batched argmax (one host sync),
+        the others through their own sampler."""
+        own_sampler = [not r.sampling.greedy or r.sampling.repetition_penalty != 1.0 for r in reqs]
+        if greedy is None and not all(own_sampler):
+            greedy = logits.argmax(dim=-1)
+        greedy_ids = greedy.tolist() if greedy is not None else []
         out = []
-        for row, req in zip(logits, samplers, strict=True):
+        for i, req in enumerate(reqs):
+            if not own_sampler[i]:
+                out.append((req, greedy_ids[i]))
+                continue
             seen = None
             if req.sampling.repetition_penalty != 1.0:
                 seen = torch.tensor(req.tokens, device=self.device)
-            out.append((req, req.sampler(row, seen)))
+            out.append((req, req.sampler(logits[i], seen)))
         return out
+
+    def _graphable(self, batch: Batch) -> bool:
+        return (
+            0 < len(batch.items) <= self.graphs.max_batch
+            and all(n == 1 and req.num_pending == 1 and req.num_computed >= req.num_prompt for req, n in batch.items)
+        )
+
+    def _decode_with_graph(self, batch: Batch) -> list[tuple[Request, int]]:
+        page = self.pool.page_size
+        reqs = [req for req, _ in batch.items]
+        last = [len(r.tokens) - 1 for r in reqs]
+        logits, greedy = self.graphs.run(
+            ids=[r.tokens[i] for r, i in zip(reqs, last, strict=True)],
+            positions=torch.cat([r.positions(i, i + 1) for r, i in zip(reqs, last, strict=True)], dim=1),
+            slots=[r.slot(i, page) for r, i in zip(reqs, last, strict=True)],
+            seq_lens=[i + 1 - r.kv_offset for r, i in zip(reqs, last, strict=True)],
+            tables=[r.block_table for r in reqs],
+        )
+        for req in reqs:
+            req.num_computed += 1
+        return self._sample(reqs, logits, greedy)
 
     def _vision(self, req: Request) -> VisionFeatures:
         if req.vision is None:

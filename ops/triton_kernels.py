@@ -308,7 +308,6 @@ def _decode_split_kernel(
     num_kv_heads,
     sm_scale,
     num_splits,
-    split_len,
     G: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
@@ -322,6 +321,8 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    # chunk length from this sequence's own length (no host value: the launch can be graph-captured)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     g = tl.arange(0, GP)
@@ -412,8 +413,9 @@ def paged_decode_attention(
 
     Args:
         q: ``[B, Hq, D]``, one new token per sequence (already stored in the pages).
-        cache, meta: as :func:`paged_attention`; only ``seq_lens``, ``block_tables``, ``max_seq_len``
-            are read.
+        cache, meta: as :func:`paged_attention`; only ``seq_lens`` and ``block_tables`` are read on
+            the device (``max_seq_len`` only to choose ``num_splits``). A sequence of length 0
+            (a padding row) gives zeros.
         num_splits: context chunks per sequence (fixed for CUDA-graph capture); None chooses by
             :func:`decode_splits`.
 
@@ -425,7 +427,6 @@ def paged_decode_attention(
     g = hq // hkv
     block_n = 64 if d <= 64 else 32
     splits = num_splits or decode_splits(b, hkv, meta.max_seq_len, block_n)
-    split_len = math.ceil(max(1, meta.max_seq_len) / splits / block_n) * block_n
     part_o = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
     ks = cache.k_scale if cache.is_fp8 else cache.k_cache
@@ -447,7 +448,6 @@ def paged_decode_attention(
         hkv,
         meta.softmax_scale(d),
         splits,
-        split_len,
         G=g,
         GP=max(16, triton.next_power_of_2(g)),
         D=d,

@@ -1,0 +1,271 @@
+"""Prism on the GPU beside transformers and the hardware floors, in one run (run by hand).
+
+    python benchmarks/bench_gpu.py --out results.json          # 8B and 2B shapes, H200
+    python benchmarks/bench_gpu.py --shapes 8b --quick
+
+Random weights at Qwen3-VL-8B and -2B shapes (benchmarks/shapes.py), bfloat16 weights, FP8 KV.
+Measured side by side in the same process:
+
+* ceilings: device-to-device copy bandwidth and the bf16 matrix-product rate, measured first;
+* decode TPOT at batch 1, 8 and 32 with ~1.7k-token contexts: ours (CUDA graphs), transformers
+  ``generate``, and the floor = (LM weight bytes + KV bytes read per step) / copy bandwidth;
+* TTFT cold for one and eight 448x448 photos: ours (telemetry, from submission), transformers
+  (processor + forward), and the compute floor = forward FLOPs / matrix rate;
+* TTFT of a prefix hit on the same eight photos with a ~30-token question;
+* FP8 vs bf16 KV: tokens held in 4 GiB, and paged decode attention time at batch 8 with 16k-token
+  contexts, all layers (where reading KV dominates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import shapes  # noqa: E402
+
+MEDIA = ROOT.parent / "shared" / "media"
+PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "grace_hopper.jpg",
+          "hubble_deep_field.jpg", "coins.png"]
+QUESTION = "Which of these pictures shows the most people, and what are they doing in it? Answer briefly."
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def cuda_time(fn, repeats=10, warmup=3) -> float:
+    """Median milliseconds of ``fn`` by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm = cuda_time(lambda: a @ b)
+    return {"copy_tb_s": 2 * n / ms / 1e9, "matmul_tflop_s": 2 * 8192**3 / mm / 1e9}
+
+
+def photos(n):
+    from PIL import Image
+
+    return [Image.open(MEDIA / PHOTOS[i % len(PHOTOS)]).convert("RGB").resize((448, 448)) for i in range(n)]
+
+
+def lm_weight_bytes(model) -> int:
+    lm = sum(p.numel() * p.element_size() for p in model.language_model.parameters())
+    if not model.config.tie_word_embeddings:
+        lm += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return lm
+
+
+def text_prompt(engine, tokens: int, salt: int) -> list[dict]:
+    """A text-only prompt of about ``tokens`` tokens, different per ``salt``."""
+    words = " ".join(f"w{salt}x{i}" for i in range(tokens // 4))
+    return [{"role": "user", "content": words}]
+
+
+def bench_decode(engine, hf, batch: int, ctx: int, new: int, bw: float, kv_bytes_token_layer: int) -> dict:
+    from engine import SamplingParams
+
+    msgs = [text_prompt(engine, ctx, i) for i in range(batch)]
+    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+    engine.generate(msgs[0], SamplingParams(max_tokens=4, ignore_eos=True))  # warm
+    results = [None] * batch
+    barrier = threading.Barrier(batch)
+
+    def one(i):
+        barrier.wait()
+        results[i] = engine.generate(msgs[i], sp, cache_salt=f"d{i}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ours = statistics.median(r.telemetry.tpot_ms for r in results)
+    prompt_len = statistics.mean(r.telemetry.prompt_tokens for r in results)
+    layers = engine.config.text.num_hidden_layers
+    kv_read = batch * (prompt_len + new / 2) * kv_bytes_token_layer * layers
+    floor = (lm_weight_bytes(engine.model) + kv_read) / (bw * 1e12) * 1e3
+    out = {"batch": batch, "context": prompt_len, "ours_tpot_ms": ours, "floor_ms": floor,
+           "ours_vs_floor": ours / floor}
+    if hf is not None:
+        enc = [engine.prompts.build(m).input_ids for m in msgs]
+        width = min(len(e) for e in enc)
+        ids = torch.tensor([e[:width] for e in enc], device="cuda")
+        with torch.no_grad():
+            def prefill():
+                hf(input_ids=ids, logits_to_keep=1)
+            pre = cuda_time(prefill, repeats=2, warmup=1)
+            steps = 16
+            gen = cuda_time(lambda: hf.generate(input_ids=ids, max_new_tokens=steps, min_new_tokens=steps,
+                                                do_sample=False), repeats=2, warmup=1)
+        out["transformers_tpot_ms"] = (gen - pre) / (steps - 1)
+        out["ours_speedup"] = out["transformers_tpot_ms"] / ours
+    return out
+
+
+def vision_lm_flops(model, prompt) -> float:
+    """Forward FLOPs of a prompt: 2 x params x tokens for every matrix, plus attention."""
+    v, t = model.config.vision, model.config.text
+    patches = sum(a * b * c for a, b, c in prompt.image_grids)
+    vis_params = sum(p.numel() for n, p in model.visual.named_parameters() if p.dim() > 1 and "pos_embed" not in n)
+    flops = 2 * vis_params * patches / 1  # mergers run on 1/4 of the rows: small over-count
+    flops += sum(4 * (h * w) ** 2 * v.hidden_size for _, h, w in prompt.image_grids) * v.depth
+    n = len(prompt.input_ids)
+    lm_params = sum(p.numel() for n_, p in model.language_model.named_parameters() if p.dim() > 1 and "embed" not in n_)
+    flops += 2 * lm_params * n + 2 * t.hidden_size * t.vocab_size  # logits of the last token only
+    flops += 2 * n * n * t.num_attention_heads * t.head_dim * t.num_hidden_layers  # causal QK^T and PV
+    return flops
+
+
+def bench_ttft(engine, hf, n_images: int, tflops: float) -> dict:
+    from engine import SamplingParams, media_first_messages
+
+    ims = photos(n_images)
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    warm = media_first_messages(photos(n_images), "warm up")
+    engine.generate(warm, sp, cache_salt="warm")
+    cold = []
+    for i in range(3):
+        c = engine.generate(media_first_messages(ims, QUESTION), sp, cache_salt=f"cold{n_images}-{i}")
+        cold.append(c.telemetry)
+    hits = [
+        engine.generate(media_first_messages(ims, QUESTION + f" ({j})"), sp, cache_salt=f"cold{n_images}-0").telemetry
+        for j in range(3)
+    ]
+    prompt = engine.prompts.build(media_first_messages(ims, QUESTION))
+    floor = vision_lm_flops(engine.model, prompt) / (tflops * 1e12) * 1e3
+    out = {
+        "images": n_images, "prompt_tokens": len(prompt.input_ids),
+        "ours_cold_ttft_ms": statistics.median(t.ttft_ms for t in cold),
+        "ours_cold_vision_ms": statistics.median(t.vision_ms for t in cold),
+        "hit_ttft_ms": statistics.median(t.ttft_ms for t in hits),
+        "hit_prefix": [t.prefix_cache for t in hits], "hit_computed_tokens": hits[0].computed_tokens,
+        "prefix_pages": hits[0].prefix_pages, "prefix_pages_dense": hits[0].prefix_pages_dense,
+        "compute_floor_ms": floor,
+    }
+    out["ours_cold_vs_floor"] = out["ours_cold_ttft_ms"] / floor
+    if hf is not None:
+        proc = engine.processor
+
+        def theirs():
+            text = proc.apply_chat_template(
+                [{"role": "user", "content": [*({"type": "image"} for _ in ims), {"type": "text", "text": QUESTION}]}],
+                tokenize=False, add_generation_prompt=True)
+            inp = proc(text=[text], images=ims, return_tensors="pt").to("cuda")
+            with torch.no_grad():
+                hf(**inp, logits_to_keep=1)
+        out["transformers_ttft_ms"] = cuda_time(theirs, repeats=3, warmup=1)
+        out["ours_cold_speedup"] = out["transformers_ttft_ms"] / out["ours_cold_ttft_ms"]
+        out["hit_speedup_vs_transformers"] = out["transformers_ttft_ms"] / out["hit_ttft_ms"]
+    return out
+
+
+def bench_kv_formats(engine) -> dict:
+    from ops import AttentionMetadata, KVLayerCache, kv_bytes_per_token
+    from ops.triton_kernels import paged_decode_attention
+
+    t = engine.config.text
+    out = {}
+    budget = 4 << 30
+    for kv in ("fp8_e4m3", "auto"):
+        per_token = kv_bytes_per_token(t.num_key_value_heads, t.head_dim, kv, torch.bfloat16) * t.num_hidden_layers
+        out[f"tokens_in_4GiB_{kv}"] = budget // per_token
+    batch, ctx, page = 8, 16384, 16
+    pages = batch * ctx // page
+    tables = [list(range(b * ctx // page, (b + 1) * ctx // page)) for b in range(batch)]
+    slots = [tb[-1] * page + page - 1 for tb in tables]
+    meta = AttentionMetadata.build([1] * batch, [ctx] * batch, tables, slots, "cuda")
+    q = torch.randn(batch, t.num_attention_heads, t.head_dim, dtype=torch.bfloat16, device="cuda")
+    for kv in ("fp8_e4m3", "auto"):
+        cache = KVLayerCache.allocate(pages, page, t.num_key_value_heads, t.head_dim, kv, torch.bfloat16, "cuda")
+        cache.k_cache.view(torch.uint8).random_(0, 120)
+        cache.v_cache.view(torch.uint8).random_(0, 120)
+        ms = cuda_time(lambda c=cache: paged_decode_attention(q, c, meta), repeats=20)
+        out[f"decode_attn_ms_per_layer_{kv}"] = ms
+        out[f"decode_attn_ms_all_layers_{kv}"] = ms * t.num_hidden_layers
+    out["fp8_attention_speedup"] = out["decode_attn_ms_per_layer_auto"] / out["decode_attn_ms_per_layer_fp8_e4m3"]
+    return out
+
+
+def run_shape(shape: str, args, ceil: dict, workdir: pathlib.Path) -> dict:
+    log(f"== {shape}: building the engine")
+    t0 = time.perf_counter()
+    engine = shapes.random_engine(shape, workdir, "cuda", torch.bfloat16, kv_cache_dtype="fp8_e4m3",
+                                  max_num_seqs=32, max_num_batched_tokens=8192, progress=False,
+                                  gpu_memory_utilization=0.45)
+    log(f"   engine ready in {time.perf_counter() - t0:.0f} s; pool {engine.stats()['capacity_tokens']} tokens")
+    hf = None if args.no_transformers else shapes.transformers_twin(engine.model, workdir / f"shape-{shape}")
+    from ops import kv_bytes_per_token
+
+    t = engine.config.text
+    kvb = kv_bytes_per_token(t.num_key_value_heads, t.head_dim, "fp8_e4m3", torch.bfloat16)
+    res = {"shape": shape, "lm_weight_gb": lm_weight_bytes(engine.model) / 1e9}
+    res["decode"] = []
+    for b in args.batches:
+        log(f"   decode batch {b}")
+        res["decode"].append(bench_decode(engine, hf, b, args.context, args.new_tokens, ceil["copy_tb_s"], kvb))
+        log("   ", res["decode"][-1])
+    res["ttft"] = []
+    for n in (1, 8):
+        log(f"   ttft {n} images")
+        res["ttft"].append(bench_ttft(engine, hf, n, ceil["matmul_tflop_s"]))
+        log("   ", res["ttft"][-1])
+    res["kv_formats"] = bench_kv_formats(engine)
+    log("   ", res["kv_formats"])
+    engine.close()
+    del hf, engine
+    torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["8b", "2b"], choices=sorted(shapes.SHAPES))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=1700)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--out", type=pathlib.Path)
+    args = p.parse_args(argv)
+    ceil = ceilings()
+    log("ceilings", ceil)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil, "shapes": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            results["shapes"].append(run_shape(shape, args, ceil, pathlib.Path(tmp)))
+            if args.out:
+                args.out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

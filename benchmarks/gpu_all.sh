@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One GPU session: kernel tests, correctness smoke, benchmarks. Run on the GPU machine from the repo root;
+# results go to $OUT (or ./gpu-results). Carry .whl (dashscope, platformdirs wheels) along.
+set -u
+OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+for step in ${STEPS:-kernels smoke bench}; do
+  case $step in
+    kernels) timeout 300 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernels.txt" ;;
+    smoke) timeout 300 python3 benchmarks/gpu_smoke.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/smoke.txt" ;;
+    bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;
+  esac
+done
