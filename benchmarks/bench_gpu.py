@@ -19,6 +19,7 @@ Measured side by side in the same process:
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import pathlib
 import statistics
@@ -35,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import shapes  # noqa: E402
 
-MEDIA = ROOT.parent / "shared" / "media"
+MEDIA = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT.parent / "shared" / "media"))
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "grace_hopper.jpg",
           "hubble_deep_field.jpg", "coins.png"]
 QUESTION = "Which of these pictures shows the most people, and what are they doing in it? Answer briefly."

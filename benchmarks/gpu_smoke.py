@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 from engine import Engine, SamplingParams, media_first_messages  # noqa: E402
 from engine.tiny import build_tiny_checkpoint  # noqa: E402
 
-MEDIA = ROOT.parent / "shared" / "media"
+MEDIA = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT.parent / "shared" / "media"))
 
 
 def run(engine, prompts, salt_prefix="s"):
@@ -42,6 +42,7 @@ def transformers_greedy(folder, engine, messages, dtype):
     from transformers import Qwen3VLForConditionalGeneration
 
     hf = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).cuda().eval()
+    torch.backends.cuda.matmul.allow_tf32 = False
     p = engine.prompts.build(messages)
     ids = torch.tensor([p.input_ids], device="cuda")
     kw = {}
@@ -63,15 +64,17 @@ def main() -> int:
     ]
     ok = True
     for dtype in (torch.float32, torch.bfloat16):
-        ref_tokens = [transformers_greedy(folder, Engine.from_pretrained(folder, device="cuda", dtype=dtype,
-                      cuda_graphs=False, progress=False, max_pixels=256 * 256), m, dtype) for m in prompts]
+        builder = Engine.from_pretrained(folder, device="cuda", dtype=dtype, cuda_graphs=False, progress=False,
+                                         max_pixels=256 * 256, kv_cache_bytes=64 << 20)
+        ref_tokens = [transformers_greedy(folder, builder, m, dtype) for m in prompts]
+        builder.close()
         for kv in ("auto", "fp8_e4m3"):
             for graphs in (False, True):
                 for ops_mode in ("triton", "reference"):
                     os.environ["PRISM_OPS"] = ops_mode
                     eng = Engine.from_pretrained(folder, device="cuda", dtype=dtype, kv_cache_dtype=kv,
                                                  cuda_graphs=graphs, progress=False, max_pixels=256 * 256,
-                                                 kv_cache_bytes=256 << 20, debug_checks=True)
+                                                 kv_cache_bytes=256 << 20, debug_checks=True, compaction=None)
                     got = [c.token_ids for c in run(eng, prompts)]
                     again = run(eng, prompts)  # same salts: the image prompts now hit their prefix
                     same = [a.token_ids == g for a, g in zip(again, got, strict=True)]
