@@ -432,13 +432,11 @@ class Engine:
         found = [self.vision_cache.get(k) for k in keys]
         missing = [i for i, f in enumerate(found) if f is None]
         if missing:
-            patches = [t * h * w for t, h, w in prompt.image_grids]
-            starts = [sum(patches[:i]) for i in range(len(patches))]
-            pixels = torch.cat([prompt.pixel_values[starts[i] : starts[i] + patches[i]] for i in missing])
+            pixels = torch.cat([prompt.image_pixels[i] for i in missing])
             fresh = self.model.encode_vision(pixels, [prompt.image_grids[i] for i in missing])
             offset = 0
             for i in missing:
-                n = patches[i] // merge2
+                n = prompt.image_pixels[i].shape[0] // merge2
                 rows = torch.arange(offset, offset + n, device=self.device)
                 found[i] = fresh.select(rows)
                 self.vision_cache.put(keys[i], found[i])
@@ -468,24 +466,40 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
-        while True:
+        reason = "the engine was closed before the request finished"
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(
+                        lambda: self._stopping or self._inbox or self._cancels or self.scheduler.has_work()
+                    )
+                    if self._stopping:
+                        break
+                    for req in self._inbox:
+                        self._lookup(req)
+                        self.scheduler.add(req)
+                    self._inbox.clear()
+                    for req in self._cancels:
+                        self._finish(req, None)
+                    self._cancels.clear()
+                    self._cv.notify_all()
+                if self.scheduler.has_work():
+                    self._step()
+        except Exception as exc:
+            # A bug outside the model step (scheduling, bookkeeping, a failed debug check) used to
+            # end this thread silently, leaving every caller blocked forever on its outbox. Stop
+            # the engine instead and fail all its requests below.
+            log.exception("engine loop crashed")
+            reason = f"internal engine error, the engine stopped: {exc!r}"
             with self._cv:
-                self._cv.wait_for(lambda: self._stopping or self._inbox or self._cancels or self.scheduler.has_work())
-                if self._stopping:
-                    break
-                for req in self._inbox:
-                    self._lookup(req)
-                    self.scheduler.add(req)
-                self._inbox.clear()
-                for req in self._cancels:
-                    self._finish(req, None)
-                self._cancels.clear()
-                self._cv.notify_all()
-            if self.scheduler.has_work():
-                self._step()
+                self._stopping = self._closed = True
         with self._cv:
             for req in [*self.scheduler.running, *self.scheduler.waiting, *self._inbox]:
-                self._finish(req, PrismError("the engine was closed before the request finished"))
+                try:
+                    self._finish(req, PrismError(reason))
+                except Exception:  # state too broken to free pages: still answer the caller
+                    req.status = Status.FINISHED
+                    req.outbox.put(PrismError(reason))
             self._inbox.clear()
             self._cv.notify_all()
 

@@ -14,12 +14,14 @@ the checkpoint's own transformers processor.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from .errors import InvalidRequestError
-from .images import ImageOptions, image_sha256, open_image
+from .images import ImageOptions, bytes_sha256, image_sha256, open_image
 from .rope import VisualSpan, find_visual_spans, mrope_positions
 
 ROLES = ("system", "user", "assistant")
@@ -35,8 +37,8 @@ class Prompt:
         positions: int64 ``[3, len(input_ids)]`` M-RoPE positions.
         rope_delta: generated token at sequence index ``j`` gets position ``j + rope_delta``.
         spans: visual token runs (images, video frames) in prompt order.
-        pixel_values / image_grids: the processor's image patches ``[patches, C*T*P*P]`` and
-            ``(t, h, w)`` grids, or None / [] without images.
+        image_pixels / image_grids: each image's processor patches ``[t*h*w, C*T*P*P]`` and its
+            ``(t, h, w)`` grid (patches), in order.
         pixel_values_videos / video_grids: the same for videos.
         image_hashes: SHA-256 of each image's decoded pixels, in order.
         video_hashes: SHA-256 over each video's frame hashes and fps, in order.
@@ -46,12 +48,17 @@ class Prompt:
     positions: torch.Tensor
     rope_delta: int
     spans: list[VisualSpan]
-    pixel_values: torch.Tensor | None = None
+    image_pixels: list[torch.Tensor] = field(default_factory=list)
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)
     pixel_values_videos: torch.Tensor | None = None
     video_grids: list[tuple[int, int, int]] = field(default_factory=list)
     image_hashes: list[str] = field(default_factory=list)
     video_hashes: list[str] = field(default_factory=list)
+
+    @property
+    def pixel_values(self) -> torch.Tensor | None:
+        """All images' patches concatenated (the processor's ``pixel_values``), or None."""
+        return torch.cat(self.image_pixels) if self.image_pixels else None
 
     @property
     def prefix_len(self) -> int:
@@ -109,18 +116,36 @@ def _normalise(messages) -> tuple[list[dict], list, list[tuple[list, float]]]:
     return template, images, videos
 
 
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image as the processor left it: content hash, patch grid ``(t, h, w)``, patches."""
+
+    sha256: str
+    grid: tuple[int, int, int]
+    pixels: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixels.numel() * self.pixels.element_size()
+
+
 class PromptBuilder:
     """Applies the checkpoint's processor to chat messages.
+
+    Processed images are kept in a bounded LRU keyed by the SHA-256 of the uploaded file's bytes
+    (and of the pixels for PIL inputs), so asking again about the same images skips decoding and
+    pixel processing: only the chat template and the tokenizer run.
 
     Args:
         processor: a transformers ``Qwen3VLProcessor``.
         image_token_id, video_token_id, merge_size: from the model config.
         image_options: our image-opening rules.
         min_pixels, max_pixels: processor resize bounds in pixels (None keeps the checkpoint's).
+        cache_bytes: bound of the processed-image cache (patch tensor bytes).
     """
 
     def __init__(self, processor, *, image_token_id, video_token_id, merge_size, image_options=None,
-                 min_pixels=None, max_pixels=None):
+                 min_pixels=None, max_pixels=None, cache_bytes: int = 256 << 20):
         self.processor = processor
         self.image_token_id, self.video_token_id, self.merge_size = image_token_id, video_token_id, merge_size
         self.image_options = image_options or ImageOptions()
@@ -130,6 +155,10 @@ class PromptBuilder:
         if max_pixels is not None:
             size["longest_edge"] = int(max_pixels)
         self.size = size
+        self.cache_bytes = cache_bytes
+        self._processed: OrderedDict[str, ProcessedImage] = OrderedDict()
+        self._cached_bytes = 0
+        self.cache_hits = 0
 
     def build(self, messages) -> Prompt:
         """Tokenise ``messages`` (with the generation prompt) and process their images / videos.
@@ -139,9 +168,46 @@ class PromptBuilder:
             InvalidImageError: an image or video frame cannot be used.
         """
         template, raw_images, raw_videos = _normalise(messages)
+        text = self.processor.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
+        keys = [self._source_key(src) for src in raw_images]
+        cached = [self._processed.get(k) if k else None for k in keys]
+        if raw_videos or not all(cached):
+            return self._build_with_processor(text, raw_images, raw_videos, keys)
+        for k in keys:
+            self._processed.move_to_end(k)
+        self.cache_hits += len(keys)
+        return self._build_from_cache(text, cached)
+
+    def _source_key(self, src) -> str | None:
+        """SHA-256 of an image source's bytes (files, bytes), or None (opened every time)."""
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            return bytes_sha256(src)
+        if isinstance(src, (str, Path)):
+            try:
+                path = Path(src)
+                if path.stat().st_size > self.image_options.max_bytes:
+                    return None  # let open_image refuse it with its message
+                return bytes_sha256(path.read_bytes())
+            except OSError:
+                return None
+        return None
+
+    def _build_from_cache(self, text: str, images: list[ProcessedImage]) -> Prompt:
+        """The processor's token expansion (each image pad repeated once per merged patch), without
+        touching pixels; tests check it equals the processor's own output."""
+        pad = "<|image_pad|>"
+        pieces = text.split(pad)
+        merge2 = self.merge_size**2
+        expanded = pieces[0] + "".join(
+            pad * (im.grid[0] * im.grid[1] * im.grid[2] // merge2) + rest
+            for im, rest in zip(images, pieces[1:], strict=True)
+        )
+        input_ids = self.processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        return self._prompt(input_ids, images, [], None, [])
+
+    def _build_with_processor(self, text: str, raw_images, raw_videos, keys) -> Prompt:
         images = [open_image(src, self.image_options) for src in raw_images]
         videos = [([open_image(f, self.image_options) for f in frames], fps) for frames, fps in raw_videos]
-        text = self.processor.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
         kwargs = {"return_tensors": "pt"}
         if images:
             kwargs["images"] = images
@@ -156,9 +222,33 @@ class PromptBuilder:
                 ],
             }
         out = self.processor(text=[text], **kwargs)
-        input_ids = out["input_ids"][0].tolist()
-        image_grids = [tuple(g) for g in out["image_grid_thw"].tolist()] if images else []
+        processed = []
+        if images:
+            grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
+            pixels = out["pixel_values"].split([t * h * w for t, h, w in grids])
+            processed = [
+                ProcessedImage(image_sha256(im), g, px) for im, g, px in zip(images, grids, pixels, strict=True)
+            ]
+            for key, item in zip(keys, processed, strict=True):
+                self._remember(key, item)
         video_grids = [tuple(g) for g in out["video_grid_thw"].tolist()] if videos else []
+        return self._prompt(
+            out["input_ids"][0].tolist(), processed, video_grids,
+            out.get("pixel_values_videos") if videos else None,
+            [_video_sha256(frames, fps) for frames, fps in videos],
+        )
+
+    def _remember(self, key: str | None, item: ProcessedImage) -> None:
+        if key is None or key in self._processed or item.nbytes > self.cache_bytes:
+            return
+        self._processed[key] = item
+        self._cached_bytes += item.nbytes
+        while self._cached_bytes > self.cache_bytes:
+            _, old = self._processed.popitem(last=False)
+            self._cached_bytes -= old.nbytes
+
+    def _prompt(self, input_ids, images: list[ProcessedImage], video_grids, video_pixels, video_hashes) -> Prompt:
+        image_grids = [im.grid for im in images]
         spans = find_visual_spans(
             input_ids, image_grids, video_grids,
             image_token_id=self.image_token_id, video_token_id=self.video_token_id, merge_size=self.merge_size,
@@ -169,12 +259,12 @@ class PromptBuilder:
             positions=positions,
             rope_delta=delta,
             spans=spans,
-            pixel_values=out.get("pixel_values") if images else None,
+            image_pixels=[im.pixels for im in images],
             image_grids=image_grids,
-            pixel_values_videos=out.get("pixel_values_videos") if videos else None,
+            pixel_values_videos=video_pixels,
             video_grids=video_grids,
-            image_hashes=[image_sha256(im) for im in images],
-            video_hashes=[_video_sha256(frames, fps) for frames, fps in videos],
+            image_hashes=[im.sha256 for im in images],
+            video_hashes=video_hashes,
         )
 
 

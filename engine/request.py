@@ -26,7 +26,10 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: requests compare (and hash) by identity. The generated value equality compared
+# prompts field by field, so `req in running` / `running.remove(req)` with two requests of the same
+# prompt evaluated `tensor == tensor` and raised, killing the engine loop (every request then hung).
+@dataclass(eq=False)
 class Request:
     """A request in the engine.
 
