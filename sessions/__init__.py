@@ -1,1 +1,35 @@
-"""Prism sessions package."""
+"""Prism sessions package: persistent chat sessions, uploaded images, turns and share links.
+
+See :mod:`sessions.store` for the storage layout, threading model and schema migrations.
+"""
+
+from engine.errors import InvalidImageError
+
+from .store import (
+    SCHEMA_VERSION,
+    SHARE_MODES,
+    ImageRecord,
+    LimitExceeded,
+    NotFound,
+    PermissionDenied,
+    Session,
+    SessionStore,
+    Share,
+    StoreError,
+    Turn,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "SHARE_MODES",
+    "ImageRecord",
+    "InvalidImageError",
+    "LimitExceeded",
+    "NotFound",
+    "PermissionDenied",
+    "Session",
+    "SessionStore",
+    "Share",
+    "StoreError",
+    "Turn",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -23,6 +24,16 @@ from ops import (
     quantize_fp8,
     store_kv,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tests run hundreds of tiny ops; intra-op threads only add overhead (and contention)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 # --------------------------------------------------------------------------------------------------
 # Helpers: a random paged batch and a plain float64 oracle
@@ -89,9 +100,7 @@ def make_batch(
             store_kv(k[:cached], v[:cached], cache, torch.tensor(slots[:cached]))
         slots_new += slots[cached:]
         q_rows.append(torch.randn(new, num_kv_heads * group, head_dim, generator=g))
-    meta = AttentionMetadata.build(
-        [n for _, n in seqs], [c + n for c, n in seqs], tables, slots_new, device="cpu"
-    )
+    meta = AttentionMetadata.build([n for _, n in seqs], [c + n for c, n in seqs], tables, slots_new, device="cpu")
     k_new = torch.cat([k[c:] for k, (c, _) in zip(k_full, seqs, strict=True)])
     v_new = torch.cat([v[c:] for v, (c, _) in zip(v_full, seqs, strict=True)])
     q = torch.cat(q_rows).to(dtype)
@@ -193,7 +202,9 @@ def test_paged_attention_matches_oracle(scenario, page_size, head_dim, group, kv
 def test_custom_softmax_scale():
     batch = make_batch(SCENARIOS["b3_mixed"], 4, 2, 16, 2, "fp8", seed=3)
     batch.meta.scale = 0.3
-    torch.testing.assert_close(paged_attention(batch.q, batch.cache, batch.meta).double(), oracle(batch), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        paged_attention(batch.q, batch.cache, batch.meta).double(), oracle(batch), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_padding_rows_output_zero_and_not_stored():
@@ -263,25 +274,35 @@ def _mean_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).mean().item()
 
 
-# Measured (seed 0, page_size 16, 2 KV heads, GQA 4, head_dim 128, batch of (0,64),(100,28),(200,1)):
-#   normal K/V:                 mean relative error 2.3e-2, max 3.1e-2
-#   4 outlier channels x20/x8:  mean relative error 2.2e-2, max 3.0e-2
-# Per element, E4M3 round-to-nearest has relative error <= 2^-4 (3 mantissa bits); attention output
-# errors average to ~2.3%. Tested bound: mean < 3%, max < 6%.
-FP8_MEAN_REL_BOUND = 0.03
-FP8_MAX_REL_BOUND = 0.06
+# Error metric: per (token, query head), ||out - ref||_2 / ||ref||_2 along head_dim, where ref is the
+# float64 oracle on the *unquantised* K/V; "agg" is ||out - ref||_F / ||ref||_F over the whole batch.
+# Per element, E4M3 round-to-nearest has relative error <= 2^-4 (3 mantissa bits); measured on these
+# K/V: mean 2.2%, RMS 2.7%. K and V errors each add ~2.5% to the output, so ~3.5% together.
+# Measured (batch (0,64),(100,28),(200,1), page_size 16, 2 KV heads, GQA 4, head_dim 128, float32, seed 0;
+# seeds 0-4 in brackets):
+#   normal K/V:                          mean 3.49% [3.45-3.54]  max 5.9% [5.8-6.6]   agg 3.21% [3.19-3.30]
+#   4 outlier channels (K x20, V x8):    mean 4.39% [4.11-4.39]  max 26%  [21-40]     agg 4.09% [3.67-4.38]
+# With outlier keys the scores are ~4x larger, attention is sharper, and the K error dominates (K only:
+# mean 5.7%, V only: 2.0%); single rows whose top keys nearly tie can move by tens of percent.
+# bfloat16 "auto" storage for comparison: mean 0.16% (the final bfloat16 rounding of the output).
+# Tested bounds (seed 0): mean < 4% / agg < 4% / max < 8% (normal); mean < 5% / agg < 5% (outliers).
+FP8_BOUNDS = {"normal": (0.04, 0.04, 0.08), "outliers": (0.05, 0.05, 1.0)}
 
 
-@pytest.mark.parametrize("kv_fn", [_normal_kv, _outlier_kv], ids=["normal", "outliers"])
-def test_fp8_error_versus_unquantised(kv_fn):
+@pytest.mark.parametrize("kind", ["normal", "outliers"])
+def test_fp8_error_versus_unquantised(kind):
+    kv_fn = {"normal": _normal_kv, "outliers": _outlier_kv}[kind]
     seqs = [(0, 64), (100, 28), (200, 1)]
     batch = make_batch(seqs, 16, 2, 128, 4, "fp8", seed=0, kv_fn=kv_fn)
-    out = paged_attention(batch.q, batch.cache, batch.meta)
+    out = paged_attention(batch.q, batch.cache, batch.meta).double()
     ref = oracle(batch, dequantised=False)
-    rel = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)
-    print(f"FP8 attention error ({kv_fn.__name__}): mean {rel.mean():.3e}, max {rel.max():.3e}")
-    assert rel.mean().item() < FP8_MEAN_REL_BOUND
-    assert rel.max().item() < FP8_MAX_REL_BOUND
+    rel = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+    agg = ((out - ref).norm() / ref.norm()).item()
+    print(f"FP8 attention error ({kind}): mean {rel.mean():.3e}, max {rel.max():.3e}, agg {agg:.3e}")
+    mean_bound, agg_bound, max_bound = FP8_BOUNDS[kind]
+    assert rel.mean().item() < mean_bound
+    assert agg < agg_bound
+    assert rel.max().item() < max_bound
     # auto mode on the same data is exact up to float32 accumulation
     auto = make_batch(seqs, 16, 2, 128, 4, "auto", seed=0, kv_fn=kv_fn)
     assert _mean_rel_error(paged_attention(auto.q, auto.cache, auto.meta), oracle(auto, dequantised=False)) < 1e-6
@@ -317,6 +338,7 @@ def test_quantize_large_values_finite_and_scale_exact():
     assert q.dtype == FP8_DTYPE and s.dtype == torch.float32 and s.shape == (5, 3)
     assert torch.isfinite(q.float()).all() and torch.isfinite(s).all()
     assert torch.equal(s, x.abs().amax(-1) / 448)  # exactly amax / 448 in float32
+    assert torch.equal(s, (x.abs().amax(-1).double() / 448).float())  # correctly rounded division
     assert (q.float().abs().amax(-1) == 448).all()  # the amax element maps to +-448
     back = dequantize_fp8(q, s)
     assert torch.isfinite(back).all()
@@ -526,3 +548,42 @@ def test_metadata_build():
         AttentionMetadata.build([2], [2], [[0]], [0])
     with pytest.raises(ValueError, match="one entry per sequence"):
         AttentionMetadata.build([1, 1], [1], [[0]], [0, 1])
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA (skipped without a device): the same ops on the GPU agree with the CPU
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_cuda_matches_cpu(kv_dtype):
+    dev = "cuda"
+    for name, seqs in SCENARIOS.items():
+        b = make_batch(seqs, 16, 2, 128, 4, kv_dtype, seed=1)
+        ref = paged_attention(b.q, b.cache, b.meta)
+        c = b.cache
+        cache = KVLayerCache(*[None if t is None else t.to(dev) for t in (c.k_cache, c.v_cache, c.k_scale, c.v_scale)])
+        fields = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+        meta = dataclasses.replace(b.meta, **{f: getattr(b.meta, f).to(dev) for f in fields})
+        torch.testing.assert_close(paged_attention(b.q.to(dev), cache, meta).cpu(), ref, atol=1e-5, rtol=1e-5)
+        if name in DECODE_SCENARIOS:
+            dec = paged_decode_attention(b.q.to(dev), cache, meta).cpu()
+            torch.testing.assert_close(dec, ref, atol=1e-5, rtol=1e-5)
+    x = torch.randn(500, 2, 128) * torch.logspace(-4, 4, 128)
+    (qg, sg), (qc, sc) = quantize_fp8(x.to(dev)), quantize_fp8(x)
+    assert torch.equal(qg.cpu().view(torch.uint8), qc.view(torch.uint8)) and torch.equal(sg.cpu(), sc)
+    pools = {}
+    for d in (dev, "cpu"):
+        cache = KVLayerCache.allocate(4, 16, 2, 128, kv_dtype, torch.bfloat16, d)
+        slots = torch.arange(50, device=d).flip(0)
+        store_kv(x[:50].bfloat16().to(d), x[50:100].bfloat16().to(d), cache, slots)
+        copy_pages(cache, torch.tensor([0, 1], device=d), torch.tensor([1, 3], device=d))
+        move_slots(cache, torch.tensor([3, 5, 6, 9, 10], device=d), torch.arange(5, device=d))
+        pools[d] = [t.cpu().view(torch.uint8) for t in _layer(cache)]
+    assert all(torch.equal(a, b) for a, b in zip(pools[dev], pools["cpu"], strict=True))
+
+
+def _layer(cache: KVLayerCache) -> list[torch.Tensor]:
+    return [t for t in (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale) if t is not None]

@@ -64,15 +64,27 @@ class Pair:
     processor: object
 
 
+#: Engine options for exact parity: K/V pages kept in the model dtype and no prefix cache (the
+#: default Scaled-FP8 pages and compacted cached prefixes are lossy by design), a small pool (the
+#: CPU default is 512 MiB), page accounting checked after every step.
+PARITY_OPTIONS = {"kv_cache_dtype": "auto", "prefix_cache": False, "kv_cache_bytes": 32 << 20, "debug_checks": True}
+
+
+def _engine(ckpt, dtype=torch.float32, **options) -> Engine:
+    return Engine.from_pretrained(ckpt, device="cpu", dtype=dtype, progress=False, **{**PARITY_OPTIONS, **options})
+
+
 def _load_pair(ckpt, dtype=torch.float32, **engine_options) -> Pair:
-    engine = Engine.from_pretrained(ckpt, device="cpu", dtype=dtype, progress=False, **engine_options)
+    engine = _engine(ckpt, dtype, **engine_options)
     hf = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=dtype).eval()
     return Pair(engine, hf, AutoProcessor.from_pretrained(ckpt))
 
 
 @pytest.fixture(scope="module")
-def f32(tiny_ckpt) -> Pair:
-    return _load_pair(tiny_ckpt)
+def f32(tiny_ckpt):
+    pair = _load_pair(tiny_ckpt)
+    yield pair
+    pair.engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +95,10 @@ def custom_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def custom(custom_ckpt) -> Pair:
-    return _load_pair(custom_ckpt)
+def custom(custom_ckpt):
+    pair = _load_pair(custom_ckpt)
+    yield pair
+    pair.engine.close()
 
 
 def _photo(media_path, name: str) -> Image.Image:
@@ -120,8 +134,11 @@ def hf_inputs(processor, messages, *, max_pixels: int | None = None) -> dict:
     kwargs = {}
     if images := _images_in(messages):
         kwargs["images"] = images
-        if max_pixels is not None:
-            kwargs["images_kwargs"] = {"max_pixels": max_pixels}
+        if max_pixels is not None:  # (a call-time ``max_pixels=`` is silently ignored by transformers 5.17)
+            kwargs["size"] = {
+                "shortest_edge": processor.image_processor.size["shortest_edge"],
+                "longest_edge": max_pixels,
+            }
     if videos := _videos_in(messages):
         kwargs["videos"] = [frames for frames, _ in videos]
         kwargs["videos_kwargs"] = {
@@ -218,10 +235,13 @@ def test_text_only(f32):
 
 def test_one_photo(f32, media_path):
     messages = [
-        {"role": "user", "content": [
-            {"type": "image", "image": _photo(media_path, "astronaut.png")},
-            {"type": "text", "text": "Describe this image."},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": _photo(media_path, "astronaut.png")},
+                {"type": "text", "text": "Describe this image."},
+            ],
+        },
     ]
     # 512 x 512 -> 32 x 32 patches of 16 -> 16 x 16 merged tokens
     prompt = assert_parity(f32, messages, expect_visual=256)
@@ -230,11 +250,11 @@ def test_one_photo(f32, media_path):
 
 
 @pytest.fixture(scope="module")
-def f32_small_images(tiny_ckpt, f32) -> Pair:
+def f32_small_images(tiny_ckpt, f32):
     """The same checkpoint with our engine's ``max_pixels`` option (transformers: its ``max_pixels``)."""
-    engine = Engine.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.float32, progress=False,
-                                    max_pixels=THREE_PHOTO_MAX_PIXELS)
-    return Pair(engine, f32.hf, f32.processor)
+    engine = _engine(tiny_ckpt, max_pixels=THREE_PHOTO_MAX_PIXELS)
+    yield Pair(engine, f32.hf, f32.processor)
+    engine.close()
 
 
 def test_three_photos_of_different_shapes(f32_small_images, media_path):
@@ -242,11 +262,14 @@ def test_three_photos_of_different_shapes(f32_small_images, media_path):
     photos = [_photo(media_path, n) for n in names]
     assert len({p.size for p in photos}) == 3 and len({round(p.width / p.height, 2) for p in photos}) == 3
     messages = [
-        {"role": "user", "content": [
-            {"type": "text", "text": "Compare these:"},
-            *({"type": "image", "image": p} for p in photos),
-            {"type": "text", "text": "Which one has text?"},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare these:"},
+                *({"type": "image", "image": p} for p in photos),
+                {"type": "text", "text": "Which one has text?"},
+            ],
+        },
     ]
     prompt = assert_parity(f32_small_images, messages, hf_max_pixels=THREE_PHOTO_MAX_PIXELS)
     grids = prompt.image_grids
@@ -258,10 +281,13 @@ def test_three_photos_of_different_shapes(f32_small_images, media_path):
 def test_video_of_eight_frames(f32, media_path):
     frames = _video_frames(media_path)
     messages = [
-        {"role": "user", "content": [
-            {"type": "video", "video": frames, "fps": 2.0},
-            {"type": "text", "text": "What happens in this clip?"},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "video", "video": frames, "fps": 2.0},
+                {"type": "text", "text": "What happens in this clip?"},
+            ],
+        },
     ]
     prompt = assert_parity(f32, messages)
     # 8 frames of 256 x 192 -> 4 temporal patches of 16 x 12 patches -> 4 runs of 8 x 6 tokens
@@ -272,15 +298,25 @@ def test_video_of_eight_frames(f32, media_path):
 def test_video_prompt_ids_equal_the_processors_own_chat_template(f32, media_path):
     """Our built ids equal transformers' one-call ``apply_chat_template(tokenize=True)`` path."""
     frames = _video_frames(media_path)
-    messages = [{"role": "user", "content": [
-        {"type": "video", "video": frames, "fps": 2.0},
-        {"type": "text", "text": "Describe."},
-    ]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video", "video": frames, "fps": 2.0},
+                {"type": "text", "text": "Describe."},
+            ],
+        }
+    ]
     direct = f32.processor.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt",
-        processor_kwargs={"do_sample_frames": False,
-                          "video_metadata": [{"fps": 2.0, "total_num_frames": 8,
-                                              "frames_indices": list(range(8))}]},
+        messages,
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs={
+            "do_sample_frames": False,
+            "video_metadata": [{"fps": 2.0, "total_num_frames": 8, "frames_indices": list(range(8))}],
+        },
     )
     prompt = f32.engine.prompts.build(messages)
     assert prompt.input_ids == direct["input_ids"][0].tolist()
@@ -290,10 +326,13 @@ def test_video_prompt_ids_equal_the_processors_own_chat_template(f32, media_path
 def test_two_turns_with_system_message(f32, media_path):
     messages = [
         {"role": "system", "content": "You are a terse assistant."},
-        {"role": "user", "content": [
-            {"type": "image", "image": _photo(media_path, "coffee.png")},
-            {"type": "text", "text": "What is in the cup?"},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": _photo(media_path, "coffee.png")},
+                {"type": "text", "text": "What is in the cup?"},
+            ],
+        },
         {"role": "assistant", "content": "Coffee, with latte art."},
         {"role": "user", "content": [{"type": "text", "text": "And what colour is the saucer?"}]},
     ]
@@ -302,6 +341,27 @@ def test_two_turns_with_system_message(f32, media_path):
     text = f32.processor.tokenizer.decode(prompt.input_ids)
     assert text.startswith("<|im_start|>system\nYou are a terse assistant.<|im_end|>")
     assert text.count("<|im_start|>user") == 2 and text.endswith("<|im_start|>assistant\n")
+
+
+def test_chunked_prefill_generates_transformers_tokens(tiny_ckpt, f32, media_path, request):
+    """A prompt prefilled in 64-token chunks (image features injected across chunk borders)."""
+    engine = _engine(tiny_ckpt, max_num_batched_tokens=64, page_size=16)
+    request.addfinalizer(engine.close)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "First,"},
+                {"type": "image", "image": _photo(media_path, "coffee.png")},
+                {"type": "text", "text": "then what?"},
+            ],
+        },
+    ]
+    inputs = hf_inputs(f32.processor, messages)
+    assert inputs["input_ids"].shape[1] > 3 * 64
+    done = engine.generate(messages, SamplingParams(max_tokens=GEN_TOKENS, ignore_eos=True))
+    assert done.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert done.token_ids == hf_greedy(f32.hf, inputs, GEN_TOKENS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,11 +376,14 @@ def test_custom_architecture_one_photo(custom, media_path):
     assert list(cfg.vision_config.deepstack_visual_indexes) == [0, 2, 4]
     assert cfg.text_config.rope_parameters["mrope_section"] == [6, 5, 5]
     messages = [
-        {"role": "user", "content": [
-            {"type": "text", "text": "Look:"},
-            {"type": "image", "image": _photo(media_path, "grace_hopper.jpg")},
-            {"type": "text", "text": "Who is this?"},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look:"},
+                {"type": "image", "image": _photo(media_path, "grace_hopper.jpg")},
+                {"type": "text", "text": "Who is this?"},
+            ],
+        },
     ]
     assert_parity(custom, messages)
 
@@ -336,8 +399,12 @@ def _valid_config() -> dict:
 @pytest.mark.parametrize(
     "section, key, value, field",
     [
-        ("text_config", "rope_scaling", {"mrope_section": [4, 2, 3], "mrope_interleaved": True,
-                                         "rope_type": "default"}, "mrope_section"),
+        (
+            "text_config",
+            "rope_scaling",
+            {"mrope_section": [4, 2, 3], "mrope_interleaved": True, "rope_type": "default"},
+            "mrope_section",
+        ),
         ("vision_config", "deepstack_visual_indexes", [1, 4], "deepstack_visual_indexes"),  # depth is 4
         ("vision_config", "deepstack_visual_indexes", [0, 1, 2, 3], "deepstack_visual_indexes"),  # 3 text layers
         ("vision_config", "out_hidden_size", 32, "out_hidden_size"),  # text hidden is 64
@@ -356,14 +423,22 @@ def test_inconsistent_config_names_the_field(section, key, value, field):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_bfloat16_greedy_tokens_match(tiny_ckpt, media_path):
-    pair = _load_pair(tiny_ckpt, dtype=torch.bfloat16)
+@pytest.mark.parametrize("ckpt_fixture", ["tiny_ckpt", "demo_ckpt"])
+def test_bfloat16_greedy_tokens_match(ckpt_fixture, media_path, request):
+    """bfloat16 on both sides. Our decoder and vision blocks are bit-identical to transformers' in
+    bfloat16; the patch embedding (a matrix product here, a Conv3d there) rounds differently in
+    the last bit, so logits differ by a few bfloat16 ulps, but not the greedy tokens."""
+    pair = _load_pair(request.getfixturevalue(ckpt_fixture), dtype=torch.bfloat16)
+    request.addfinalizer(pair.engine.close)
     assert pair.engine.dtype == torch.bfloat16 and pair.hf.dtype == torch.bfloat16
     messages = [
-        {"role": "user", "content": [
-            {"type": "image", "image": _photo(media_path, "astronaut.png")},
-            {"type": "text", "text": "Describe this image."},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": _photo(media_path, "astronaut.png")},
+                {"type": "text", "text": "Describe this image."},
+            ],
+        },
     ]
     inputs = hf_inputs(pair.processor, messages)
     done = pair.engine.generate(messages, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -371,14 +446,18 @@ def test_bfloat16_greedy_tokens_match(tiny_ckpt, media_path):
     assert done.token_ids == hf_greedy(pair.hf, inputs, 8)
 
 
-def test_float16_logits_are_finite(tiny_ckpt, f32, media_path):
-    engine = Engine.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.float16, progress=False)
+def test_float16_logits_are_finite(tiny_ckpt, f32, media_path, request):
+    engine = _engine(tiny_ckpt, torch.float16)
+    request.addfinalizer(engine.close)
     assert engine.dtype == torch.float16
     messages = [
-        {"role": "user", "content": [
-            {"type": "image", "image": _photo(media_path, "coffee.png")},
-            {"type": "text", "text": "What is this?"},
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": _photo(media_path, "coffee.png")},
+                {"type": "text", "text": "What is this?"},
+            ],
+        },
     ]
     prompt = engine.prompts.build(messages)
     logits = our_all_logits(engine, prompt)
