@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ops.fused import add_rms_norm
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019, arXiv:1910.07467), computed in float32.
@@ -20,9 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps)[0]
 
 
 def activation(name: str):

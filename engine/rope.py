@@ -178,18 +178,6 @@ class MRoPE:
         return self._device_tables
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dim (the RoPE pairing used by Qwen models)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, D]`` by ``cos``/``sin`` ``[T, D]`` (broadcast over heads)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
-
-
 def vision_rope_cos_sin(
     grids: list[tuple[int, int, int]], merge_size: int, head_dim: int, theta: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ops.fused import add_rms_norm, qk_norm_rope, silu_mul
+
 from .attention import AttentionContext
 from .config import TextConfig
 from .layers import RMSNorm, activation
-from .rope import MRoPE, apply_rope
+from .rope import MRoPE
 
 
 @dataclass
@@ -47,10 +49,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, ctx: AttentionContext):
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        eps = self.q_norm.eps
+        q = qk_norm_rope(self.q_proj(x).view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin, eps)
+        k = qk_norm_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin, eps)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(ctx.attend(layer, q, k, v).reshape(t, -1))
 
 
@@ -65,6 +67,8 @@ class MLP(nn.Module):
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x):
+        if self.act is F.silu:
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -76,9 +80,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, layer, ctx):
+        """One layer with the residual add deferred into the next norm.
+
+        Takes the previous layer's output ``x`` and residual stream ``residual`` (None at the first
+        layer, where ``x`` is the stream) and returns the same pair; the hidden state is
+        ``x + residual``. The additions happen in the same order as ``h + f(norm(h))``.
+        """
+        normed, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn = self.self_attn(normed, cos, sin, layer, ctx)
+        normed, residual = add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
+                                        self.post_attention_layernorm.eps)
+        return self.mlp(normed), residual
 
 
 class TextDecoder(nn.Module):
@@ -114,11 +127,13 @@ class TextDecoder(nn.Module):
         if visual is not None and visual.rows.numel():
             x = x.index_copy(0, visual.rows, visual.embeds.to(x.dtype))
         cos, sin = self.rope.cos_sin(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, ctx)
+            x, residual = layer(x, residual, cos, sin, i, ctx)
             if visual is not None and visual.rows.numel() and i < len(visual.deepstack):
-                x = x.index_add(0, visual.rows, visual.deepstack[i].to(x.dtype))
-        return self.norm(x)
+                hidden = x + residual
+                x, residual = hidden.index_add(0, visual.rows, visual.deepstack[i].to(x.dtype)), None
+        return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
 
 class LMHead(nn.Module):

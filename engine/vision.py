@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ops.fused import rotate_half
+
 from .config import VisionConfig
 from .layers import activation
-from .rope import rotate_half, vision_rope_cos_sin
+from .rope import vision_rope_cos_sin
 
 
 @dataclass

@@ -442,7 +442,8 @@ def test_tiff_colour_spaces(mode):
     photo = plain_decode("coffee.png")
     data = encode(photo.convert(mode), "TIFF")
     with Image.open(io.BytesIO(data)) as reopened:
-        assert reopened.mode == mode
+        # Pillow >= 12 decodes YCbCr TIFFs to RGB itself; older ones hand us YCbCr
+        assert reopened.mode in ((mode, "RGB") if mode == "YCbCr" else (mode,))
     assert np.abs(pixels(open_image(data)) - pixels(photo)).mean() < 4
 
 

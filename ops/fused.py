@@ -1,0 +1,166 @@
+"""Fused elementwise kernels of the decoder, each beside its PyTorch reference.
+
+A decode step is a few matrix products per layer and dozens of tiny elementwise kernels; at batch 1
+the launches, not the bytes, dominate. These kernels do each group in one launch:
+
+- :func:`add_rms_norm`: residual add + RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467);
+- :func:`qk_norm_rope`: Qwen3's per-head Q/K RMSNorm followed by rotary embedding (M-RoPE tables);
+- :func:`silu_mul`: the SwiGLU gate ``silu(gate) * up`` (Shazeer 2020, arXiv:2002.05202).
+
+Each kernel follows its reference's rounding: values are computed in float32 and rounded to the
+model dtype wherever the reference rounds (after the norm, after each product); only reduction
+order differs. CPU tensors use the references.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+
+
+# --------------------------------------------------------------------------------------------------
+# References
+# --------------------------------------------------------------------------------------------------
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))``; the norm in float32, cast to ``x.dtype`` before the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, D]`` by ``cos``/``sin`` ``[T, D]`` (in the model dtype)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n, eps, HAS_RES: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        m = c < n
+        x = tl.load(x_ptr + row * n + c, mask=m, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(r_ptr + row * n + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(s_ptr + row * n + c, x, mask=m)
+        xf = x.to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        normed = (xf * inv).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * n + c, (w * normed).to(x.dtype), mask=m)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, stride_t, stride_h, eps,
+                             D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        half: tl.constexpr = D // 2
+        i = tl.arange(0, half)
+        base = x_ptr + t * stride_t + h * stride_h
+        x1 = tl.load(base + i)
+        x2 = tl.load(base + half + i)
+        dt = x1.dtype
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+        w1 = tl.load(w_ptr + i).to(tl.float32)
+        w2 = tl.load(w_ptr + half + i).to(tl.float32)
+        n1 = (w1 * (f1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        n2 = (w2 * (f2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        c1 = tl.load(cos_ptr + t * D + i).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * D + half + i).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * D + i).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * D + half + i).to(tl.float32)
+        # x*cos + rotate_half(x)*sin, rounding each product and the sum as the reference does
+        o1 = ((n1 * c1).to(dt).to(tl.float32) + (-n2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((n2 * c2).to(dt).to(tl.float32) + (n1 * s2).to(dt).to(tl.float32)).to(dt)
+        out = y_ptr + (t * heads + h) * D
+        tl.store(out + i, o1)
+        tl.store(out + half + i, o2)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < n
+        g = tl.load(g_ptr + row * n + c, mask=m, other=0.0)
+        u = tl.load(u_ptr + row * n + c, mask=m, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+        tl.store(y_ptr + row * n + c, (act * u.to(tl.float32)).to(g.dtype), mask=m)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------------
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``s = x + residual`` (or ``x`` when ``residual`` is None), then ``rms_norm(s)``.
+
+    Args:
+        x, residual: ``[T, H]`` model dtype, contiguous.
+        weight: ``[H]``.
+
+    Returns:
+        ``(normed [T, H], s [T, H])``.
+    """
+    if not use_triton(x) or triton is None:
+        s = x if residual is None else x + residual
+        return rms_norm_reference(s, weight, eps), s
+    t, n = x.shape
+    y = torch.empty_like(x)
+    s = x if residual is None else torch.empty_like(x)
+    if t:
+        _add_rms_norm_kernel[(t,)](x, residual if residual is not None else x, weight, y, s, n, eps,
+                                   HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n))
+    return y, s
+
+
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
+    """Per-head RMSNorm of ``x [T, heads, D]`` (a view of the QKV projection is fine: its last dim
+    must be contiguous) then rotary embedding with ``cos``/``sin`` ``[T, D]``.
+
+    Returns:
+        a new contiguous ``[T, heads, D]`` tensor.
+    """
+    if not use_triton(x) or triton is None:
+        return rope_reference(rms_norm_reference(x, weight, eps), cos, sin)
+    t, heads, d = x.shape
+    y = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
+    if t:
+        _qk_norm_rope_kernel[(t, heads)](x, weight, cos.contiguous(), sin.contiguous(), y, heads,
+                                         x.stride(0), x.stride(1), eps, D=d)
+    return y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, both ``[T, I]`` contiguous, model dtype."""
+    if not use_triton(gate) or triton is None:
+        return F.silu(gate) * up
+    t, n = gate.shape
+    y = torch.empty_like(gate)
+    if t:
+        block = 1024
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate, up, y, n, BLOCK=block)
+    return y
