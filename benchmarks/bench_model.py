@@ -24,6 +24,11 @@ Our engine runs with its prefix and vision-feature caches off (every repeat comp
 prompt) and otherwise its defaults (e.g. its KV-cache dtype; see ``--kv-cache-dtype``). The two
 models run one after the other, so only one is in (GPU) memory at a time. On CUDA every timing
 synchronises the device first.
+
+Building a tiny or 8B-shaped checkpoint needs the Qwen tokenizer ranks from the ``dashscope``
+package (see :mod:`engine.tiny`); on a machine without it, carry its wheel along. ``--shape 8b``
+writes about 17.5 GB of bfloat16 weights into a temporary folder and loads them twice, one model
+after the other, so it wants a GPU with 40+ GB and a few minutes.
 """
 
 from __future__ import annotations

@@ -17,14 +17,16 @@ so a session never reuses another's KV or vision features. Reported per size, as
   miss / hit TTFT as a ratio of it (``--skip-transformers`` leaves it out);
 * KV bytes per token over all layers, Scaled-FP8 vs bfloat16 (:func:`ops.kv_bytes_per_token`).
 
-``--shape 8b`` builds random weights at Qwen3-VL-8B's shapes on the device (see
-``benchmarks/shapes.py``); on CUDA every timing is synchronised by the engine's telemetry.
+Photos come from ``$PRISM_MEDIA_DIR`` when set. ``--shape 8b`` builds random weights at
+Qwen3-VL-8B's shapes on the device (see ``benchmarks/shapes.py``); on CUDA the engine's telemetry
+and the transformers timings are taken after synchronising the device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -38,7 +40,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-MEDIA_DIR = ROOT.parent / "shared" / "media"
+MEDIA_DIR = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT.parent / "shared" / "media"))
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "grace_hopper.jpg",
           "hubble_deep_field.jpg", "coins.png")
 IMAGE_SIDE = 448
@@ -80,6 +82,8 @@ def median(values):
 def build(args, workdir: pathlib.Path, device: torch.device, dtype: torch.dtype):
     """(our engine, a loader of the transformers twin, description)."""
     options = {"progress": False, "keep_ratio": args.keep_ratio}
+    if args.kv_cache_gib is not None or device.type == "cuda":  # leave room for the transformers twin
+        options["kv_cache_bytes"] = int((args.kv_cache_gib or 16) * 2**30)
     if args.kv_cache_dtype:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.shape:
@@ -234,6 +238,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per question (default 4)")
     parser.add_argument("--keep-ratio", type=float, default=0.6, help="compaction keep ratio (default 0.6)")
     parser.add_argument("--kv-cache-dtype", choices=("fp8_e4m3", "auto"), help="default: the engine's (FP8)")
+    parser.add_argument("--kv-cache-gib", type=float, help="KV pool size (default: 16 on cuda, the engine's on cpu)")
     parser.add_argument("--skip-transformers", action="store_true", help="time only our engine")
     parser.add_argument("--out", help="write the results as JSON to this file")
     args = parser.parse_args(argv)

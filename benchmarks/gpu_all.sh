@@ -13,6 +13,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for step in ${STEPS:-kernels smoke bench}; do
   case $step in
+    fused) timeout 120 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -k "fused or store or move" 2>&1 | tail -5 | tee "$OUT/fused.txt" ;;
+    profile) timeout 300 python3 benchmarks/profile_decode.py 2>&1 | grep -v Warning | tail -45 | tee "$OUT/profile.txt" ;;
     kernels) timeout 300 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernels.txt" ;;
     smoke) timeout 300 python3 benchmarks/gpu_smoke.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/smoke.txt" ;;
     bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;
