@@ -79,7 +79,9 @@ def photos(n):
 
 
 def lm_weight_bytes(model) -> int:
-    lm = sum(p.numel() * p.element_size() for p in model.language_model.parameters())
+    # the fused [q;k;v] / [gate;up] matrices share storage with the per-projection views: count once
+    lm = sum(p.numel() * p.element_size() for n, p in model.language_model.named_parameters()
+             if not n.endswith((".qkv", ".gate_up")))
     if not model.config.tie_word_embeddings:
         lm += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     return lm

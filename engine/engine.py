@@ -146,6 +146,8 @@ class Engine:
     def __init__(self, model: Qwen3VL, processor, *, model_id: str, folder: Path, options: EngineOptions):
         if options.kv_cache_dtype not in KV_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {options.kv_cache_dtype!r}")
+        if model.device.type == "cuda":
+            model.language_model.fuse_projections()  # fewer, larger matrix products per decode step
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer

@@ -141,6 +141,8 @@ class PrefixCache:
     def acquire(self, match: Match) -> list[int]:
         """Mark the entry in use and return the pages covering the match (references taken)."""
         entry = match.entry
+        if not entry.alive:
+            raise RuntimeError("acquire of an evicted prefix entry")
         entry.users += 1
         entry.hits += 1
         entry.last_used = next(_clock)

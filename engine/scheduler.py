@@ -126,6 +126,7 @@ class Scheduler:
             req.match = match = None
             req.telemetry.prefix_cache = "stale"
             self.cache.stats.stale += 1
+            self.cache.stats.hits -= 1  # counted as a hit at intake
         if match is None and req.telemetry.preempted and req.prefix_key is not None:
             match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
         if match is not None:
@@ -154,7 +155,8 @@ class Scheduler:
 
     def _report_hit(self, req: Request, match) -> None:
         entry, tel = match.entry, req.telemetry
-        self.cache.stats.tokens_saved += match.length
+        if not tel.preempted:  # a re-admission after preemption saves nothing new for the user
+            self.cache.stats.tokens_saved += match.length
         tel.cached_tokens = match.length
         tel.conversation_reuse_tokens = match.length - entry.prefix_len
         tel.visual_tokens_kept = entry.visual_kept

@@ -99,12 +99,12 @@ if triton is not None:
         tl.store(out + half + i, o2)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < n
-        g = tl.load(g_ptr + row * n + c, mask=m, other=0.0)
-        u = tl.load(u_ptr + row * n + c, mask=m, other=0.0)
+        g = tl.load(g_ptr + row * stride_g + c, mask=m, other=0.0)
+        u = tl.load(u_ptr + row * stride_u + c, mask=m, other=0.0)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
         tl.store(y_ptr + row * n + c, (act * u.to(tl.float32)).to(g.dtype), mask=m)
@@ -155,12 +155,13 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, both ``[T, I]`` contiguous, model dtype."""
+    """``silu(gate) * up``, both ``[T, I]`` with contiguous rows (e.g. halves of one product),
+    model dtype."""
     if not use_triton(gate) or triton is None:
         return F.silu(gate) * up
     t, n = gate.shape
-    y = torch.empty_like(gate)
+    y = torch.empty((t, n), dtype=gate.dtype, device=gate.device)
     if t:
         block = 1024
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate, up, y, n, BLOCK=block)
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate, up, y, n, gate.stride(0), up.stride(0), BLOCK=block)
     return y
