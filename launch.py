@@ -1,103 +1,78 @@
-"""Start Prism.
+"""Start Prism: ``python launch.py`` opens a web chat about your images on http://127.0.0.1:7860.
 
-Until the web app lands this is a terminal chat about images on the embedded engine::
-
-    python launch.py --image ../shared/media/astronaut.png --prompt "What is in the picture?"
-    python launch.py --image photo.jpg            # then type questions, empty line to quit
-
-Model: ``--model`` (a folder or Hugging Face id); by default ``Qwen/Qwen3-VL-2B-Instruct`` when it
-is in the local Hugging Face cache, otherwise the built-in tiny demo checkpoint (random weights:
-its answers are random text), created on first use under the data dir.
+See ``python launch.py --help`` for the options (each has a ``PRISM_*`` environment variable).
+The server starts at once and prints its URL; the model loads in the background (progress in
+this terminal, ``GET /healthz`` answers 503 until it is ready). Ctrl-C stops it cleanly: answers
+in progress are cancelled and the database is closed.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from pathlib import Path
-
-REAL_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+import time
 
 
-def default_data_dir() -> Path:
-    from platformdirs import user_data_dir
-
-    return Path(os.environ.get("PRISM_DATA_DIR") or user_data_dir("prism"))
-
-
-def pick_model(requested: str | None, data_dir: Path) -> tuple[str, bool]:
-    """The model to load and whether it is the random-weight demo checkpoint."""
-    if requested:
-        return requested, False
-    from huggingface_hub import snapshot_download
-
-    from engine.hub import CHECKPOINT_PATTERNS
-
-    try:
-        return snapshot_download(REAL_MODEL, allow_patterns=CHECKPOINT_PATTERNS, local_files_only=True), False
-    except Exception:
-        pass
-    from engine.tiny import build_tiny_checkpoint
-
-    demo = data_dir / "models" / "tiny-demo"
-    if not (demo / "model.safetensors").exists():
-        print(f"Building the tiny demo checkpoint in {demo} ...", file=sys.stderr)
-        build_tiny_checkpoint(demo, "demo", seed=0)
-    return str(demo), True
+def _prepare_environment(data_dir) -> None:
+    """Keep everything the app writes inside the data dir, and Gradio off the network."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    os.environ.setdefault("GRADIO_TEMP_DIR", str(data_dir / "tmp"))
+    os.environ.setdefault("PRISM_CACHE_DIR", str(data_dir / "cache"))
+    os.environ.setdefault("MPLCONFIGDIR", str(data_dir / "cache" / "matplotlib"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=os.environ.get("PRISM_MODEL"), help="checkpoint folder or HF model id")
-    parser.add_argument("--device", default=os.environ.get("PRISM_DEVICE", "auto"), help="auto, cpu or cuda")
-    parser.add_argument("--data-dir", type=Path, default=None, help="where Prism keeps its files")
-    parser.add_argument("--image", action="append", default=[], help="an image to ask about (repeatable)")
-    parser.add_argument("--prompt", help="ask one question and exit")
-    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens per answer")
-    args = parser.parse_args(argv)
+    from app.settings import parse_settings
 
-    from engine import Engine, PrismError, SamplingParams
+    started = time.monotonic()
+    settings = parse_settings(argv)
+    data_dir = settings.data_path
+    data_dir.mkdir(parents=True, exist_ok=True)
+    _prepare_environment(data_dir)
 
-    data_dir = args.data_dir or default_data_dir()
-    model, is_demo = pick_model(args.model, data_dir)
-    if is_demo:
-        print(
-            "NOTE: running the built-in tiny demo model with random weights; its answers are random text. "
-            f"For real answers: python launch.py --model {REAL_MODEL}",
-            file=sys.stderr,
-        )
-    engine = Engine.from_pretrained(model, device=args.device)
-    print(f"Prism ready: {model} on {engine.device} ({engine.dtype})", file=sys.stderr)
-    images = [{"type": "image", "image": path} for path in args.image]
+    import uvicorn
 
-    def ask(question: str) -> None:
-        messages = [{"role": "user", "content": [*images, {"type": "text", "text": question}]}]
-        try:
-            for item in engine.stream(messages, SamplingParams(max_tokens=args.max_tokens)):
-                if isinstance(item, str):
-                    print(item, end="", flush=True)
-                else:
-                    t = item.telemetry
-                    print(f"\n[TTFT {t.ttft_ms:.0f} ms · {t.prompt_tokens} prompt tok · "
-                          f"{t.decode_tokens_per_s:.1f} tok/s · {item.finish_reason}]")
-        except PrismError as exc:
-            print(f"Error: {exc}", file=sys.stderr)
+    from app.chat import ChatService
+    from app.model_loader import ModelLoader, say
+    from app.server import create_app
+    from sessions import SessionStore
 
-    with engine:
-        if args.prompt:
-            ask(args.prompt)
-            return 0
-        while True:
-            try:
-                question = input("? ").strip()
-            except EOFError:
-                break
-            if not question:
-                break
-            ask(question)
-    return 0
+    say(f"data dir: {data_dir}")
+    store = SessionStore(data_dir, image_options=settings.image_options(), max_images_per_session=settings.max_images)
+    store.collect_garbage()
+    loader = ModelLoader(settings)
+    loader.start()
+    chat = ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
+    app = create_app(settings, store, loader, chat)
+    host = "localhost" if settings.host in ("127.0.0.1", "::1") else settings.host
+    url = f"http://{host}:{settings.port}/"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                say(f"Prism is running at {url}  (started in {time.monotonic() - started:.1f} s; Ctrl-C to stop)")
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                say(f"stopping: cancelling {chat.cancel_all()} answer(s) in progress ...")
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            timeout_graceful_shutdown=3, access_log=False)
+    server = Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
+        pass
+    finally:
+        chat.cancel_all()
+        loader.close()
+        store.close()
+        say("stopped; database closed")
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

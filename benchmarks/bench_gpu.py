@@ -89,7 +89,7 @@ def lm_weight_bytes(model) -> int:
 
 def text_prompt(engine, tokens: int, salt: int) -> list[dict]:
     """A text-only prompt of about ``tokens`` tokens, different per ``salt``."""
-    words = " ".join(f"w{salt}x{i}" for i in range(tokens // 4))
+    words = " ".join(f"w{salt}x{i}" for i in range(tokens * 10 // 58))  # ~5.8 tokens a word
     return [{"role": "user", "content": words}]
 
 
