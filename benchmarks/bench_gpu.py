@@ -19,8 +19,8 @@ Measured side by side in the same process:
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import pathlib
 import statistics
 import sys

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from PIL import Image as PILImage
 
 from .errors import InvalidRequestError
 from .images import ImageOptions, bytes_sha256, image_sha256, open_image
@@ -179,9 +180,16 @@ class PromptBuilder:
         return self._build_from_cache(text, cached)
 
     def _source_key(self, src) -> str | None:
-        """SHA-256 of an image source's bytes (files, bytes), or None (opened every time)."""
+        """SHA-256 of an image source's bytes (files, bytes; for PIL images their mode, size and
+        pixels), or None (opened every time)."""
         if isinstance(src, (bytes, bytearray, memoryview)):
             return bytes_sha256(src)
+        if isinstance(src, PILImage.Image):
+            try:
+                head = f"{src.mode};{src.size};{src.info.get('transparency')!r};".encode()
+                return "pil:" + bytes_sha256(head + src.tobytes())
+            except Exception:
+                return None
         if isinstance(src, (str, Path)):
             try:
                 path = Path(src)

@@ -399,10 +399,16 @@ def _decode_merge_kernel(
     tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
-def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, sm_count: int = 132) -> int:
-    """How many context chunks per (sequence, KV head): enough programs for about two waves of the
-    GPU's multiprocessors, never chunks shorter than one key block."""
-    want = max(1, math.ceil(2 * sm_count / max(1, batch * num_kv_heads)))
+#: Launch settings of the decode kernel (chosen by benchmarks/sweep_decode.py on the H200; see
+#: docs/PERFORMANCE.md). ``block_n`` None picks by head size; ``waves`` sets the context split.
+DECODE_CONFIG = {"block_n": None, "num_warps": 4, "num_stages": 2, "waves": 2}
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, sm_count: int = 132,
+                  waves: float = 2) -> int:
+    """How many context chunks per (sequence, KV head): enough programs for about ``waves`` waves
+    of the GPU's multiprocessors, never chunks shorter than one key block."""
+    want = max(1, math.ceil(waves * sm_count / max(1, batch * num_kv_heads)))
     return max(1, min(want, math.ceil(max(1, max_seq_len) / block_n)))
 
 
@@ -425,8 +431,9 @@ def paged_decode_attention(
     b, hq, d = q.shape
     hkv = cache.num_kv_heads
     g = hq // hkv
-    block_n = 64 if d <= 64 else 32
-    splits = num_splits or decode_splits(b, hkv, meta.max_seq_len, block_n)
+    cfg = DECODE_CONFIG
+    block_n = block_n or cfg["block_n"] or (64 if d <= 64 else 32)
+    splits = num_splits or decode_splits(b, hkv, meta.max_seq_len, block_n, waves=cfg["waves"])
     part_o = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
     ks = cache.k_scale if cache.is_fp8 else cache.k_cache
@@ -456,6 +463,8 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         FP8=cache.is_fp8,
         IEEE=q.dtype == torch.float32,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
     )
     out = torch.empty_like(q)
     _decode_merge_kernel[(b, hq)](
