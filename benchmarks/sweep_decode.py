@@ -43,8 +43,8 @@ def main() -> int:
             for bn, warps, stages, waves in itertools.product((32, 64, 128), (4, 8), (2, 3), (2, 4, 8)):
                 try:
                     splits = tk.decode_splits(batch, 8, ctx, bn, waves=waves)
-                    ms = cuda_time(lambda s=splits, b=bn, w=warps, st=stages: tk.paged_decode_attention(
-                        q, cache, meta, num_splits=s, block_n=b, num_warps=w, num_stages=st), repeats=20)
+                    args = dict(num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages)
+                    ms = cuda_time(lambda a=args, x=(q, cache, meta): tk.paged_decode_attention(*x, **a), repeats=20)
                 except Exception as exc:  # a config that does not compile or fit
                     print(f"  skip bn={bn} w={warps} st={stages}: {type(exc).__name__}")
                     continue

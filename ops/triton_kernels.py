@@ -413,7 +413,13 @@ def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int,
 
 
 def paged_decode_attention(
-    q: torch.Tensor, cache: KVLayerCache, meta: AttentionMetadata, num_splits: int | None = None
+    q: torch.Tensor,
+    cache: KVLayerCache,
+    meta: AttentionMetadata,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton flash-decoding version of :func:`ops.reference.paged_decode_attention`.
 
@@ -424,6 +430,7 @@ def paged_decode_attention(
             (a padding row) gives zeros.
         num_splits: context chunks per sequence (fixed for CUDA-graph capture); None chooses by
             :func:`decode_splits`.
+        block_n, num_warps, num_stages: launch settings; None takes :data:`DECODE_CONFIG`.
 
     Returns:
         ``[B, Hq, D]`` in ``q``'s dtype.
