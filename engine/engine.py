@@ -515,6 +515,16 @@ class Engine:
             if req.first_scheduled is None:
                 req.first_scheduled = now
                 req.telemetry.queue_ms = (now - req.submitted) * 1e3
+        # Vision first, request by request: a failing encode fails its own request only, not
+        # every request sharing the step (which the error handler below would fail).
+        for req, exc in self.runner.encode_pending(batch):
+            log.error("vision encoder failed for request %s: %r", req.id, exc)
+            with self._cv:
+                self._finish(req, PrismError(f"internal error while running the request: {exc}"))
+                self._cv.notify_all()
+            batch.items = [(r, n) for r, n in batch.items if r is not req]
+        if not batch.items:
+            return
         try:
             sampled = self.runner.execute(batch)
         except Exception as exc:  # one bad step fails its requests only; the loop goes on

@@ -118,6 +118,19 @@ class ModelRunner:
             req.num_computed += 1
         return self._sample(reqs, logits, greedy)
 
+    def encode_pending(self, batch: Batch) -> list[tuple[Request, Exception]]:
+        """Run the vision encoder, one request at a time, for the step's requests whose visual
+        tokens are still to be computed (``execute`` then reuses the features). Returns the
+        requests whose encoding failed, with the error, so that only they fail."""
+        failed = []
+        for req, _ in batch.items:
+            if req.vision is None and req.prompt.spans and req.num_computed < req.prompt.spans[-1].end:
+                try:
+                    self._vision(req)
+                except Exception as exc:
+                    failed.append((req, exc))
+        return failed
+
     def _vision(self, req: Request) -> VisionFeatures:
         if req.vision is None:
             t = time.perf_counter()

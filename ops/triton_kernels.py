@@ -147,6 +147,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     IEEE: tl.constexpr,
+    F16: tl.constexpr,
 ):
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -169,6 +170,8 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & dm[None, :],
         other=0.0,
     )
+    if F16:  # FP8 pages: E4M3 converts to float16 in one instruction (to bfloat16 it takes three)
+        q = q.to(tl.float16)
     limit = ctx + tok  # last key each row may see (inclusive)
     hi = tl.minimum(ctx + m0 + BLOCK_M, seq_len)
 
@@ -198,9 +201,9 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP8:
+        if FP8:  # scale V's rows (not P): P stays in [0, 1] for the 16-bit product
             vscale = tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)
-            p = p * vscale[None, :]
+            v = v * vscale.to(v.dtype)[:, None]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
         else:
@@ -282,6 +285,7 @@ def paged_attention(q: torch.Tensor, cache: KVLayerCache, meta: AttentionMetadat
         BLOCK_N=block_n,
         FP8=cache.is_fp8,
         IEEE=q.dtype == torch.float32,
+        F16=cache.is_fp8 and q.dtype != torch.float32,
     )
     return out
 
@@ -316,6 +320,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     IEEE: tl.constexpr,
+    F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -333,6 +338,8 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=gok[:, None] & dm[None, :], other=0.0
     )
+    if F16:  # FP8 pages: E4M3 converts to float16 in one instruction (to bfloat16 it takes three)
+        q = q.to(tl.float16)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BLOCK_D], tl.float32)
@@ -356,8 +363,8 @@ def _decode_split_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP8:
-            p = p * tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)[None, :]
+        if FP8:  # scale V's rows (not P): P stays in [0, 1] for the 16-bit product
+            v = v * tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0).to(v.dtype)[:, None]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
         else:
@@ -470,6 +477,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         FP8=cache.is_fp8,
         IEEE=q.dtype == torch.float32,
+        F16=cache.is_fp8 and q.dtype != torch.float32,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )
