@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     loader.start()
     chat = ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
     app = create_app(settings, store, loader, chat)
-    host = "localhost" if settings.host in ("127.0.0.1", "::1") else settings.host
+    host = settings.host
+    if host in ("127.0.0.1", "::1", "0.0.0.0", "::"):
+        host = "localhost"  # 0.0.0.0 listens on every interface; localhost is one of them
     url = f"http://{host}:{settings.port}/"
 
     class Server(uvicorn.Server):
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def handle_exit(self, sig, frame):
             if not self.should_exit:
-                say(f"stopping: cancelling {chat.cancel_all()} answer(s) in progress ...")
+                cancelled = chat.cancel_all() + app.state.openai.cancel_all()
+                say(f"stopping: cancelled {cancelled} answer(s) in progress ...")
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",

@@ -1,7 +1,9 @@
 """Sweep the paged decode kernel's launch settings on the GPU (run by hand), FP8 and bf16 KV:
 batch 8 x 16k context (KV-bound) and batch 1 x 1.7k (latency-bound), 8B attention shape.
 
-    python benchmarks/sweep_decode.py
+    python benchmarks/sweep_decode.py [8x16384 32x1700 ...]
+
+Small shapes are timed with their Python launch overhead (graph replay removes it in the engine).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def setup(batch, ctx, kv, hq=32, hkv=8, d=128, page=16):
 
 def main() -> int:
     results = []
-    for batch, ctx in ((8, 16384), (1, 1700), (32, 1700)):
+    shapes = [tuple(map(int, x.split('x'))) for x in sys.argv[1:]] or [(8, 16384), (1, 1700), (32, 1700)]
+    for batch, ctx in shapes:
         for kv in ("fp8_e4m3", "auto"):
             q, cache, meta = setup(batch, ctx, kv)
             kv_bytes = 2 * batch * ctx * 8 * 128 * (1 if kv != "auto" else 2)
