@@ -408,7 +408,7 @@ def _decode_merge_kernel(
 
 #: Launch settings of the decode kernel (chosen by benchmarks/sweep_decode.py on the H200; see
 #: docs/PERFORMANCE.md). ``block_n`` None picks by head size; ``waves`` sets the context split.
-DECODE_CONFIG = {"block_n": None, "num_warps": 4, "num_stages": 2, "waves": 2}
+DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 4}
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, sm_count: int = 132,
