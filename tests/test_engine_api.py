@@ -1,0 +1,313 @@
+"""The public Engine API on the tiny "test" checkpoint: loading options, completions and their
+telemetry, request validation, image errors, length limits, concurrency, closing, image input
+forms, chats with several turns, and the processor's pixel bounds.
+
+Most tests share one engine built with ``prefix_cache=False``: they are about the request API,
+and a cached (compacted) prefix by design changes later answers about the same images. Greedy
+decoding keeps every answer reproducible.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import threading
+
+import pytest
+import torch
+from PIL import Image
+
+from engine import (
+    Completion,
+    Engine,
+    InvalidImageError,
+    InvalidRequestError,
+    PrismError,
+    SamplingParams,
+)
+
+IMAGE_PAD_ID = 151655
+GREEDY8 = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def ask(image=None, question="What is in the picture?"):
+    content = [{"type": "image", "image": image}] if image is not None else []
+    return [{"role": "user", "content": [*content, {"type": "text", "text": question}]}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False, prefix_cache=False) as eng:
+        yield eng
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "expected"),
+    [(None, None, torch.float32), ("cpu", "float32", torch.float32), ("cpu", torch.bfloat16, torch.bfloat16)],
+)
+def test_from_pretrained_device_and_dtype(tiny_ckpt, device, dtype, expected):
+    if device is None and torch.cuda.is_available():
+        pytest.skip("device=None picks CUDA here")
+    with Engine.from_pretrained(tiny_ckpt, device=device, dtype=dtype, progress=False) as eng:
+        assert eng.device.type == "cpu"
+        assert eng.dtype == expected
+        done = eng.generate(ask(question="Hi"), SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(done.token_ids) == 3 and done.finish_reason == "length"
+
+
+def test_from_pretrained_accepts_a_string_path(tiny_ckpt):
+    with Engine.from_pretrained(str(tiny_ckpt), device="cpu", progress=False) as eng:
+        assert eng.generate(ask(question="Hi"), SamplingParams(max_tokens=1)).token_ids
+
+
+def test_unknown_option_raises(tiny_ckpt):
+    with pytest.raises(InvalidRequestError, match="no_such_option"):
+        Engine.from_pretrained(tiny_ckpt, device="cpu", no_such_option=1)
+
+
+def test_bad_dtype_raises(tiny_ckpt):
+    with pytest.raises(InvalidRequestError, match="dtype"):
+        Engine.from_pretrained(tiny_ckpt, device="cpu", dtype="float8")
+    with pytest.raises(InvalidRequestError, match="dtype"):
+        Engine.from_pretrained(tiny_ckpt, device="cpu", dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Completions and telemetry
+# --------------------------------------------------------------------------------------------
+
+
+def test_generate_on_a_photo(engine, media_path):
+    done = engine.generate(ask(media_path("chelsea.png")), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert isinstance(done, Completion)
+    assert isinstance(done.text, str)
+    assert len(done.token_ids) == 6 and all(isinstance(t, int) for t in done.token_ids)
+    assert done.finish_reason == "length"
+    assert done.prompt_token_ids and all(isinstance(t, int) for t in done.prompt_token_ids)
+    tel = done.telemetry
+    assert tel.prompt_tokens == len(done.prompt_token_ids)
+    assert tel.generated_tokens == 6
+    assert tel.visual_tokens == done.prompt_token_ids.count(IMAGE_PAD_ID) > 0
+    assert tel.vision_encoder_ran is True
+    assert tel.vision_ms > 0
+    assert tel.ttft_ms > 0
+    assert tel.e2e_ms >= tel.ttft_ms
+    assert tel.decode_tokens_per_s > 0
+    assert tel.tpot_ms > 0
+    assert tel.prefill_ms >= 0
+    text = engine.tokenizer.decode(done.prompt_token_ids)
+    assert text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|>")
+    assert text.endswith("What is in the picture?<|im_end|>\n<|im_start|>assistant\n")
+    assert done.text == engine.tokenizer.decode(done.token_ids, skip_special_tokens=True)
+
+    # the same photo again: its features may come from the engine's vision cache
+    again = engine.generate(ask(media_path("chelsea.png")), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert again.token_ids == done.token_ids
+    if not again.telemetry.vision_encoder_ran:
+        assert again.telemetry.vision_ms == 0, "vision_ms is the encoder's time: 0 when it did not run"
+
+
+def test_telemetry_without_an_image(engine):
+    done = engine.generate(ask(question="Hello there"), GREEDY8)
+    tel = done.telemetry
+    assert tel.prompt_tokens == len(done.prompt_token_ids)
+    assert tel.visual_tokens == 0 and IMAGE_PAD_ID not in done.prompt_token_ids
+    assert tel.vision_ms == 0
+    assert tel.vision_encoder_ran is False
+    assert tel.ttft_ms > 0 and tel.e2e_ms >= tel.ttft_ms and tel.decode_tokens_per_s > 0
+    assert tel.to_dict()["prompt_tokens"] == tel.prompt_tokens
+
+
+def test_one_token_has_no_decode_rate(engine):
+    done = engine.generate(ask(question="Hello there"), SamplingParams(max_tokens=1, ignore_eos=True))
+    assert len(done.token_ids) == 1
+    assert done.telemetry.decode_tokens_per_s == 0 and done.telemetry.ttft_ms > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("messages", "hint"),
+    [
+        ("Hello", "list"),
+        ({"role": "user", "content": "Hello"}, "list"),
+        (None, "list"),
+        ([], "list"),
+        (["Hello"], "role"),
+        ([{"role": "robot", "content": "Hello"}], "role"),
+        ([{"content": "Hello"}], "role"),
+        ([{"role": "user"}], "content"),
+        ([{"role": "user", "content": 42}], "content"),
+        ([{"role": "user", "content": [{"type": "audio", "audio": b"..."}]}], "part"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "part"),
+        ([{"role": "user", "content": [{"type": "image"}]}], "part"),
+        ([{"role": "user", "content": ["just a string part"]}], "part"),
+        ([{"role": "user", "content": "ok"}, {"role": "user", "content": None}], "message 1"),
+    ],
+)
+def test_malformed_messages_raise(engine, messages, hint):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate(messages, GREEDY8)
+    assert hint in str(info.value), f"unhelpful message: {info.value}"
+    with pytest.raises(InvalidRequestError):
+        list(engine.stream(messages, GREEDY8))
+
+
+def test_broken_images_raise_and_the_engine_goes_on(engine, media_path):
+    png = media_path("coins.png").read_bytes()
+    before = engine.generate(ask(question="Still there?"), GREEDY8)
+    broken = [png[: len(png) // 2], png[:100], b"this is not an image at all" * 10, b"\x89PNG\r\n\x1a\n" + b"\0" * 64]
+    for bad in broken:
+        with pytest.raises(InvalidImageError) as info:
+            engine.generate(ask(bad), GREEDY8)
+        assert len(str(info.value)) > 20, "the message should tell the uploader what is wrong"
+    with pytest.raises(InvalidImageError):
+        engine.generate(ask(media_path("coins.png").parent / "no-such-photo.png"), GREEDY8)
+    with pytest.raises(InvalidImageError):
+        list(engine.stream(ask(png[: len(png) // 2]), GREEDY8))
+    after = engine.generate(ask(question="Still there?"), GREEDY8)
+    assert after.token_ids == before.token_ids
+    done = engine.generate(ask(png), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(done.token_ids) == 2 and done.telemetry.visual_tokens > 0
+
+
+def test_prompt_plus_max_tokens_beyond_max_model_len(tiny_ckpt):
+    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False, max_model_len=64) as eng:
+        prompt_len = eng.count_prompt_tokens(ask(question="Hi"))
+        assert prompt_len < 32
+        fits = eng.generate(ask(question="Hi"), SamplingParams(max_tokens=64 - prompt_len, ignore_eos=True))
+        assert len(fits.token_ids) == 64 - prompt_len
+        with pytest.raises(InvalidRequestError, match="64"):
+            eng.generate(ask(question="Hi"), SamplingParams(max_tokens=64 - prompt_len + 1))
+        with pytest.raises(InvalidRequestError):
+            list(eng.stream(ask(question="Hi " * 100), SamplingParams(max_tokens=1)))
+        assert eng.generate(ask(question="Hi"), SamplingParams(max_tokens=2, ignore_eos=True)).token_ids
+
+
+# --------------------------------------------------------------------------------------------
+# Concurrency and lifetime
+# --------------------------------------------------------------------------------------------
+
+
+def test_three_threads_match_single_threaded_results(engine, media_path):
+    jobs = [
+        ("generate", ask(media_path("astronaut.png"), "Describe the astronaut."), SamplingParams(max_tokens=12)),
+        ("stream", ask(question="Write a haiku about rain."), SamplingParams(max_tokens=20, ignore_eos=True)),
+        ("generate", ask(question="Count to ten."), SamplingParams(max_tokens=16, ignore_eos=True)),
+    ]
+
+    def run(kind, messages, sampling):
+        if kind == "generate":
+            return engine.generate(messages, sampling)
+        items = list(engine.stream(messages, sampling))
+        assert "".join(items[:-1]) == items[-1].text
+        return items[-1]
+
+    alone = [run(*job) for job in jobs]
+    results: list = [None] * len(jobs)
+    errors: list = []
+    start = threading.Barrier(len(jobs))
+
+    def worker(i):
+        try:
+            start.wait()
+            results[i] = run(*jobs[i])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a request never finished"
+    assert not errors, errors
+    for one, together in zip(alone, results, strict=True):
+        assert together.token_ids == one.token_ids
+        assert together.text == one.text
+        assert together.prompt_token_ids == one.prompt_token_ids
+
+
+def test_abandoned_stream_does_not_block(engine):
+    it = engine.stream(ask(question="Tell me a story."), SamplingParams(max_tokens=50, ignore_eos=True))
+    first = next(it)
+    assert isinstance(first, str)
+    it.close()
+    done = engine.generate(ask(question="Hello there"), GREEDY8)
+    assert len(done.token_ids) == 8
+
+
+def test_context_manager_and_close(tiny_ckpt):
+    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False) as eng:
+        assert eng.generate(ask(question="Hi"), SamplingParams(max_tokens=2)).token_ids
+    with pytest.raises(PrismError, match="closed"):
+        eng.generate(ask(question="Hi"), SamplingParams(max_tokens=2))
+    with pytest.raises(PrismError):
+        list(eng.stream(ask(question="Hi"), SamplingParams(max_tokens=2)))
+    eng.close()  # closing twice is harmless
+    with pytest.raises(PrismError):
+        eng.generate(ask(question="Hi"))
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+def test_image_as_path_bytes_or_pil_gives_the_same_answer(engine, media_path):
+    path = media_path("rocket.jpg")
+    data = path.read_bytes()
+    with Image.open(path) as im:
+        pil = im.copy()
+    forms = [str(path), pathlib.Path(path), data, bytearray(data), pil, io.BytesIO(data)]
+    outs = [engine.generate(ask(form), GREEDY8) for form in forms]
+    for out in outs[1:]:
+        assert out.prompt_token_ids == outs[0].prompt_token_ids
+        assert out.token_ids == outs[0].token_ids
+
+
+def test_system_message_and_several_turns(engine, media_path):
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": [{"type": "image", "image": media_path("coffee.png")},
+                                     {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A cup of coffee."},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"},
+                                     {"type": "image", "image": media_path("china.jpg")}]},
+    ]
+    done = engine.generate(messages, GREEDY8)
+    assert len(done.token_ids) == 8
+    prompt = engine.tokenizer.decode(done.prompt_token_ids)
+    assert prompt.startswith("<|im_start|>system\nYou are a terse assistant.<|im_end|>\n<|im_start|>user\n")
+    assert "<|im_start|>assistant\nA cup of coffee.<|im_end|>\n" in prompt
+    assert prompt.endswith("<|vision_end|><|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.count("<|vision_start|>") == 2
+    assert done.telemetry.visual_tokens == done.prompt_token_ids.count(IMAGE_PAD_ID)
+    # the conversation history changes the answer's prompt
+    last_turn = engine.generate([messages[0], messages[3]], GREEDY8)
+    assert len(last_turn.prompt_token_ids) < len(done.prompt_token_ids)
+    # plain string contents and text parts are the same thing
+    a = engine.generate([{"role": "user", "content": "Hi"}], GREEDY8)
+    b = engine.generate([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], GREEDY8)
+    assert a.prompt_token_ids == b.prompt_token_ids and a.token_ids == b.token_ids
+
+
+def test_pixel_bounds_change_visual_tokens(tiny_ckpt, engine, media_path):
+    big, small = media_path("astronaut.png"), media_path("coins.png")
+    default_big = engine.count_prompt_tokens(ask(big))
+    default_small = engine.count_prompt_tokens(ask(small))
+    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False, max_pixels=128 * 128) as eng:
+        capped = eng.count_prompt_tokens(ask(big))
+        assert capped < default_big
+        done = eng.generate(ask(big), SamplingParams(max_tokens=2, ignore_eos=True))
+        assert 0 < done.telemetry.visual_tokens <= (128 * 128) // (32 * 32)
+    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False, min_pixels=768 * 768) as eng:
+        assert eng.count_prompt_tokens(ask(small)) > default_small
