@@ -370,8 +370,14 @@ class Engine:
         """Engine counters: KV pool pages (total, used, free, page size, capacity in tokens),
         running and waiting requests, steps run, tokens generated, and the prefix cache's
         entries, pages held, hits, misses, stale fallbacks, evictions, prompt tokens saved and
-        vision-cache hits."""
+        vision-cache hits.
+
+        Raises:
+            PrismError: the engine is closed.
+        """
         with self._cv:
+            if self._closed:
+                raise PrismError("engine is closed")
             return {
                 "pages_total": self.pool.num_pages,
                 "pages_used": self.pool.num_used,
@@ -415,7 +421,9 @@ class Engine:
             self._closed = self._stopping = True
             self._cv.notify_all()
         self._thread.join()
-        self.pool = self.runner = self.model = None
+        # drop every reference to the model, the KV pool and the captured graphs so their memory goes
+        self.pool = self.runner = self.model = self.scheduler = self.prefix_cache = None
+        self.vision_cache = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
