@@ -120,6 +120,43 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
 
 
 @triton.jit
+def _attend_block(
+    q, m_i, l_i, acc, limit, n0, hi, table_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+    num_kv_heads, kvh, sm_scale, d, dm,
+    D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One online-softmax step over keys ``n0 .. n0 + BLOCK_N - 1`` (below ``hi``) of one sequence's
+    pages: row ``r`` of ``q`` sees keys up to ``limit[r]``. Returns the updated (max, sum, acc)."""
+    kpos = n0 + tl.arange(0, BLOCK_N)
+    kok = kpos < hi
+    page = tl.load(table_ptr + kpos // PAGE, mask=kok, other=0).to(tl.int64)
+    slot = page * PAGE + kpos % PAGE
+    off = (slot * num_kv_heads + kvh)[:, None] * D + d[None, :]
+    k = tl.load(kc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
+    v = tl.load(vc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if FP8:
+        s = s * tl.load(ks_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)[None, :]
+    visible = (kpos[None, :] <= limit[:, None]) & kok[None, :]
+    s = tl.where(visible, s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP8:  # scale V's rows (not P): P stays in [0, 1] for the 16-bit product
+        v = v * tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0).to(v.dtype)[:, None]
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     o_ptr,
@@ -179,36 +216,10 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M * G], tl.float32)
     acc = tl.zeros([BLOCK_M * G, BLOCK_D], tl.float32)
     for n0 in range(0, hi, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        kok = kpos < hi
-        page = tl.load(bt_ptr + seq * stride_bt + kpos // PAGE, mask=kok, other=0).to(tl.int64)
-        slot = page * PAGE + kpos % PAGE
-        off = (slot * num_kv_heads + kvh)[:, None] * D + d[None, :]
-        k = tl.load(kc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
-        v = tl.load(vc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if FP8:
-            kscale = tl.load(ks_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)
-            s = s * kscale[None, :]
-        s = s * sm_scale
-        visible = (kpos[None, :] <= limit[:, None]) & kok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP8:  # scale V's rows (not P): P stays in [0, 1] for the 16-bit product
-            vscale = tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)
-            v = v * vscale.to(v.dtype)[:, None]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, limit, n0, hi, bt_ptr + seq * stride_bt, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+            num_kv_heads, kvh, sm_scale, d, dm, D, PAGE, BLOCK_N, FP8, IEEE,
+        )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -343,33 +354,12 @@ def _decode_split_kernel(
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BLOCK_D], tl.float32)
+    limit = tl.full([GP], hi - 1, tl.int32)  # every stored key of the chunk is visible
     for n0 in range(lo, hi, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        kok = kpos < hi
-        page = tl.load(bt_ptr + b * stride_bt + kpos // PAGE, mask=kok, other=0).to(tl.int64)
-        slot = page * PAGE + kpos % PAGE
-        off = (slot * num_kv_heads + kvh)[:, None] * D + d[None, :]
-        k = tl.load(kc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
-        v = tl.load(vc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if FP8:
-            s = s * tl.load(ks_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)[None, :]
-        s = tl.where(kok[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP8:  # scale V's rows (not P): P stays in [0, 1] for the 16-bit product
-            v = v * tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0).to(v.dtype)[:, None]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, m_i, l_i, acc, limit, n0, hi, bt_ptr + b * stride_bt, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+            num_kv_heads, kvh, sm_scale, d, dm, D, PAGE, BLOCK_N, FP8, IEEE,
+        )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
     row = (b * num_kv_heads * G + head) * num_splits + sp
