@@ -33,13 +33,16 @@ class AttentionContext(Protocol):
         ...
 
 
-def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
+def causal_gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal grouped-query attention of one sequence with dense K/V, accumulated by SDPA.
 
     Args:
         q: ``[T, H, D]`` queries for sequence positions ``q_offset .. q_offset + T - 1``.
         k, v: ``[S, Hkv, D]`` keys / values for positions ``0 .. S - 1`` (``S >= q_offset + T``);
             ``H`` must be a multiple of ``Hkv`` (query head ``h`` reads KV head ``h // (H / Hkv)``).
+        mask: optional bool ``[T, S]`` of the keys each query sees, replacing the causal mask.
 
     Returns:
         ``[T, H, D]``; softmax scale ``D ** -0.5``.
@@ -47,7 +50,9 @@ def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_of
     t, s = q.shape[0], k.shape[0]
     gqa = q.shape[1] != k.shape[1]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if q_offset == 0 and t == s:
+    if mask is not None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
+    elif q_offset == 0 and t == s:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     elif t == 1 and s == q_offset + 1:  # one decode token sees every stored key
         out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa)

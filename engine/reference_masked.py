@@ -24,8 +24,8 @@ compacted prompt (cold or a cache hit) must equal :func:`masked_greedy`'s, up to
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .attention import causal_gqa_attention
 from .text import VisualInjection
 
 
@@ -88,10 +88,7 @@ class MaskedStep:
         end = self.start + self.num_new
         self.cache.k[layer][self.start : end] = k
         self.cache.v[layer][self.start : end] = v
-        keys, values = self.cache.k[layer][:end], self.cache.v[layer][:end]  # [S, Hkv, D]
-        qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=self.mask, enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(0, 1)  # [T, H, D]
+        return causal_gqa_attention(q, self.cache.k[layer][:end], self.cache.v[layer][:end], self.start, self.mask)
 
 
 def removed_positions(engine, prompt) -> torch.Tensor:
