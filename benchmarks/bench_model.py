@@ -5,7 +5,7 @@ Run by hand (not a test)::
     python benchmarks/bench_model.py                           # tiny "demo" checkpoint, CPU
     python benchmarks/bench_model.py --preset test --images 1 --decode-tokens 16
     python benchmarks/bench_model.py --checkpoint /models/Qwen3-VL-2B-Instruct --device cuda
-    python benchmarks/bench_model.py --shape 8b --device cuda  # Qwen3-VL-8B-shaped random weights
+    python benchmarks/bench_model.py --shape 8b --device cuda  # Qwen3-VL-8B shape, random weights in GPU memory
 
 The prompt is one user turn with ``--images`` photos from ``../shared/media`` (relative to the
 repository root), each resized to 448x448, and a question. Measured, after warm-up runs, as the
@@ -54,33 +54,6 @@ PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg
 IMAGE_SIDE = 448
 QUESTION = "Describe these pictures in detail and say what they have in common."
 
-#: Qwen3-VL-8B-Instruct's shapes, for --shape 8b (random weights, bfloat16).
-SHAPE_8B = {
-    "dtype": "bfloat16",
-    "tie_word_embeddings": False,
-    "text_config": {
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 262144,
-        "rope_theta": 5000000,
-        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
-    },
-    "vision_config": {
-        "depth": 27,
-        "hidden_size": 1152,
-        "intermediate_size": 4304,
-        "num_heads": 16,
-        "out_hidden_size": 4096,
-        "num_position_embeddings": 2304,
-        "deepstack_visual_indexes": [8, 16, 24],
-    },
-}
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -112,12 +85,11 @@ def prepare_checkpoint(args, workdir: pathlib.Path) -> tuple[pathlib.Path, str]:
         return pathlib.Path(args.checkpoint), str(args.checkpoint)
     from engine.tiny import build_tiny_checkpoint
 
-    if args.shape == "8b":
-        t = time.perf_counter()
-        print("building a Qwen3-VL-8B-shaped random checkpoint (about 17 GB) ...", file=sys.stderr, flush=True)
-        folder = build_tiny_checkpoint(workdir / "shape-8b", "test", seed=0, overrides=SHAPE_8B)
-        print(f"  built in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-        return folder, "Qwen3-VL-8B shape, random weights"
+    if args.shape == "8b":  # config and tokenizer only: the weights are drawn in device memory
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import shapes
+
+        return shapes.make_folder("8b", workdir), "Qwen3-VL-8B shape, random weights (in memory)"
     preset = args.preset or "demo"
     return build_tiny_checkpoint(workdir / preset, preset, seed=0), f"tiny '{preset}' preset, random weights"
 
@@ -150,7 +122,17 @@ def bench_ours(folder, args, device, dtype, images) -> dict:
     if args.kv_cache_dtype:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     t = time.perf_counter()
-    engine = Engine.from_pretrained(folder, device=str(device), dtype=dtype, **options)
+    if args.shape:
+        import shapes
+        from transformers import AutoProcessor
+
+        from engine.engine import EngineOptions
+
+        model = shapes.random_model(folder, device, dtype)
+        engine = Engine(model, AutoProcessor.from_pretrained(str(folder)), model_id=f"random-{args.shape}",
+                        folder=folder, options=EngineOptions(**options))
+    else:
+        engine = Engine.from_pretrained(folder, device=str(device), dtype=dtype, **options)
     load_s = time.perf_counter() - t
     messages = messages_for(images)
     sampling = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
@@ -206,8 +188,13 @@ def bench_transformers(folder, args, device, dtype, images) -> dict:
 
     t = time.perf_counter()
     processor = AutoProcessor.from_pretrained(str(folder))
-    model = Qwen3VLForConditionalGeneration.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa")
-    model.to(device).eval()
+    if args.shape:  # the same random weights as ours (same seed), copied into transformers' model
+        import shapes
+
+        model = shapes.transformers_twin(shapes.random_model(folder, device, dtype), folder)
+    else:
+        model = Qwen3VLForConditionalGeneration.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa")
+        model.to(device).eval()
     load_s = time.perf_counter() - t
     text = processor.apply_chat_template(messages_for(images), tokenize=False, add_generation_prompt=True)
     n = args.decode_tokens
