@@ -1,0 +1,402 @@
+"""The chat flow: sessions and images in the store, questions to the engine, answers back.
+
+Nothing here knows about Gradio or HTTP: :class:`ChatService` takes an owner key, a session id and
+plain values, and returns records and :class:`TurnView` snapshots that the page and the share view
+render. Every prompt is built with :func:`engine.media_first_messages` (images first, then the
+question), so the prefix up to the last image is the same for every question of a session and the
+engine's compact prefix cache can serve it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import Completion, PrismError, SamplingParams, media_first_messages
+from sessions import InvalidImageError, LimitExceeded, NotFound, PermissionDenied, Session, SessionStore, StoreError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TITLE = "New chat"
+TITLE_FROM_QUESTION_CHARS = 60
+
+
+class ChatError(Exception):
+    """A request the app refuses, with a message for the user (empty question, model loading...)."""
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """Per-question settings from the settings panel.
+
+    ``history``: each question sees the earlier questions and answers (multi-turn chat, reusing
+    the previous turn's KV); off, every question is asked against the images alone.
+    """
+
+    temperature: float = 0.0
+    max_tokens: int = 256
+    history: bool = False
+    top_p: float = 1.0
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=int(self.max_tokens), temperature=float(self.temperature),
+                              top_p=float(self.top_p))
+
+
+@dataclass
+class TurnView:
+    """One question and its answer as the page shows it.
+
+    ``status``: ``"streaming"``, ``"done"``, ``"cancelled"`` or ``"error"``. ``line`` is the
+    telemetry line (or the error message).
+    """
+
+    turn_id: int
+    question: str
+    answer: str
+    status: str
+    telemetry: dict = field(default_factory=dict)
+    line: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def prefix(self) -> str:
+        return str(self.telemetry.get("prefix_cache", "off")) if self.telemetry else ""
+
+
+def _tok(n) -> str:
+    return f"{int(n):,} tok"
+
+
+def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
+    """The compact line shown beside an answer, e.g.
+    ``prefix HIT · TTFT 41 ms · reused 1,568 tok (compact 941) · computed 19 tok · 23 tok/s``.
+
+    ``stale`` (the cached prefix was evicted before the request ran) and ``off`` (no images, or
+    prefix caching disabled) are shown as they are.
+    """
+    if not tel:
+        return ""
+    prefix = str(tel.get("prefix_cache", "off"))
+    head = f"prefix {prefix.upper()}"
+    if prefix == "stale":
+        head += " (evicted, recomputed)"
+    elif prefix == "off" and not tel.get("visual_tokens"):
+        head += " (no images)"
+    parts = [head]
+    if tel.get("vision_encoder_ran"):
+        parts.append("vision encoder ran")
+    parts.append(f"TTFT {float(tel.get('ttft_ms', 0.0)):,.0f} ms")
+    cached = int(tel.get("cached_tokens", 0) or 0)
+    if cached:
+        dropped = int(tel.get("visual_tokens", 0) or 0) - int(tel.get("visual_tokens_kept", 0) or 0)
+        kept = cached - dropped if tel.get("visual_tokens_kept") and 0 < dropped < cached else cached
+        parts.append(f"reused {_tok(cached)}" + (f" (compact {kept:,})" if kept != cached else ""))
+    parts.append(f"computed {_tok(tel.get('computed_tokens', 0) or 0)}")
+    tps = float(tel.get("decode_tokens_per_s", 0.0) or 0.0)
+    if tps:
+        parts.append(f"{tps:,.0f} tok/s")
+    if finish_reason == "cancelled":
+        parts.append("stopped")
+    elif finish_reason == "length":
+        parts.append("hit max tokens")
+    return " · ".join(parts)
+
+
+def view_of(turn) -> TurnView:
+    """The :class:`TurnView` of a stored turn."""
+    if turn.error:
+        status, line = "error", turn.error
+    elif turn.finished_at is None:
+        status, line = "streaming", "generating ..."
+    else:
+        status = "cancelled" if turn.finish_reason == "cancelled" else "done"
+        line = telemetry_line(turn.telemetry, turn.finish_reason)
+    return TurnView(turn.id, turn.question, turn.answer, status, dict(turn.telemetry or {}), line, turn.finish_reason)
+
+
+def build_messages(images: list, question: str, history: list[tuple[str, str]] | None = None) -> list[dict]:
+    """Chat messages for the engine: media-first with images, a plain text chat without."""
+    if images:
+        return media_first_messages(images, question, history)
+    messages: list[dict] = []
+    for q, a in history or []:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    messages.append({"role": "user", "content": question})
+    return messages
+
+
+class ActiveTurn:
+    """A question being answered. Iterate it for :class:`TurnView` snapshots (one per text delta,
+    then the final one); :meth:`ChatService.stop` ends it early with the text so far."""
+
+    def __init__(self, service: ChatService, session: Session, turn, request=None, error: str | None = None):
+        self.service, self.session, self.turn = service, session, turn
+        self.request, self.error = request, error
+        self.text = ""
+        self.final: TurnView | None = None
+
+    def __iter__(self) -> Iterator[TurnView]:
+        if self.error is not None:
+            self.final = self._record(error=self.error)
+            self.service._forget(self.session.id, None, self.turn.id)
+            yield self.final
+            return
+        req, engine = self.request, self.service.engine_or_none()
+        try:
+            yield TurnView(self.turn.id, self.turn.question, "", "streaming", line="generating ...")
+            while True:
+                item = req.outbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Completion):
+                    self.final = self._record(completion=item)
+                    yield self.final
+                    return
+                self.text += item
+                yield TurnView(self.turn.id, self.turn.question, self.text, "streaming", line="generating ...")
+        except PrismError as exc:
+            self.final = self._record(error=str(exc) or type(exc).__name__)
+            yield self.final
+        except Exception as exc:  # a bug must not leave the turn unfinished
+            log.exception("answer failed")
+            self.final = self._record(error=f"internal error: {exc}")
+            yield self.final
+        finally:
+            self.service._forget(self.session.id, req, self.turn.id)
+            if self.final is None:  # the reader went away (browser closed): free the engine at once
+                if engine is not None:
+                    engine.cancel(req)  # returns once its KV pages are free
+                self._record(cancelled=True)
+
+    def _record(self, *, completion: Completion | None = None, error: str | None = None,
+                cancelled: bool = False) -> TurnView:
+        """Store the finished turn and return its view."""
+        if completion is not None:
+            text, tel, reason = completion.text, completion.telemetry.to_dict(), completion.finish_reason
+        else:
+            text, tel, reason = self.text, {}, "cancelled" if cancelled else "error"
+        try:
+            turn = self.service.store.finish_turn(self.turn.id, text, tel, reason, error=error)
+        except StoreError as exc:  # store closed during shutdown
+            log.warning("could not store turn %s: %s", self.turn.id, exc)
+            return TurnView(self.turn.id, self.turn.question, text, "error" if error else "done", tel,
+                            error or telemetry_line(tel, reason), reason)
+        return view_of(turn)
+
+
+class ChatService:
+    """Sessions, images and questions for one owner key at a time.
+
+    Args:
+        store: the session store.
+        engine_source: an object with an ``engine`` attribute (the :class:`~app.model_loader.ModelLoader`),
+            None while the model is loading.
+        max_upload_bytes: uploads larger than this are refused before being read.
+    """
+
+    def __init__(self, store: SessionStore, engine_source, *, max_upload_bytes: int = 50 * 2**20):
+        self.store = store
+        self.engine_source = engine_source
+        self.max_upload_bytes = max_upload_bytes
+        self._active: dict[str, list] = {}
+        self._active_turns: set[int] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ engine
+    def engine_or_none(self):
+        return getattr(self.engine_source, "engine", None)
+
+    def _engine(self):
+        engine = self.engine_or_none()
+        if engine is None:
+            state = getattr(self.engine_source, "state", "loading")
+            if state == "failed":
+                raise ChatError(f"The model could not be loaded: {getattr(self.engine_source, 'error', '')}")
+            raise ChatError("The model is still loading; try again in a moment (progress is shown in the terminal).")
+        return engine
+
+    # ------------------------------------------------------------------ sessions
+    def sessions(self, owner: str) -> list[Session]:
+        """The owner's sessions, newest first."""
+        return self.store.list_sessions(owner) if owner else []
+
+    def session(self, session_id: str | None, owner: str) -> Session | None:
+        """The session if it exists and ``owner`` owns it, else None."""
+        if not session_id or not owner:
+            return None
+        return self.store.get_session(session_id, owner=owner)
+
+    def _owned(self, session_id: str | None, owner: str) -> Session:
+        session = self.session(session_id, owner)
+        if session is None:
+            raise ChatError("This chat no longer exists; start a new one.")
+        return session
+
+    def ensure_session(self, session_id: str | None, owner: str) -> Session:
+        """The owner's session ``session_id``, or a new one when there is none (or it is gone)."""
+        if not owner:
+            raise ChatError("Your browser did not send its Prism cookie; enable cookies for this site and reload.")
+        return self.session(session_id, owner) or self.store.create_session(owner, DEFAULT_TITLE)
+
+    def rename(self, session_id: str, owner: str, title: str) -> Session:
+        return self.store.rename_session(self._owned(session_id, owner).id, owner, title)
+
+    def delete(self, session_id: str, owner: str) -> None:
+        session = self._owned(session_id, owner)
+        self.stop(session.id, owner)
+        self.store.delete_session(session.id, owner)
+
+    def turns(self, session_id: str | None) -> list[TurnView]:
+        """The session's turns as views, oldest first (no ownership check: callers check).
+
+        A turn left unfinished by an earlier server process (it stopped mid-answer) is shown as
+        interrupted, not as still generating.
+        """
+        views = [view_of(t) for t in self.store.list_turns(session_id)] if session_id else []
+        with self._lock:
+            active = set(self._active_turns)
+        for view in views:
+            if view.status == "streaming" and view.turn_id not in active:
+                view.status, view.line = "error", "interrupted: the server stopped before this answer was finished"
+        return views
+
+    # ------------------------------------------------------------------ images
+    def add_images(self, session_id: str | None, owner: str, uploads: list[tuple[str, str | Path | bytes]]
+                   ) -> tuple[Session, list[str]]:
+        """Add uploaded images (``(file name, path or bytes)`` pairs) to the session, creating it
+        if needed. Returns the session and one message per refused file; a refused file is not
+        stored and the others are."""
+        session = self.ensure_session(session_id, owner)
+        problems = []
+        for name, source in uploads:
+            label = os.path.basename(str(name or "")) or "image"
+            try:
+                data = self._read_upload(source)
+                self.store.add_image(session.id, owner, data, filename=label)
+            except (InvalidImageError, LimitExceeded, ChatError) as exc:
+                problems.append(f"{label}: {exc}")
+            except (NotFound, PermissionDenied) as exc:
+                raise ChatError(str(exc)) from None
+        return self.store.get_session(session.id, owner=owner) or session, problems
+
+    def _read_upload(self, source) -> bytes:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            data = bytes(source)
+        else:
+            path = Path(source)
+            if path.stat().st_size > self.max_upload_bytes:
+                data = None
+            else:
+                data = path.read_bytes()
+        if data is None or len(data) > self.max_upload_bytes:
+            raise ChatError(f"the file is larger than the upload limit of {self.max_upload_bytes / 2**20:g} MiB; "
+                            "nothing was stored")
+        return data
+
+    def remove_image(self, session_id: str, owner: str, sha: str) -> Session:
+        session = self._owned(session_id, owner)
+        try:
+            self.store.remove_image(session.id, owner, sha)
+        except NotFound:
+            pass  # already gone (another tab)
+        return self.store.get_session(session.id, owner=owner) or session
+
+    # ------------------------------------------------------------------ questions
+    def ask(self, session_id: str | None, owner: str, question: str, options: ChatOptions | None = None
+            ) -> ActiveTurn:
+        """Start answering ``question`` in the session (created when None). Iterate the result.
+
+        Raises:
+            ChatError: empty question, model not loaded yet, or no usable owner key. Engine
+                errors (a request too long, a bad image) do not raise: the turn records them and
+                the returned :class:`ActiveTurn` shows them beside that answer.
+        """
+        question = (question or "").strip()
+        if not question:
+            raise ChatError("Please type a question first.")
+        options = options or ChatOptions()
+        engine = self._engine()
+        session = self.ensure_session(session_id, owner)
+        history = None
+        if options.history:
+            history = [(t.question, t.answer) for t in self.store.list_turns(session.id)
+                       if t.finished_at is not None and not t.error and t.answer]
+        images = [self.store.image_path(sha) for sha in session.image_shas]
+        if session.title == DEFAULT_TITLE and not self.store.list_turns(session.id):
+            title = " ".join(question.split())
+            title = title if len(title) <= TITLE_FROM_QUESTION_CHARS else title[: TITLE_FROM_QUESTION_CHARS - 1] + "…"
+            session = self.store.rename_session(session.id, owner, title)
+        turn = self.store.add_turn(session.id, question)
+        with self._lock:
+            self._active_turns.add(turn.id)
+        if any(p is None for p in images):
+            return ActiveTurn(self, session, turn, error="An image of this chat is missing on the server.")
+        try:
+            sampling = options.sampling()
+            req = engine.submit(build_messages(images, question, history), sampling, cache_salt=session.cache_salt)
+        except PrismError as exc:
+            return ActiveTurn(self, session, turn, error=str(exc))
+        with self._lock:
+            self._active.setdefault(session.id, []).append(req)
+        return ActiveTurn(self, session, turn, request=req)
+
+    def regenerate(self, session_id: str | None, owner: str, options: ChatOptions | None = None) -> ActiveTurn:
+        """Ask the session's last question again (its old answer is deleted)."""
+        session = self._owned(session_id, owner)
+        self.stop(session.id, owner)
+        last = self.store.delete_last_turn(session.id, owner)
+        if last is None:
+            raise ChatError("There is no question to ask again yet.")
+        return self.ask(session.id, owner, last.question, options)
+
+    def stop(self, session_id: str | None, owner: str) -> bool:
+        """Cancel the session's answers in progress (the engine frees them at once)."""
+        if self.session(session_id, owner) is None:
+            return False
+        with self._lock:
+            requests = list(self._active.get(session_id, []))
+        engine = self.engine_or_none()
+        for req in requests:
+            if engine is not None:
+                engine.cancel(req, wait=False)
+        return bool(requests)
+
+    def cancel_all(self) -> int:
+        """Cancel every answer in progress (shutdown)."""
+        with self._lock:
+            requests = [r for reqs in self._active.values() for r in reqs]
+        engine = self.engine_or_none()
+        for req in requests:
+            if engine is not None:
+                engine.cancel(req, wait=False)
+        return len(requests)
+
+    def _forget(self, session_id: str, req, turn_id: int) -> None:
+        with self._lock:
+            self._active_turns.discard(turn_id)
+            reqs = self._active.get(session_id, [])
+            if req in reqs:
+                reqs.remove(req)
+            if not reqs:
+                self._active.pop(session_id, None)
+
+    # ------------------------------------------------------------------ panels
+    def session_stats(self, session_id: str | None) -> dict:
+        """For the session panel: per-turn TTFT and prefix state, and the prefix's page use."""
+        rows, pages = [], None
+        for n, view in enumerate(self.turns(session_id), 1):
+            tel = view.telemetry
+            if view.status == "error" or not tel:
+                continue
+            rows.append({"turn": n, "ttft_ms": round(float(tel.get("ttft_ms", 0.0)), 1),
+                         "prefix": str(tel.get("prefix_cache", "off"))})
+            if tel.get("prefix_pages"):
+                pages = {"compact": int(tel["prefix_pages"]), "dense": int(tel.get("prefix_pages_dense") or 0),
+                         "visual_tokens": int(tel.get("visual_tokens", 0)),
+                         "visual_tokens_kept": int(tel.get("visual_tokens_kept", 0))}
+        return {"turns": rows, "pages": pages}

@@ -1,0 +1,238 @@
+"""Choosing the model and loading it in the background.
+
+The web server starts at once; the model loads in a thread of its own, reporting its progress in
+the terminal. :class:`ModelLoader` tells the rest of the app (``/healthz``, the page's banner, the
+chat handlers) whether the engine is ready yet.
+
+Which model: ``--model`` when given; otherwise ``Qwen/Qwen3-VL-2B-Instruct`` when it is in the
+local Hugging Face cache or the Hub answers within a few seconds (then it is downloaded); otherwise
+the built-in tiny demo checkpoint (random weights), built once under the data dir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .settings import REAL_MODEL, Settings
+
+log = logging.getLogger(__name__)
+
+#: How long the Hub may take to answer before Prism decides it is offline.
+HUB_PROBE_TIMEOUT_S = 4.0
+DEMO_MODEL_ID = "prism-tiny-demo"
+#: Text hidden sizes at or below this are the random tiny checkpoints of ``engine.tiny``.
+_TINY_HIDDEN_SIZE = 256
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The checkpoint to load.
+
+    Attributes:
+        source: what to pass to ``Engine.from_pretrained`` (a folder or a Hub id).
+        model_id: the name shown to users and API clients.
+        demo: True for a random-weight tiny checkpoint (its answers are random text).
+        reason: why this model was chosen, for the terminal.
+    """
+
+    source: str
+    model_id: str
+    demo: bool
+    reason: str
+
+
+def say(message: str) -> None:
+    """Progress for the person who started the app (stderr, flushed)."""
+    print(f"[prism] {message}", file=sys.stderr, flush=True)
+
+
+def hub_offline() -> bool:
+    """Whether the user told Hugging Face libraries not to use the network."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def cached_snapshot(model_id: str) -> str | None:
+    """The local folder of ``model_id`` in the Hugging Face cache, or None (never uses the network)."""
+    from huggingface_hub import snapshot_download
+
+    from engine.hub import CHECKPOINT_PATTERNS
+
+    try:
+        return snapshot_download(model_id, allow_patterns=CHECKPOINT_PATTERNS, local_files_only=True)
+    except Exception:
+        return None
+
+
+def hub_reachable(model_id: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether the Hub describes ``model_id`` within ``timeout`` seconds (False offline).
+
+    The request runs in a daemon thread so that even a resolver that ignores timeouts cannot
+    hold up start-up.
+    """
+    if hub_offline():
+        return False
+    answer: list[bool] = []
+
+    def probe() -> None:
+        from huggingface_hub import HfApi
+
+        try:
+            HfApi().model_info(model_id, timeout=timeout)
+            answer.append(True)
+        except Exception as exc:
+            log.debug("hub probe failed: %s", exc)
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, name="prism-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    return bool(answer and answer[0])
+
+
+def demo_checkpoint(data_dir: Path) -> Path:
+    """The tiny demo checkpoint under ``data_dir/models``, built on first use."""
+    from engine.tiny import build_tiny_checkpoint
+
+    folder = data_dir / "models" / "tiny-demo"
+    if not (folder / "model.safetensors").is_file() or not (folder / "tokenizer.json").is_file():
+        say(f"building the tiny demo checkpoint in {folder} (once) ...")
+        build_tiny_checkpoint(folder, "demo", seed=0)
+    return folder
+
+
+def looks_tiny(folder: str | Path) -> bool:
+    """Whether a local checkpoint folder is one of the tiny random-weight checkpoints."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        return int(config.get("text_config", {}).get("hidden_size", 1 << 20)) <= _TINY_HIDDEN_SIZE
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
+def choose_model(requested: str | None, data_dir: Path, *, probe_timeout: float = HUB_PROBE_TIMEOUT_S) -> ModelChoice:
+    """Pick the checkpoint to load (see the module docstring). Never waits long on the network."""
+    if requested and requested != "demo":
+        folder = Path(requested).expanduser()
+        return ModelChoice(requested, folder.name if folder.is_dir() else requested,
+                           folder.is_dir() and looks_tiny(folder), "given with --model")
+    if requested != "demo":
+        say(f"looking for {REAL_MODEL} in the local Hugging Face cache ...")
+        folder = cached_snapshot(REAL_MODEL)
+        if folder:
+            return ModelChoice(folder, REAL_MODEL, False, "found in the Hugging Face cache")
+        if hub_offline():
+            say("not cached, and HF_HUB_OFFLINE is set: not trying to download it")
+        else:
+            say(f"not cached; asking the Hugging Face Hub (at most {probe_timeout:.0f} s) ...")
+            if hub_reachable(REAL_MODEL, probe_timeout):
+                return ModelChoice(REAL_MODEL, REAL_MODEL, False, "downloading it from the Hugging Face Hub")
+            say("the Hub cannot be reached (offline?)")
+    folder = demo_checkpoint(data_dir)
+    reason = "asked for with --model demo" if requested == "demo" else f"{REAL_MODEL} is not available offline"
+    return ModelChoice(str(folder), DEMO_MODEL_ID, True, reason)
+
+
+class ModelLoader:
+    """Loads the engine in a background thread and reports its state.
+
+    ``state`` is ``"loading"``, ``"ready"`` or ``"failed"``. Tests can hand in a ready engine with
+    :meth:`ready`.
+    """
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.state = "loading"
+        self.stage = "starting"
+        self.error: str | None = None
+        self.choice: ModelChoice | None = None
+        self.engine = None
+        self.started_at = time.monotonic()
+        self.load_seconds: float | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ready_event = threading.Event()
+
+    @classmethod
+    def ready(cls, engine, choice: ModelChoice, settings: Settings | None = None) -> ModelLoader:
+        """A loader around an engine that is already loaded."""
+        loader = cls(settings or Settings())
+        loader.choice, loader.engine, loader.state, loader.stage = choice, engine, "ready", "ready"
+        loader.load_seconds = 0.0
+        loader._ready_event.set()
+        return loader
+
+    def start(self) -> None:
+        """Start loading in the background (returns at once)."""
+        self._thread = threading.Thread(target=self._load, name="prism-model-loader", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the engine is ready or failed; True when ready."""
+        self._ready_event.wait(timeout)
+        return self.state == "ready"
+
+    def _load(self) -> None:
+        from engine import Engine
+
+        try:
+            self.stage = "choosing the model"
+            choice = choose_model(self.settings.model, self.settings.data_path)
+            self.choice = choice
+            say(f"model: {choice.model_id} ({choice.reason})")
+            self.stage = f"loading {choice.model_id}"
+            engine = Engine.from_pretrained(choice.source, device=self.settings.device, progress=True,
+                                            **self.settings.engine_options())
+        except BaseException as exc:  # shown in /healthz and on the page
+            log.exception("model loading failed")
+            with self._lock:
+                self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            say(f"loading the model FAILED: {self.error}")
+            self._ready_event.set()
+            return
+        with self._lock:
+            self.engine, self.state, self.stage = engine, "ready", "ready"
+            self.load_seconds = time.monotonic() - self.started_at
+        say(f"model ready: {choice.model_id} on {engine.device} ({engine.dtype}, KV {engine.options.kv_cache_dtype}) "
+            f"after {self.load_seconds:.1f} s")
+        self._ready_event.set()
+
+    @property
+    def model_id(self) -> str | None:
+        return self.choice.model_id if self.choice else None
+
+    @property
+    def demo(self) -> bool:
+        return bool(self.choice and self.choice.demo)
+
+    def status(self) -> dict:
+        """What ``/healthz`` reports."""
+        out = {"status": {"loading": "loading", "ready": "ok", "failed": "error"}[self.state],
+               "model": self.model_id, "demo_model": self.demo, "stage": self.stage}
+        if self.error:
+            out["error"] = self.error
+        engine = self.engine
+        if engine is not None and self.state == "ready":
+            out.update(device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
+                       kv_cache_dtype=engine.options.kv_cache_dtype, load_seconds=round(self.load_seconds or 0, 1))
+            try:
+                out["engine"] = engine.stats()
+                out["engine_status"] = "running"
+            except Exception as exc:  # closed engine
+                out["engine_status"] = f"unavailable: {exc}"
+        return out
+
+    def close(self) -> None:
+        """Stop the engine (running requests end with an error)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            self.state, self.stage = "failed", "stopped"
+            self.error = "the server is shutting down"
+            engine.close()

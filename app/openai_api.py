@@ -1,0 +1,314 @@
+"""An OpenAI-compatible API: ``POST /v1/chat/completions`` and ``GET /v1/models``.
+
+Messages may mix text parts and ``image_url`` parts whose URL is a base64 ``data:`` URL (remote
+URLs are refused: the server never fetches anything). ``stream: true`` answers with server-sent
+events. The prefix-cache salt is chosen by the server: one per API key (``Authorization: Bearer
+...``), or one per process for anonymous clients; a client can never pick it. A client that
+disconnects mid-answer cancels its request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import json
+import queue
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from engine import (
+    Completion,
+    EngineOverloadedError,
+    InvalidImageError,
+    InvalidRequestError,
+    PrismError,
+    SamplingParams,
+)
+
+DEFAULT_MAX_TOKENS = 512
+_DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[^,;]*)*?),(?P<data>.*)$", re.DOTALL)
+_POLL_S = 0.01
+_DISCONNECT_CHECK_S = 0.25
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def decode_data_url(url: object, max_bytes: int) -> bytes:
+    """The bytes of a base64 ``data:`` URL (an image), or :class:`APIError` 400."""
+    if not isinstance(url, str):
+        raise _bad("image_url.url must be a string", "messages")
+    if not url.startswith("data:"):
+        raise _bad("only base64 data: URLs are accepted for images (data:image/png;base64,...); "
+                   "this server does not fetch remote URLs", "messages")
+    match = _DATA_URL_RE.match(url)
+    if not match or ";base64" not in match.group("params").lower():
+        raise _bad("image data: URLs must be base64 encoded (data:image/png;base64,...)", "messages")
+    payload = match.group("data").strip()
+    if len(payload) * 3 // 4 > max_bytes + 3:
+        raise _bad(f"an image is larger than the limit of {max_bytes / 2**20:g} MiB", "messages")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad("an image data: URL is not valid base64", "messages") from None
+
+
+def convert_messages(raw: object, max_image_bytes: int) -> list[dict]:
+    """OpenAI chat messages -> engine messages (image parts as bytes)."""
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages must be a non-empty array", "messages")
+    out = []
+    for n, msg in enumerate(raw):
+        if not isinstance(msg, dict):
+            raise _bad(f"messages[{n}] must be an object", "messages")
+        role = msg.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise _bad(f"messages[{n}].role must be system, user or assistant, got {role!r}", "messages")
+        content = msg.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _bad(f"messages[{n}].content must be a string or an array of parts", "messages")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                parts.append({"type": "image", "image": decode_data_url(url, max_image_bytes)})
+            else:
+                raise _bad(f"messages[{n}]: unsupported content part type {kind!r} (use text or image_url)",
+                           "messages")
+        out.append({"role": role, "content": parts})
+    return out
+
+
+def _number(body: dict, name: str, default, kind=float):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    wrong_type = isinstance(value, bool) or not isinstance(value, (int, float))
+    if wrong_type or (kind is int and not float(value).is_integer()):
+        raise _bad(f"{name} must be {'an integer' if kind is int else 'a number'}", name)
+    return kind(value)
+
+
+def sampling_from(body: dict) -> SamplingParams:
+    """SamplingParams from ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``,
+    ``seed`` and ``stop``."""
+    if body.get("n", 1) not in (1, None):
+        raise _bad("only n = 1 is supported", "n")
+    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+        raise _bad("stop must be a non-empty string or an array of at most 16 of them", "stop")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _bad("seed must be an integer", "seed")
+    try:
+        return SamplingParams(
+            max_tokens=_number(body, limit_name, DEFAULT_MAX_TOKENS, int),
+            temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0),
+            seed=seed,
+            stop=tuple(stop),
+        )
+    except InvalidRequestError as exc:
+        raise _bad(str(exc)) from None
+
+
+def _usage(completion: Completion) -> dict:
+    tel = completion.telemetry
+    prompt = len(completion.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": tel.generated_tokens,
+            "total_tokens": prompt + tel.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": tel.cached_tokens}}
+
+
+def _finish_reason(completion: Completion) -> str:
+    return "length" if completion.finish_reason == "length" else "stop"
+
+
+class OpenAIAPI:
+    """The ``/v1`` routes over a model loader (``loader.engine``, ``loader.model_id``)."""
+
+    def __init__(self, loader, *, max_image_bytes: int, salt: str | None = None):
+        self.loader = loader
+        self.max_image_bytes = max_image_bytes
+        self.process_salt = salt or secrets.token_hex(16)
+        self._active: set = set()
+        self.router = APIRouter(prefix="/v1")
+        self.router.add_api_route("/models", self.models, methods=["GET"])
+        self.router.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+
+    def cancel_all(self) -> int:
+        """Cancel every API request in progress (shutdown); their streams end at once."""
+        engine, requests = self.loader.engine, list(self._active)
+        for req in requests:
+            if engine is not None:
+                engine.cancel(req, wait=False)
+        return len(requests)
+
+    def salt_for(self, request: Request) -> str:
+        """The cache salt of this client: per API key, else the process's anonymous salt."""
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not key:
+            return "api:" + self.process_salt
+        return "api:" + hashlib.sha256(f"{self.process_salt}:{key}".encode()).hexdigest()
+
+    def _model_id(self) -> str:
+        return self.loader.model_id or "prism"
+
+    async def models(self):
+        engine_ready = getattr(self.loader, "engine", None) is not None
+        data = [{"id": self._model_id(), "object": "model", "created": int(time.time()), "owned_by": "prism"}]
+        return {"object": "list", "data": data if engine_ready or self.loader.model_id else []}
+
+    async def chat_completions(self, request: Request):
+        try:
+            body = await self._body(request)
+            messages = convert_messages(body.get("messages"), self.max_image_bytes)
+            sampling = sampling_from(body)
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise _bad("stream must be true or false", "stream")
+            options = body.get("stream_options") or {}
+            include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+            engine = self.loader.engine
+            if engine is None:
+                raise APIError(503, "the model is still loading; retry shortly", "server_error")
+            req = await run_in_threadpool(self._submit, engine, messages, sampling, self.salt_for(request))
+        except APIError as exc:
+            return exc.response()
+        rid = "chatcmpl-" + secrets.token_hex(12)
+        if stream:
+            return StreamingResponse(self._sse(request, engine, req, rid, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text = []
+        try:
+            async for item in self._items(request, engine, req):
+                if isinstance(item, str):
+                    text.append(item)
+                else:
+                    return self._completion_body(rid, item)
+        except PrismError as exc:
+            return APIError(500, f"the request failed: {exc}", "server_error").response()
+        return APIError(499, "client closed the request", "server_error").response()
+
+    @staticmethod
+    async def _body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            raise _bad("the request body must be JSON") from None
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _submit(engine, messages, sampling, salt):
+        try:
+            return engine.submit(messages, sampling, cache_salt=salt)
+        except (InvalidImageError, InvalidRequestError) as exc:
+            raise _bad(str(exc), "messages") from None
+        except EngineOverloadedError as exc:
+            raise APIError(429, str(exc), "server_error") from None
+        except PrismError as exc:
+            raise APIError(500, str(exc), "server_error") from None
+
+    async def _items(self, request: Request, engine, req) -> AsyncIterator:
+        """The request's deltas and completion; cancels it if the client goes away or we stop early."""
+        finished = False
+        last_check = time.monotonic()
+        self._active.add(req)
+        try:
+            while True:
+                try:
+                    item = req.outbox.get_nowait()
+                except queue.Empty:
+                    if time.monotonic() - last_check > _DISCONNECT_CHECK_S:
+                        last_check = time.monotonic()
+                        if await request.is_disconnected():
+                            return
+                    await asyncio.sleep(_POLL_S)
+                    continue
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if isinstance(item, Completion):
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._active.discard(req)
+            if not finished:
+                engine.cancel(req, wait=False)
+
+    def _completion_body(self, rid: str, completion: Completion) -> dict:
+        return {
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self._model_id(),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
+                         "finish_reason": _finish_reason(completion), "logprobs": None}],
+            "usage": _usage(completion),
+            "prism": {"telemetry": completion.telemetry.to_dict()},
+        }
+
+    async def _sse(self, request: Request, engine, req, rid: str, include_usage: bool):
+        created, model = int(time.time()), self._model_id()
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        yield chunk({"role": "assistant", "content": ""})
+        try:
+            async for item in self._items(request, engine, req):
+                if isinstance(item, str):
+                    yield chunk({"content": item})
+                    continue
+                yield chunk({}, _finish_reason(item), prism={"telemetry": item.telemetry.to_dict()})
+                if include_usage:
+                    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": _usage(item)}
+                    yield f"data: {json.dumps(body)}\n\n"
+        except PrismError as exc:
+            error = {"error": {"message": f"the request failed: {exc}", "type": "server_error", "param": None,
+                               "code": None}}
+            yield f"data: {json.dumps(error)}\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,290 @@
+"""HTML fragments of the page and the share view. Every user-supplied string is escaped here.
+
+Images are always referenced as ``/images/<sha256>`` (our own route), never by a file path.
+"""
+
+from __future__ import annotations
+
+import time
+from html import escape
+
+from .chat import TurnView
+
+STATIC_VERSION = "2"  # bump to make browsers refetch static/prism.css and prism.js
+
+
+def _e(text) -> str:
+    return escape(str(text if text is not None else ""), quote=True)
+
+
+def image_url(sha: str) -> str:
+    return f"/images/{sha}"
+
+
+def ago(timestamp: float | None, now: float | None = None) -> str:
+    """``"just now"``, ``"5 min ago"``, ``"3 h ago"``, ``"2 days ago"``."""
+    if not timestamp:
+        return ""
+    seconds = max(0.0, (now or time.time()) - timestamp)
+    if seconds < 60:
+        return "just now"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min ago"
+    if seconds < 86400:
+        return f"{int(seconds // 3600)} h ago"
+    days = int(seconds // 86400)
+    return f"{days} day{'s' if days != 1 else ''} ago"
+
+
+# ---------------------------------------------------------------------------------- telemetry
+def chip_kind(view: TurnView) -> str:
+    """CSS flavour of a telemetry chip: hit, miss, stale, off, error, streaming."""
+    if view.status in ("error", "streaming"):
+        return view.status
+    return view.prefix or "off"
+
+
+def telemetry_chip(view: TurnView) -> str:
+    """The telemetry line beside an answer, as a styled chip (``<div class="prism-tel ...">``)."""
+    kind = chip_kind(view)
+    icon = {"error": "⚠ ", "streaming": ""}.get(kind, "")
+    text = view.line or ("error" if kind == "error" else "")
+    return (f'<div class="prism-tel prism-tel-{_e(kind)}" data-prefix="{_e(kind)}">'
+            f"{icon}{_e(text)}</div>")
+
+
+def assistant_markdown(view: TurnView) -> str:
+    """An answer for the chat: its markdown, then the telemetry chip."""
+    answer = view.answer
+    if not answer and view.status == "streaming":
+        answer = "…"
+    return f"{answer}\n\n{telemetry_chip(view)}"
+
+
+# ---------------------------------------------------------------------------------- banner
+def banner(status: dict) -> str:
+    """Notice at the top of the page: loading, failed, or demo model; empty when all is well."""
+    state = status.get("status")
+    if state == "loading":
+        return ('<div class="prism-banner prism-banner-info"><b>Loading the model…</b> '
+                f"{_e(status.get('stage', ''))}. Progress is shown in the terminal; you can already "
+                "upload images.</div>")
+    if state == "error":
+        return (f'<div class="prism-banner prism-banner-error"><b>The model is not available.</b> '
+                f"{_e(status.get('error', ''))}</div>")
+    if status.get("demo_model"):
+        return ('<div class="prism-banner prism-banner-warn"><b>Demo mode:</b> this is a tiny model with '
+                "random weights, so its answers are random text. Everything else (sessions, the prefix "
+                "cache, telemetry, sharing) is real. For real answers start Prism with the real weights: "
+                "<code>python launch.py --model Qwen/Qwen3-VL-2B-Instruct</code> on a machine with network "
+                "access (downloads about 4 GB once), or <code>--model /path/to/checkpoint</code>.</div>")
+    return ""
+
+
+# ---------------------------------------------------------------------------------- sessions
+def sessions_list(sessions, active_id: str | None) -> str:
+    """The sidebar list: thumbnail, title and age of each session, newest first."""
+    if not sessions:
+        return '<div class="prism-empty">No chats yet. Add images or ask a question to start one.</div>'
+    items = []
+    for s in sessions:
+        thumb = (f'<img src="{_e(image_url(s.image_shas[0]))}" alt="" loading="lazy">' if s.image_shas
+                 else '<span class="prism-thumb-empty">💬</span>')
+        n = len(s.image_shas)
+        meta = f"{n} image{'s' if n != 1 else ''} · {ago(s.updated_at)}"
+        active = " prism-session-active" if s.id == active_id else ""
+        items.append(
+            f'<button type="button" class="prism-session{active}" data-session="{_e(s.id)}" title="{_e(s.title)}">'
+            f'<span class="prism-session-thumb">{thumb}</span>'
+            f'<span class="prism-session-text"><span class="prism-session-title">{_e(s.title)}</span>'
+            f'<span class="prism-session-meta">{_e(meta)}</span></span></button>'
+        )
+    return '<nav class="prism-sessions">' + "".join(items) + "</nav>"
+
+
+def images_strip(records, *, editable: bool = True) -> str:
+    """The session's images in prompt order, each with its number and, when editable, a remove button."""
+    if not records:
+        return ('<div class="prism-images prism-images-empty">No images yet: drop, paste or choose some '
+                "below. Without images, questions are a plain text chat.</div>")
+    figures = []
+    for n, r in enumerate(records, 1):
+        remove = (f'<button type="button" class="prism-remove" data-remove="{_e(r.sha256)}" '
+                  f'title="Remove image {n}" aria-label="Remove image {n}">×</button>') if editable else ""
+        name = r.filename or f"image {n}"
+        figures.append(
+            f'<figure class="prism-image"><img src="{_e(image_url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
+            f'{remove}<figcaption><b>Image {n}</b> · {int(r.width)}×{int(r.height)}'
+            f'<span class="prism-image-name">{_e(name)}</span></figcaption></figure>'
+        )
+    return '<div class="prism-images">' + "".join(figures) + "</div>"
+
+
+# ---------------------------------------------------------------------------------- panels
+def _bar(parts: list[tuple[str, float, str]]) -> str:
+    total = sum(v for _, v, _ in parts) or 1
+    segs = "".join(f'<span class="prism-bar-{cls}" style="width:{100 * v / total:.2f}%" title="{_e(label)}"></span>'
+                   for label, v, cls in parts if v > 0)
+    return f'<div class="prism-bar">{segs}</div>'
+
+
+PREFIX_COLOURS = {"hit": "#16a34a", "miss": "#dc2626", "stale": "#d97706", "off": "#64748b"}
+
+
+def ttft_chart(rows: list[dict], *, width: int = 300, height: int = 170) -> str:
+    """An inline SVG bar chart of TTFT per question, each bar coloured by its prefix state.
+
+    ``rows``: ``{"turn": n, "ttft_ms": float, "prefix": "hit"|"miss"|"stale"|"off"}`` (the
+    session panel shows the last 24).
+    """
+    title = '<div class="prism-kv-title">Time to first token per question</div>'
+    if not rows:
+        return title + '<div class="prism-panel-note">Bars appear here as questions are answered.</div>'
+    rows = rows[-24:]
+    left, bottom, top = 6, 18, 16
+    plot_h = height - bottom - top
+    peak = max(r["ttft_ms"] for r in rows) or 1.0
+    step = (width - left) / len(rows)
+    bar_w = max(4.0, min(36.0, step * 0.7))
+    parts = [f'<line x1="{left}" y1="{top + plot_h}" x2="{width}" y2="{top + plot_h}" class="prism-axis"/>']
+    for i, r in enumerate(rows):
+        h = max(1.5, plot_h * r["ttft_ms"] / peak)
+        x, y = left + i * step + (step - bar_w) / 2, top + plot_h - h
+        mid = x + bar_w / 2
+        colour = PREFIX_COLOURS.get(r["prefix"], PREFIX_COLOURS["off"])
+        label = f"Q{int(r['turn'])}: {r['prefix'].upper()} · TTFT {r['ttft_ms']:,.0f} ms"
+        parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar_w:.1f}" height="{h:.1f}" rx="2" fill="{colour}">'
+                     f"<title>{_e(label)}</title></rect>")
+        if len(rows) <= 12:
+            value, name = f"{r['ttft_ms']:,.0f}", f"Q{int(r['turn'])}"
+            parts.append(f'<text x="{mid:.1f}" y="{y - 3:.1f}" class="prism-chart-value">{value}</text>')
+            parts.append(f'<text x="{mid:.1f}" y="{height - 4}" class="prism-chart-label">{name}</text>')
+    present = [k for k in PREFIX_COLOURS if any(r["prefix"] == k for r in rows)]
+    legend = "".join(f'<span class="prism-dot" style="background:{PREFIX_COLOURS[k]}"></span>{k}' for k in present)
+    svg = (f'<svg class="prism-chart" viewBox="0 0 {width} {height}" width="100%" role="img" '
+           f'aria-label="TTFT per question in milliseconds">{"".join(parts)}</svg>')
+    return f'{title}{svg}<div class="prism-legend">{legend} <span class="prism-unit">(TTFT in ms)</span></div>'
+
+
+def pages_panel(pages: dict | None) -> str:
+    """The session's image prefix: KV pages compact vs dense."""
+    if not pages:
+        return ('<div class="prism-panel-note">The prefix page use appears after the first answer about '
+                "images.</div>")
+    compact, dense = pages["compact"], max(pages["dense"], 1)
+    saved = 100 * (1 - compact / dense)
+    compact_bar = _bar([("compact", compact, "compact"), ("", dense - compact, "none")])
+    return (
+        '<div class="prism-pages"><div class="prism-kv-title">Image prefix KV pages</div>'
+        f'<div class="prism-pages-row"><span>compact</span>{compact_bar}<b>{compact}</b></div>'
+        f'<div class="prism-pages-row"><span>dense</span>{_bar([("dense", dense, "dense")])}<b>{dense}</b></div>'
+        f'<div class="prism-panel-note">{saved:.0f}% fewer pages: keeps {pages["visual_tokens_kept"]:,} of '
+        f'{pages["visual_tokens"]:,} visual tokens.</div></div>'
+    )
+
+
+def engine_panel(status: dict) -> str:
+    """The engine panel: model, device, KV pool use (running / cached / free), cache counters."""
+    if status.get("status") != "ok" or "engine" not in status:
+        return f'<div class="prism-panel-note">Engine: {_e(status.get("stage") or status.get("status"))}</div>'
+    s = status["engine"]
+    total = s["pages_total"] or 1
+    cached = s.get("cache_pages", 0)
+    running = max(0, s["pages_used"] - cached)
+    free = s["pages_free"]
+    lookups = s.get("cache_hits", 0) + s.get("cache_misses", 0) + s.get("cache_stale", 0)
+    hit_rate = f"{100 * s.get('cache_hits', 0) / lookups:.0f}%" if lookups else "–"
+    rows = [
+        ("Model", status.get("model")),
+        ("Device", f"{status.get('device')} · {status.get('dtype')}"),
+        ("KV cache", f"{s['kv_cache_dtype']} · {total:,} pages × {s['page_size']} tok"),
+        ("Requests", f"{s['running']} running · {s['waiting']} waiting"),
+        ("Prefix cache", f"{s.get('cache_entries', 0)} entries · hit rate {hit_rate} "
+                         f"({s.get('cache_hits', 0)} hit / {s.get('cache_misses', 0)} miss / "
+                         f"{s.get('cache_stale', 0)} stale)"),
+        ("Evictions", f"{s.get('cache_evictions', 0):,}"),
+        ("Tokens saved", f"{s.get('prompt_tokens_saved', 0):,} prompt tokens"),
+    ]
+    table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
+    legend = (f'<div class="prism-legend"><span class="prism-dot prism-bar-running"></span>running {running:,} '
+              f'<span class="prism-dot prism-bar-cached"></span>cached {cached:,} '
+              f'<span class="prism-dot prism-bar-free"></span>free {free:,}</div>')
+    bar = _bar([("running", running, "running"), ("cached", cached, "cached"), ("free", free, "free")])
+    return (f'<div class="prism-engine"><div class="prism-kv-title">KV pool ({100 * (total - free) / total:.1f}% used)'
+            f"</div>{bar}{legend}<table>{table}</table></div>")
+
+
+def shares_list(shares, new_link: str | None = None, new_mode: str | None = None) -> str:
+    """The share dialog's body: the link just created (shown once) and the active links."""
+    parts = []
+    if new_link:
+        mode = "read-only" if new_mode == "read" else "can continue"
+        parts.append(
+            f'<div class="prism-newlink"><div>New {mode} link (shown once: copy it now):</div>'
+            f'<div class="prism-copyrow"><input class="prism-link" readonly value="{_e(new_link)}" '
+            f'data-path="{_e(new_link)}"><button type="button" class="prism-copy" data-copy-path="{_e(new_link)}">'
+            "Copy</button></div></div>"
+        )
+    if shares:
+        rows = "".join(
+            f'<li><span class="prism-share-mode">{"read-only" if s.mode == "read" else "can continue"}</span>'
+            f'<span class="prism-share-age">created {_e(ago(s.created_at))}</span>'
+            f'<button type="button" class="prism-revoke" data-revoke="{_e(s.id)}">Revoke</button></li>'
+            for s in shares
+        )
+        parts.append(f'<div class="prism-kv-title">Active links</div><ul class="prism-shares">{rows}</ul>')
+    else:
+        parts.append('<div class="prism-panel-note">No active links for this chat.</div>')
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------------- share view
+def _markdown(text: str) -> str:
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table").render(text or "")
+
+
+def share_page(session, records, turns: list[TurnView], *, mode: str, token: str, demo: bool = False) -> str:
+    """The read-only view of a shared session (a whole HTML document).
+
+    Shows the title, images, questions, answers and telemetry; nothing else (no owner key, no
+    other sessions, no file paths). In ``continue`` mode it offers a button that forks the session.
+    """
+    convo = []
+    for view in turns:
+        convo.append(
+            f'<div class="prism-turn"><div class="prism-q">{_e(view.question)}</div>'
+            f'<div class="prism-a">{_markdown(view.answer)}{telemetry_chip(view)}</div></div>'
+        )
+    body = "".join(convo) or '<div class="prism-empty">No questions yet.</div>'
+    action = (
+        f'<form method="post" action="/s/{_e(token)}/fork" class="prism-fork"><button type="submit">'
+        "Continue this chat</button> <span>You get your own copy with the same images; the original "
+        "stays unchanged.</span></form>"
+    ) if mode == "continue" else ""
+    note = ('<div class="prism-banner prism-banner-warn">Answered by a tiny demo model with random weights: '
+            "the answers are random text.</div>") if demo else ""
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="robots" content="noindex">
+<title>{_e(session.title)} · Prism (shared)</title>
+<link rel="stylesheet" href="/prism-static/prism.css?v={STATIC_VERSION}">
+<script src="/prism-static/prism.js?v={STATIC_VERSION}" defer></script>
+</head><body class="prism-share-body">
+<main class="prism-share">
+<header><a class="prism-brand" href="/">Prism</a><span class="prism-share-badge">shared ·
+{"read-only" if mode == "read" else "can continue"}</span></header>
+<h1>{_e(session.title)}</h1>{note}
+{images_strip(records, editable=False)}
+<section class="prism-conversation">{body}</section>
+{action}
+</main></body></html>"""
+
+
+def not_found_page() -> str:
+    return f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Not found · Prism</title>
+<link rel="stylesheet" href="/prism-static/prism.css?v={STATIC_VERSION}"></head>
+<body class="prism-share-body"><main class="prism-share"><header><a class="prism-brand" href="/">Prism</a></header>
+<h1>Link not found</h1><p>This link does not exist or is no longer shared.</p></main></body></html>"""

@@ -1,0 +1,168 @@
+"""The FastAPI app: health, images by hash, share links, static files, the OpenAI API, and the
+Gradio page mounted at ``/``.
+
+Routes (ours are registered before Gradio's mount, so they take precedence):
+
+* ``GET /healthz``: JSON with the model id, device, KV dtype and engine state; 503 until loaded.
+* ``GET /images/<sha256>``: an uploaded image by its hash (64 lowercase hex digits), nothing else.
+* ``GET /s/<token>``: a shared session, read-only; ``POST /s/<token>/fork`` copies a
+  "continue" share into the visitor's own sessions. Unknown or revoked tokens: 404, nothing shown.
+* ``/prism-static/...``: our CSS and JS from ``static/`` (Gradio keeps ``/static`` for its own files).
+* ``/v1/models``, ``/v1/chat/completions``: see :mod:`app.openai_api`.
+
+Every browser gets an owner key in an HttpOnly cookie (:class:`OwnerCookieMiddleware`); it is
+the only credential for its sessions and is never put in a page.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import asynccontextmanager
+from http.cookies import SimpleCookie
+from pathlib import Path
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.requests import cookie_parser
+
+from sessions import NotFound, PermissionDenied, SessionStore
+
+from . import render
+from .chat import ChatService
+from .model_loader import ModelLoader
+from .openai_api import OpenAIAPI
+from .settings import Settings
+from .ui import OWNER_COOKIE, PrismUI, theme
+
+STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
+STATIC_URL = "/prism-static"
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_OWNER_RE = re.compile(r"[A-Za-z0-9_-]{32,128}")
+_COOKIE_MAX_AGE = 10 * 365 * 24 * 3600
+#: Worker threads for blocking handlers (each streaming answer holds one while it streams).
+WORKER_THREADS = 160
+_PRIVATE = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Robots-Tag": "noindex",
+            "X-Content-Type-Options": "nosniff"}
+
+
+class OwnerCookieMiddleware:
+    """Give every browser a random owner key in an HttpOnly cookie.
+
+    A request without a valid key gets a fresh one, both in the response (``Set-Cookie``) and in
+    the request itself, so the handlers of that very request already see it.
+    """
+
+    def __init__(self, app, cookie: str = OWNER_COOKIE):
+        self.app, self.cookie = app, cookie
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = list(scope.get("headers", []))
+        raw = b"; ".join(v for k, v in headers if k == b"cookie").decode("latin-1")
+        if _OWNER_RE.fullmatch(cookie_parser(raw).get(self.cookie, "")):
+            return await self.app(scope, receive, send)
+        key = SessionStore.new_owner_key()
+        cookies = cookie_parser(raw)
+        cookies[self.cookie] = key
+        merged = "; ".join(f"{k}={v}" for k, v in cookies.items())
+        headers = [(k, v) for k, v in headers if k != b"cookie"] + [(b"cookie", merged.encode("latin-1"))]
+        scope = {**scope, "headers": headers}
+        morsel = SimpleCookie()
+        morsel[self.cookie] = key
+        attrs = morsel[self.cookie]
+        attrs.update({"path": "/", "max-age": str(_COOKIE_MAX_AGE), "httponly": True, "samesite": "Lax"})
+        if scope.get("scheme") == "https":
+            attrs["secure"] = True
+        set_cookie = attrs.OutputString().encode("latin-1")
+
+        async def send_with_cookie(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", set_cookie)]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_cookie)
+
+
+def owner_from(request: Request) -> str:
+    return request.cookies.get(OWNER_COOKIE, "")
+
+
+def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, chat: ChatService | None = None,
+               *, mount_ui: bool = True) -> FastAPI:
+    """Build the whole web app. ``mount_ui=False`` leaves out the Gradio page (API tests)."""
+    chat = chat or ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        anyio.to_thread.current_default_thread_limiter().total_tokens = WORKER_THREADS
+        yield
+
+    app = FastAPI(title="Prism", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.chat, app.state.loader, app.state.store = chat, loader, store
+
+    @app.get("/healthz")
+    def healthz():
+        """Model id, device, KV dtype and engine state; 503 while the model is loading (or failed)."""
+        status = loader.status()
+        return JSONResponse(status, status_code=200 if status["status"] == "ok" else 503,
+                            headers={"Cache-Control": "no-store"})
+
+    @app.get("/images/{sha:path}")
+    def image(sha: str):
+        """An uploaded image by its SHA-256; anything that is not 64 lowercase hex digits is 404."""
+        path = store.image_path(sha) if _SHA_RE.fullmatch(sha) else None
+        if path is None:
+            return Response("Not found", status_code=404, media_type="text/plain")
+        info = store.image_info(sha)
+        return FileResponse(path, media_type=info.mime if info else "application/octet-stream", headers={
+            "Cache-Control": "private, max-age=31536000, immutable", "X-Content-Type-Options": "nosniff",
+            "Content-Security-Policy": "default-src 'none'; sandbox"})
+
+    @app.get("/s/{token}", response_class=HTMLResponse)
+    def shared(token: str):
+        """The read-only view of a shared session (404 for an unknown or revoked token)."""
+        share = store.resolve_share(token)
+        session = store.get_session(share.session_id) if share else None
+        if session is None:
+            return HTMLResponse(render.not_found_page(), status_code=404, headers=_PRIVATE)
+        records = store.list_images(session.id)
+        page = render.share_page(session, records, chat.turns(session.id), mode=share.mode, token=token,
+                                 demo=loader.demo)
+        return HTMLResponse(page, headers=_PRIVATE)
+
+    @app.post("/s/{token}/fork")
+    def fork(token: str, request: Request):
+        """Copy a "continue" share into the visitor's sessions and open it."""
+        share = store.resolve_share(token)
+        if share is None or share.mode != "continue":
+            return HTMLResponse(render.not_found_page(), status_code=404, headers=_PRIVATE)
+        try:
+            session = store.fork_session(share, owner_from(request))
+        except (NotFound, PermissionDenied, ValueError):
+            return HTMLResponse(render.not_found_page(), status_code=404, headers=_PRIVATE)
+        return RedirectResponse(f"/?session={session.id}", status_code=303, headers=_PRIVATE)
+
+    app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="prism-static")
+    api = OpenAIAPI(loader, max_image_bytes=settings.max_upload_bytes)
+    app.include_router(api.router)
+    app.state.openai = api
+    app.add_middleware(OwnerCookieMiddleware)
+
+    if mount_ui:
+        import gradio as gr
+
+        ui = PrismUI(chat, loader)
+        blocks = ui.build()
+        blocks.queue(default_concurrency_limit=16)
+        app.state.ui, app.state.blocks = ui, blocks
+        v = render.STATIC_VERSION
+        gr.mount_gradio_app(
+            app, blocks, path="/", theme=theme(), ssr_mode=False, footer_links=[],
+            head=f'<link rel="stylesheet" href="/prism-static/prism.css?v={v}">'
+                 f'<script src="/prism-static/prism.js?v={v}" defer></script>',
+            max_file_size=settings.max_upload_bytes * 2, favicon_path=str(STATIC_DIR / "favicon.png"),
+        )
+    return app

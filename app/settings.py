@@ -1,0 +1,179 @@
+"""Command-line and environment settings of the Prism app.
+
+Every option of ``python launch.py`` has an environment variable ``PRISM_<OPTION>`` (upper case,
+dashes as underscores) that sets its default; an option given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+REAL_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"536870912"``, ``"512M"``, ``"512MiB"`` or ``"2G"`` -> a number of bytes (binary units)."""
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (examples: 536870912, 512M, 2G)")
+    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {value}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def default_data_dir() -> Path:
+    """The per-user data folder (``~/.local/share/prism`` on Linux)."""
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("prism", appauthor=False))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``launch.py`` can be told. See :func:`build_parser` for the meaning of each."""
+
+    model: str | None = None
+    device: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 7860
+    data_dir: Path | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_dtype: str = "fp8_e4m3"
+    compaction: str = "uniform"
+    keep_ratio: float = 0.6
+    cache_scope: str = "session"
+    max_image_pixels: int = 50_000_000  # engine.images.ImageOptions' defaults (not imported: --help stays fast)
+    max_upload_mb: int = 50
+    max_images: int = 16
+
+    @property
+    def data_path(self) -> Path:
+        """The data folder: ``data_dir`` or the per-user default."""
+        return Path(self.data_dir).expanduser() if self.data_dir else default_data_dir()
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return self.max_upload_mb * 2**20
+
+    def image_options(self):
+        """The :class:`engine.images.ImageOptions` every uploaded image is checked against."""
+        from engine.images import ImageOptions
+
+        return ImageOptions(max_image_pixels=self.max_image_pixels, max_bytes=self.max_upload_bytes)
+
+    def engine_options(self) -> dict:
+        """Keyword options for :meth:`engine.Engine.from_pretrained`."""
+        options = {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "compaction": None if self.compaction == "off" else self.compaction,
+            "keep_ratio": self.keep_ratio,
+            "cache_scope": self.cache_scope,
+            "max_image_pixels": self.max_image_pixels,
+            "max_image_bytes": self.max_upload_bytes,
+        }
+        if self.kv_cache_bytes is not None:
+            options["kv_cache_bytes"] = self.kv_cache_bytes
+        return options
+
+
+# (flag, field, type, choices, help). The default comes from Settings, or from PRISM_<FIELD>.
+_OPTIONS = [
+    ("--model", "model", str, None,
+     f"checkpoint folder or Hugging Face id (default: {REAL_MODEL} when it is cached or can be "
+     "downloaded, otherwise the built-in tiny demo model with random weights; 'demo' forces the latter)"),
+    ("--device", "device", str, ("auto", "cpu", "cuda"), "where the model runs (auto: CUDA when available)"),
+    ("--host", "host", str, None, "address to listen on (0.0.0.0 exposes the app to your network)"),
+    ("--port", "port", _port, None, "TCP port to listen on"),
+    ("--data-dir", "data_dir", Path, None,
+     "folder for the session database, uploaded images and the demo model (default: a per-user folder)"),
+    ("--kv-cache-bytes", "kv_cache_bytes", parse_bytes, None,
+     "size of the KV cache pool, e.g. 512M or 4G (default: 512 MiB on CPU, most free GPU memory on CUDA)"),
+    ("--kv-cache-dtype", "kv_cache_dtype", str, ("fp8_e4m3", "auto"),
+     "KV cache storage: Scaled-FP8 pages (fp8_e4m3) or the model's own dtype (auto)"),
+    ("--compaction", "compaction", str, ("uniform", "off"),
+     "how the cached image prefix drops visual tokens: uniform (keep --keep-ratio of them) or off"),
+    ("--keep-ratio", "keep_ratio", _ratio, None, "share of visual tokens the compact prefix keeps, in (0, 1]"),
+    ("--cache-scope", "cache_scope", str, ("session", "global"),
+     "session: a cached prefix is reused only within its chat session (and its forks); "
+     "global: across all sessions (single-user setups)"),
+    ("--max-image-pixels", "max_image_pixels", _positive_int, None,
+     "refuse images whose width x height is larger (decompression-bomb guard)"),
+    ("--max-upload-mb", "max_upload_mb", _positive_int, None, "refuse image files larger than this many MiB"),
+    ("--max-images", "max_images", _positive_int, None, "most images one chat session may hold"),
+]
+
+
+def _env_name(field: str) -> str:
+    return "PRISM_" + field.upper()
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The ``launch.py`` argument parser; defaults come from ``environ`` (``PRISM_*``) or Settings."""
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(
+        prog="python launch.py",
+        description="Prism: a visual chat about your images on the embedded Qwen3-VL engine. "
+        "Starts a web server and prints its URL.",
+        epilog="Every option can also be set with an environment variable PRISM_<OPTION> "
+        "(for example PRISM_PORT=8080 or PRISM_DATA_DIR=/srv/prism); the command line wins.",
+    )
+    defaults = Settings()
+    for flag, field, kind, choices, text in _OPTIONS:
+        env = _env_name(field)
+        default = getattr(defaults, field)
+        if environ.get(env):
+            try:
+                default = kind(environ[env])
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                parser.error(f"{env}={environ[env]!r}: {exc}")
+        shown = "" if default is None else f"; default {default}"
+        parser.add_argument(flag, dest=field, type=kind, choices=choices, default=default,
+                            help=f"{text} [env {env}{shown}]")
+    return parser
+
+
+def parse_settings(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from the command line ``argv`` and the ``PRISM_*`` variables of ``environ``."""
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    for _, field, _, choices, _ in _OPTIONS:
+        value = getattr(args, field)
+        if choices and value not in choices:  # argparse does not check defaults taken from the environment
+            parser.error(f"{_env_name(field)}={value!r}: choose from {', '.join(choices)}")
+    return Settings(**vars(args))

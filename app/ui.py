@@ -1,0 +1,387 @@
+"""The page: a Gradio 6 Blocks app over :class:`~app.chat.ChatService`.
+
+Layout: a left sidebar with the browser's sessions; in the middle the session's title, images and
+chat; on the right the session, engine and settings panels; a share dialog. Handlers are small
+functions of :class:`PrismUI` so tests can call them directly; lists rendered as HTML (sessions,
+images, share links) send their clicks back through ``gr.HTML``'s ``trigger``.
+
+The owner key comes from the HttpOnly cookie that :mod:`app.server` gives every browser.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import types
+from pathlib import Path
+
+import gradio as gr
+
+from . import render
+from .chat import ChatError, ChatOptions, ChatService, TurnView
+from .model_loader import ModelLoader
+
+log = logging.getLogger(__name__)
+
+OWNER_COOKIE = "prism_owner"
+#: Most answers streamed at once through the page (each holds a worker thread while it streams).
+CHAT_CONCURRENCY = 48
+
+_CLICK_JS = """
+element.addEventListener('click', (event) => {
+  const el = event.target.closest('[data-%(attr)s]');
+  if (el) { event.preventDefault(); trigger('click', {%(key)s: el.dataset.%(key)s}); }
+});
+"""
+_SHARES_JS = """
+const absolute = () => element.querySelectorAll('input.prism-link').forEach(
+  (input) => { input.value = window.location.origin + input.dataset.path; });
+element.addEventListener('click', (event) => {
+  const el = event.target.closest('[data-revoke]');
+  if (el) { event.preventDefault(); trigger('click', {revoke: el.dataset.revoke}); }
+});
+watch('value', absolute);
+absolute();
+"""
+
+
+def owner_of(request: gr.Request | None) -> str:
+    """The browser's owner key (from its cookie); empty when it sent none."""
+    if request is None:
+        return ""
+    try:
+        return (request.cookies or {}).get(OWNER_COOKIE, "") or ""
+    except Exception:
+        return ""
+
+
+def event_value(evt: gr.EventData | None, key: str) -> str | None:
+    """A value sent with ``trigger('click', {key: ...})`` from an HTML list."""
+    data = getattr(evt, "_data", None) or {}
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def chat_messages(views: list[TurnView]) -> list[dict]:
+    """Chatbot messages: each question, then its answer with the telemetry chip beside it."""
+    messages = []
+    for view in views:
+        messages.append({"role": "user", "content": view.question})
+        messages.append({"role": "assistant", "content": render.assistant_markdown(view)})
+    return messages
+
+
+class PrismUI:
+    """The Gradio page and its handlers."""
+
+    def __init__(self, chat: ChatService, loader: ModelLoader):
+        self.chat = chat
+        self.loader = loader
+
+    # ------------------------------------------------------------------ views of a session
+    def session_outputs(self, session_id: str | None, owner: str) -> tuple:
+        """Everything that shows one session: (id, sessions list, title, images, chat, plot, pages)."""
+        session = self.chat.session(session_id, owner)
+        sid = session.id if session else None
+        sessions = self.chat.sessions(owner)
+        records = self.chat.store.list_images(sid) if sid else []
+        stats = self.chat.session_stats(sid)
+        return (
+            sid,
+            render.sessions_list(sessions, sid),
+            session.title if session else "",
+            render.images_strip(records),
+            chat_messages(self.chat.turns(sid)),
+            render.ttft_chart(stats["turns"]),
+            render.pages_panel(stats["pages"]),
+        )
+
+    def on_load(self, request: gr.Request):
+        """Page load: open ``?session=<id>`` when it is ours, else the newest session."""
+        owner = owner_of(request)
+        wanted = None
+        try:
+            wanted = dict(request.query_params or {}).get("session")
+        except Exception:
+            pass
+        session = self.chat.session(wanted, owner) if wanted else None
+        if session is None:
+            sessions = self.chat.sessions(owner)
+            session = sessions[0] if sessions else None
+        status = self.loader.status()
+        return (*self.session_outputs(session.id if session else None, owner),
+                render.banner(status), render.engine_panel(status))
+
+    def open_session(self, evt: gr.EventData, request: gr.Request):
+        return self.session_outputs(event_value(evt, "session"), owner_of(request))
+
+    def new_session(self, request: gr.Request):
+        """"New chat": an empty view; the session is created by its first image or question."""
+        return (*self.session_outputs(None, owner_of(request)), "")
+
+    def rename(self, session_id: str | None, title: str, request: gr.Request):
+        owner = owner_of(request)
+        session = self.chat.session(session_id, owner)
+        if session is None or not (title or "").strip() or title == session.title:
+            return gr.skip(), gr.skip()
+        session = self.chat.rename(session.id, owner, title)
+        return render.sessions_list(self.chat.sessions(owner), session.id), session.title
+
+    def delete(self, session_id: str | None, request: gr.Request):
+        """Delete the open session (the browser asked for confirmation; None means "cancelled")."""
+        owner = owner_of(request)
+        if self.chat.session(session_id, owner) is None:
+            return tuple(gr.skip() for _ in range(7))
+        self.chat.delete(session_id, owner)
+        sessions = self.chat.sessions(owner)
+        return self.session_outputs(sessions[0].id if sessions else None, owner)
+
+    # ------------------------------------------------------------------ images
+    def add_images(self, session_id: str | None, files, request: gr.Request):
+        """Upload (several at once, drop or paste): store the good ones, explain the bad ones."""
+        owner = owner_of(request)
+        uploads = [(os.path.basename(_path_of(f)), _path_of(f)) for f in (files or [])]
+        notice = ""
+        try:
+            session, problems = self.chat.add_images(session_id, owner, uploads)
+            session_id = session.id
+            if problems:
+                notice = _notice("Not added: " + " ".join(problems), "error")
+        except ChatError as exc:
+            notice = _notice(str(exc), "error")
+        finally:
+            for _, path in uploads:
+                _discard_upload(path)
+        return (*self.session_outputs(session_id, owner), notice, None)
+
+    def remove_image(self, session_id: str | None, evt: gr.EventData, request: gr.Request):
+        owner = owner_of(request)
+        sha = event_value(evt, "remove")
+        if sha and self.chat.session(session_id, owner) is not None:
+            self.chat.remove_image(session_id, owner, sha)
+        return self.session_outputs(session_id, owner)
+
+    # ------------------------------------------------------------------ questions
+    def answer(self, session_id, question, temperature, max_tokens, history, request: gr.Request):
+        """Stream the answer to ``question``: yields (session id, chat, notice, question box)."""
+        options = _options(temperature, max_tokens, history)
+        try:
+            active = self.chat.ask(session_id, owner_of(request), question, options)
+        except ChatError as exc:
+            yield session_id, gr.skip(), _notice(str(exc), "info"), gr.skip()
+            return
+        yield from self._stream(active, clear_question=True)
+
+    def regenerate(self, session_id, temperature, max_tokens, history, request: gr.Request):
+        """Ask the last question again; yields like :meth:`answer`."""
+        options = _options(temperature, max_tokens, history)
+        try:
+            active = self.chat.regenerate(session_id, owner_of(request), options)
+        except ChatError as exc:
+            yield session_id, gr.skip(), _notice(str(exc), "info"), gr.skip()
+            return
+        yield from self._stream(active, clear_question=False)
+
+    def _stream(self, active, clear_question: bool):
+        """The chat so far plus the answer being generated, once per text delta."""
+        earlier = [v for v in self.chat.turns(active.session.id) if v.turn_id != active.turn.id]
+        first = True
+        for view in active:
+            question = "" if (first and clear_question) else gr.skip()
+            yield active.session.id, chat_messages([*earlier, view]), "", question
+            first = False
+
+    def stop(self, session_id: str | None, request: gr.Request):
+        self.chat.stop(session_id, owner_of(request))
+
+    def after_answer(self, session_id: str | None, request: gr.Request):
+        """Refresh the panels once an answer is finished: (sessions, title, plot, pages, engine)."""
+        owner = owner_of(request)
+        out = self.session_outputs(session_id, owner)
+        return out[1], out[2], out[5], out[6], render.engine_panel(self.loader.status())
+
+    def tick(self):
+        """Periodic refresh: banner and engine panel."""
+        status = self.loader.status()
+        return render.banner(status), render.engine_panel(status)
+
+    # ------------------------------------------------------------------ sharing
+    def open_share(self, session_id: str | None, request: gr.Request):
+        owner = owner_of(request)
+        if self.chat.session(session_id, owner) is None:
+            note = '<div class="prism-panel-note">Start a chat (add an image or ask a question) to share it.</div>'
+            return gr.update(visible=True), note, ""
+        return gr.update(visible=True), render.shares_list(self.chat.store.list_shares(session_id, owner)), ""
+
+    def create_share(self, session_id: str | None, mode: str, request: gr.Request):
+        owner = owner_of(request)
+        if self.chat.session(session_id, owner) is None:
+            return render.shares_list([]), _notice("There is no chat to share yet.", "info")
+        mode = "continue" if mode == "continue" else "read"
+        token, _ = self.chat.store.create_share(session_id, owner, mode)
+        shares = self.chat.store.list_shares(session_id, owner)
+        return render.shares_list(shares, new_link=f"/s/{token}", new_mode=mode), ""
+
+    def revoke_share(self, session_id: str | None, evt: gr.EventData, request: gr.Request):
+        owner = owner_of(request)
+        share_id = event_value(evt, "revoke")
+        if share_id and self.chat.session(session_id, owner) is not None:
+            try:
+                self.chat.store.revoke_share(share_id, owner)
+            except Exception as exc:  # not ours / gone
+                log.info("revoke refused: %s", exc)
+        shares = self.chat.store.list_shares(session_id, owner) if self.chat.session(session_id, owner) else []
+        return render.shares_list(shares)
+
+    # ------------------------------------------------------------------ the Blocks
+    def build(self) -> gr.Blocks:
+        """The page: components first (see the ``_*_components`` methods), then their events."""
+        with gr.Blocks(title="Prism", fill_width=True, analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+            c = types.SimpleNamespace(session=gr.State(None))
+            self._sidebar_components(c)
+            c.banner = gr.HTML("", elem_id="prism-banner")
+            with gr.Row(equal_height=False):
+                with gr.Column(scale=3, min_width=480):
+                    self._chat_components(c)
+                with gr.Column(scale=1, min_width=300, elem_id="prism-panels"):
+                    self._panel_components(c)
+            self._share_components(c)
+            c.timer = gr.Timer(3.0)
+            self._wire(demo, c)
+        return demo
+
+    @staticmethod
+    def _sidebar_components(c) -> None:
+        with gr.Sidebar(position="left", width=290, open=True, elem_id="prism-sidebar"):
+            gr.HTML('<div class="prism-logo">Prism<span>visual chat</span></div>')
+            c.new = gr.Button("+ New chat", variant="primary", elem_id="prism-new")
+            c.sessions = gr.HTML(render.sessions_list([], None), elem_id="prism-sessions",
+                                 js_on_load=_CLICK_JS % {"attr": "session", "key": "session"})
+
+    @staticmethod
+    def _chat_components(c) -> None:
+        with gr.Row(elem_id="prism-titlebar"):
+            c.title = gr.Textbox(show_label=False, placeholder="New chat", scale=6, elem_id="prism-title",
+                                 container=False, max_length=200)
+            c.share = gr.Button("Share", scale=0, min_width=90, elem_id="prism-share-btn")
+            c.delete = gr.Button("Delete", scale=0, min_width=90, variant="stop", elem_id="prism-delete")
+        c.images = gr.HTML(render.images_strip([]), elem_id="prism-images",
+                           js_on_load=_CLICK_JS % {"attr": "remove", "key": "remove"})
+        c.upload = gr.File(file_count="multiple", file_types=["image"], type="filepath", height=76,
+                           show_label=False, label="Add images", elem_id="prism-upload")
+        c.notice = gr.HTML("", elem_id="prism-notice")
+        c.chat = gr.Chatbot(elem_id="prism-chat", height=440, show_label=False, buttons=[],
+                            placeholder="Ask anything about your images. Answers stream here, each with its "
+                                        "cache and latency telemetry.",
+                            feedback_options=None, layout="bubble", group_consecutive_messages=False)
+        with gr.Row(elem_id="prism-inputrow"):
+            c.question = gr.Textbox(show_label=False, placeholder="Ask about the images… (Enter to send)", scale=8,
+                                    lines=1, max_lines=6, elem_id="prism-question", container=False, autofocus=True)
+            button = {"size": "md", "scale": 0}
+            c.send = gr.Button("Send", variant="primary", min_width=70, elem_id="prism-send", **button)
+            c.stop = gr.Button("Stop", variant="stop", min_width=64, elem_id="prism-stop", **button)
+            c.regen = gr.Button("↻ Regenerate", min_width=132, elem_id="prism-regenerate", **button)
+
+    @staticmethod
+    def _panel_components(c) -> None:
+        with gr.Tabs():
+            with gr.Tab("Session", elem_id="prism-tab-session"):
+                c.plot = gr.HTML(render.ttft_chart([]), elem_id="prism-ttft-plot")
+                c.pages = gr.HTML(render.pages_panel(None), elem_id="prism-pages")
+            with gr.Tab("Engine", elem_id="prism-tab-engine"):
+                c.engine = gr.HTML("", elem_id="prism-engine")
+            with gr.Tab("Settings", elem_id="prism-tab-settings"):
+                c.temperature = gr.Slider(0.0, 1.5, value=0.7, step=0.05, label="Temperature",
+                                          info="0 = always the most likely token", elem_id="prism-temperature")
+                c.max_tokens = gr.Slider(16, 2048, value=256, step=16, label="Max tokens per answer",
+                                         elem_id="prism-max-tokens")
+                c.history = gr.Checkbox(
+                    False, label="Each question sees the conversation", elem_id="prism-history",
+                    info="Off: every question is asked against the images alone (the layout the compact prefix "
+                         "is built for). On: multi-turn chat with history, reusing the previous turn's KV.")
+
+    @staticmethod
+    def _share_components(c) -> None:
+        with gr.Group(visible=False, elem_id="prism-share-dialog", elem_classes=["prism-dialog"]) as c.dialog:
+            gr.HTML('<div class="prism-dialog-title">Share this chat</div><div class="prism-panel-note">Anyone '
+                    "with a link sees the images, questions, answers and telemetry, never your other chats. "
+                    "“Can continue” gives them their own copy to ask more.</div>")
+            c.share_mode = gr.Radio([("Read-only", "read"), ("Can continue", "continue")], value="read",
+                                    show_label=False, elem_id="prism-share-mode")
+            with gr.Row():
+                c.create_share = gr.Button("Create link", variant="primary", elem_id="prism-create-share")
+                c.close_share = gr.Button("Close", elem_id="prism-close-share")
+            c.shares = gr.HTML(render.shares_list([]), elem_id="prism-shares", js_on_load=_SHARES_JS)
+
+    def _wire(self, demo: gr.Blocks, c) -> None:
+        """Connect the events. Chat answers get their own, high concurrency limit; quick clicks and
+        refreshes run beside them, so one long answer never blocks anyone else's clicks."""
+        view = [c.session, c.sessions, c.title, c.images, c.chat, c.plot, c.pages]
+        quiet = {"show_progress": "hidden"}
+        demo.load(self.on_load, None, [*view, c.banner, c.engine], **quiet)
+        c.timer.tick(self.tick, None, [c.banner, c.engine], **quiet)
+        c.sessions.click(self.open_session, None, view, **quiet)
+        c.new.click(self.new_session, None, [*view, c.notice], **quiet)
+        for event in (c.title.submit, c.title.blur):
+            event(self.rename, [c.session, c.title], [c.sessions, c.title], **quiet)
+        c.delete.click(self.delete, [c.session], view, **quiet,
+                       js="(sid) => confirm('Delete this chat, its images and its share links?') ? sid : null")
+        c.upload.upload(self.add_images, [c.session, c.upload], [*view, c.notice, c.upload], show_progress="minimal")
+        c.images.click(self.remove_image, [c.session], view, **quiet)
+
+        streaming = {"concurrency_limit": CHAT_CONCURRENCY, "concurrency_id": "chat", "show_progress": "hidden"}
+        after = {"fn": self.after_answer, "inputs": [c.session],
+                 "outputs": [c.sessions, c.title, c.plot, c.pages, c.engine], **quiet}
+        settings = [c.temperature, c.max_tokens, c.history]
+        answer_out = [c.session, c.chat, c.notice, c.question]
+        for event in (c.send.click, c.question.submit):
+            event(self.answer, [c.session, c.question, *settings], answer_out, **streaming).then(**after)
+        c.regen.click(self.regenerate, [c.session, *settings], answer_out, **streaming).then(**after)
+        c.stop.click(self.stop, [c.session], None, queue=False, **quiet)
+
+        c.share.click(self.open_share, [c.session], [c.dialog, c.shares, c.notice], **quiet)
+        c.close_share.click(lambda: gr.update(visible=False), None, c.dialog, queue=False, **quiet)
+        c.create_share.click(self.create_share, [c.session, c.share_mode], [c.shares, c.notice], **quiet)
+        c.shares.click(self.revoke_share, [c.session], c.shares, **quiet)
+
+
+def _discard_upload(path: str) -> None:
+    """Delete Gradio's temporary copy of an upload (only inside Gradio's temp folder): the store
+    keeps its own copy of the good ones, and the bad ones must not linger."""
+    root = Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio").resolve()
+    try:
+        file = Path(path).resolve()
+        if root in file.parents and file.is_file():
+            file.unlink()
+            if file.parent != root:
+                file.parent.rmdir()  # Gradio's per-upload folder, when now empty
+    except OSError:
+        pass
+
+
+def _options(temperature, max_tokens, history) -> ChatOptions:
+    """The settings panel's values as ChatOptions (top-p 0.8 when sampling, as Qwen suggests)."""
+    temperature = float(temperature)
+    return ChatOptions(temperature=temperature, max_tokens=int(max_tokens), history=bool(history),
+                       top_p=0.8 if temperature > 0 else 1.0)
+
+
+def _path_of(file) -> str:
+    """A Gradio upload's temporary path (``type="filepath"`` gives str; older versions objects)."""
+    return str(getattr(file, "path", None) or getattr(file, "name", None) or file)
+
+
+def _notice(message: str, kind: str = "info") -> str:
+    from html import escape
+
+    return f'<div class="prism-notice prism-notice-{kind}" role="status">{escape(message)}</div>'
+
+
+def theme() -> gr.themes.Base:
+    """System fonts only: Gradio's default themes fetch web fonts from an external service."""
+    return gr.themes.Soft(
+        primary_hue="indigo", neutral_hue="slate",
+        font=["system-ui", "-apple-system", "Segoe UI", "Roboto", "Helvetica Neue", "Arial", "sans-serif"],
+        font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "Liberation Mono", "monospace"],
+    )

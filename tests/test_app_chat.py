@@ -1,0 +1,466 @@
+"""The app's chat flow on the tiny checkpoint: settings, telemetry lines, sessions, images, questions
+(streaming, prefix hit/miss, stop, regenerate, history), bad input, and the page's handlers called
+directly."""
+
+from __future__ import annotations
+
+import io
+import struct
+import types
+import zlib
+
+import pytest
+from PIL import Image
+
+from app.chat import ChatError, ChatOptions, ChatService, build_messages, telemetry_line
+from app.model_loader import ModelChoice, ModelLoader, choose_model, looks_tiny
+from app.settings import Settings, parse_bytes, parse_settings
+from sessions import SessionStore
+
+FAST = ChatOptions(temperature=0.0, max_tokens=6)
+
+
+# ---------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def engine(tiny_engine_factory):
+    return tiny_engine_factory(kv_cache_bytes=64 << 20)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SessionStore(tmp_path / "data", max_images_per_session=3) as s:
+        yield s
+
+
+@pytest.fixture
+def chat(store, engine):
+    engine.clear_prefix_cache()
+    loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny", True, "test"))
+    return ChatService(store, loader, max_upload_bytes=2 << 20)
+
+
+@pytest.fixture(scope="module")
+def pictures(media_path):
+    return [media_path("astronaut.png"), media_path("coffee.png")]
+
+
+OWNER = "o" * 43
+STRANGER = "s" * 43
+
+
+def run(active):
+    """Drain an ActiveTurn; return (all views, final view)."""
+    views = list(active)
+    return views, views[-1]
+
+
+def png_bytes(size=(8, 8), colour=(200, 30, 30)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, colour).save(out, "PNG")
+    return out.getvalue()
+
+
+def bomb_png(width=60000, height=60000) -> bytes:
+    """A tiny PNG whose header claims a huge image (a decompression bomb)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * 64)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+# ---------------------------------------------------------------------------------- settings
+def test_settings_from_cli_and_environment(tmp_path):
+    env = {"PRISM_PORT": "8123", "PRISM_KV_CACHE_BYTES": "256M", "PRISM_COMPACTION": "off",
+           "PRISM_DATA_DIR": str(tmp_path)}
+    s = parse_settings(["--keep-ratio", "0.5", "--cache-scope", "global"], env)
+    assert (s.port, s.kv_cache_bytes, s.compaction, s.keep_ratio, s.cache_scope) == (8123, 256 << 20, "off", 0.5,
+                                                                                       "global")
+    assert s.data_path == tmp_path
+    assert parse_settings(["--port", "9000"], env).port == 9000  # the command line wins
+    opts = s.engine_options()
+    assert opts["compaction"] is None and opts["kv_cache_bytes"] == 256 << 20 and opts["cache_scope"] == "global"
+    assert parse_bytes("2G") == 2 << 30 and parse_bytes("1048576") == 1 << 20
+
+
+@pytest.mark.parametrize("argv,env", [(["--compaction", "sometimes"], {}), ([], {"PRISM_CACHE_SCOPE": "world"}),
+                                      (["--keep-ratio", "2"], {}), ([], {"PRISM_PORT": "http"})])
+def test_bad_settings_exit_with_a_message(argv, env, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(argv, env)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        parse_settings(["--help"], {})
+    text = capsys.readouterr().out
+    for flag in ("--model", "--device", "--host", "--port", "--data-dir", "--kv-cache-bytes", "--kv-cache-dtype",
+                 "--compaction", "--keep-ratio", "--cache-scope", "--max-image-pixels", "--max-upload-mb"):
+        assert flag in text
+    assert "PRISM_MAX_UPLOAD_MB" in text
+
+
+def test_default_model_falls_back_to_the_demo_offline(tmp_path, monkeypatch, tiny_ckpt):
+    import app.model_loader as ml
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(ml, "cached_snapshot", lambda model_id: None)
+    built = []
+
+    def fake_demo(data_dir):
+        built.append(data_dir)
+        return tiny_ckpt
+
+    monkeypatch.setattr(ml, "demo_checkpoint", fake_demo)
+    choice = choose_model(None, tmp_path)
+    assert choice.demo and choice.model_id == ml.DEMO_MODEL_ID and built == [tmp_path]
+    assert looks_tiny(tiny_ckpt)
+    given = choose_model(str(tiny_ckpt), tmp_path)
+    assert given.source == str(tiny_ckpt) and given.demo  # a tiny checkpoint is flagged as random
+
+
+def test_hub_probe_is_skipped_offline(monkeypatch):
+    import app.model_loader as ml
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert ml.hub_reachable("Qwen/Qwen3-VL-2B-Instruct", timeout=0.1) is False
+
+
+# ---------------------------------------------------------------------------------- telemetry line
+def test_telemetry_line_hit():
+    tel = {"prefix_cache": "hit", "ttft_ms": 41.2, "cached_tokens": 1568, "visual_tokens": 1500,
+           "visual_tokens_kept": 873, "computed_tokens": 19, "decode_tokens_per_s": 23.4}
+    assert telemetry_line(tel) == ("prefix HIT · TTFT 41 ms · reused 1,568 tok (compact 941) · computed 19 tok · "
+                                   "23 tok/s")
+
+
+def test_telemetry_line_miss_stale_off():
+    miss = telemetry_line({"prefix_cache": "miss", "vision_encoder_ran": True, "ttft_ms": 812, "computed_tokens": 1587,
+                           "visual_tokens": 1500, "decode_tokens_per_s": 21})
+    assert miss.startswith("prefix MISS · vision encoder ran · TTFT 812 ms") and "reused" not in miss
+    stale = telemetry_line({"prefix_cache": "stale", "vision_encoder_ran": True, "ttft_ms": 700, "visual_tokens": 9})
+    assert stale.startswith("prefix STALE (evicted, recomputed) · vision encoder ran")
+    assert telemetry_line({"prefix_cache": "off", "ttft_ms": 30}).startswith("prefix OFF (no images) · TTFT 30 ms")
+    assert telemetry_line({"prefix_cache": "hit", "ttft_ms": 5}, "cancelled").endswith("stopped")
+
+
+def test_messages_are_media_first():
+    msgs = build_messages(["a.png", "b.png"], "What?")
+    parts = msgs[0]["content"]
+    assert [p["type"] for p in parts][:3] == ["text", "image", "text"] and parts[-1]["text"] == "Question: What?"
+    assert build_messages([], "Hi", [("Q", "A")]) == [
+        {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}, {"role": "user", "content": "Hi"}]
+
+
+# ---------------------------------------------------------------------------------- chat flow
+def test_questions_about_images_miss_then_hit(chat, pictures):
+    session, problems = chat.add_images(None, OWNER, [(p.name, p) for p in pictures])
+    assert problems == [] and len(session.image_shas) == 2
+    views, first = run(chat.ask(session.id, OWNER, "What is in image 1?", FAST))
+    assert views[0].status == "streaming" and first.status == "done"
+    assert first.prefix == "miss" and first.telemetry["vision_encoder_ran"]
+    assert first.line.startswith("prefix MISS · vision encoder ran · TTFT")
+    assert "".join(v.answer for v in views[-1:]) == first.answer
+    _, second = run(chat.ask(session.id, OWNER, "And image 2?", FAST))
+    assert second.prefix == "hit" and not second.telemetry["vision_encoder_ran"]
+    assert second.telemetry["cached_tokens"] > 0 and "reused" in second.line
+    # stored with the turn, shown again when the session is reopened; titled by the first question
+    turns = chat.turns(session.id)
+    assert [t.line for t in turns] == [first.line, second.line]
+    assert chat.session(session.id, OWNER).title == "What is in image 1?"
+    stats = chat.session_stats(session.id)
+    assert [r["prefix"] for r in stats["turns"]] == ["miss", "hit"]
+    assert 0 < stats["pages"]["compact"] <= stats["pages"]["dense"]
+
+
+def test_streaming_yields_growing_text(chat):
+    views, final = run(chat.ask(None, OWNER, "Say something long", ChatOptions(max_tokens=12)))
+    texts = [v.answer for v in views]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+    assert final.answer == texts[-1] and final.status == "done"
+
+
+def test_question_without_images_is_a_text_chat(chat):
+    views, final = run(chat.ask(None, OWNER, "Hello there", FAST))
+    assert final.status == "done" and final.prefix == "off" and final.line.startswith("prefix OFF (no images)")
+
+
+def test_empty_question_is_refused_politely(chat):
+    with pytest.raises(ChatError, match="type a question"):
+        chat.ask(None, OWNER, "   \n ", FAST)
+    assert chat.sessions(OWNER) == []  # nothing created
+
+
+def test_stop_cancels_and_keeps_the_partial_answer(chat, engine):
+    active = chat.ask(None, OWNER, "Talk forever", ChatOptions(max_tokens=2000))
+    it = iter(active)
+    next(it)  # "generating ..."
+    next(it)  # the first delta
+    assert chat.stop(active.session.id, OWNER)
+    final = list(it)[-1]
+    assert final.status == "cancelled" and final.finish_reason == "cancelled" and final.line.endswith("stopped")
+    assert 0 < final.telemetry["generated_tokens"] < 2000
+    assert engine.stats()["running"] == 0
+    assert chat.turns(active.session.id)[-1].status == "cancelled"
+
+
+def test_closing_the_stream_cancels_the_request(chat, engine):
+    active = chat.ask(None, OWNER, "Talk forever", ChatOptions(max_tokens=2000))
+    it = iter(active)
+    next(it)
+    next(it)
+    it.close()  # the browser went away
+    assert engine.stats()["running"] == 0
+    assert chat.turns(active.session.id)[-1].finish_reason == "cancelled"
+
+
+def test_regenerate_reasks_the_last_question(chat, pictures):
+    session, _ = chat.add_images(None, OWNER, [(pictures[0].name, pictures[0])])
+    run(chat.ask(session.id, OWNER, "First?", FAST))
+    run(chat.ask(session.id, OWNER, "Second?", FAST))
+    _, again = run(chat.regenerate(session.id, OWNER, ChatOptions(temperature=1.0, max_tokens=6)))
+    assert [t.question for t in chat.turns(session.id)] == ["First?", "Second?"]
+    assert again.status == "done" and again.prefix == "hit"
+
+
+def test_history_mode_sends_the_conversation(chat, pictures, engine):
+    session, _ = chat.add_images(None, OWNER, [(pictures[1].name, pictures[1])])
+    run(chat.ask(session.id, OWNER, "One?", FAST))
+    with_history = ChatOptions(max_tokens=6, history=True)
+    _, second = run(chat.ask(session.id, OWNER, "Two?", with_history))
+    assert second.prefix == "hit"
+    _, third = run(chat.ask(session.id, OWNER, "Three?", with_history))
+    assert third.telemetry["prompt_tokens"] > second.telemetry["prompt_tokens"]  # earlier turns included
+    assert third.telemetry["conversation_reuse_tokens"] > 0  # reusing the previous turn's KV
+
+
+def test_engine_error_shows_beside_that_answer_only(chat):
+    session, _ = chat.add_images(None, OWNER, [])
+    _, bad = run(chat.ask(session.id, OWNER, "Too long", ChatOptions(max_tokens=10_000_000)))
+    assert bad.status == "error" and "max_tokens" in bad.line
+    _, good = run(chat.ask(session.id, OWNER, "Fine", FAST))
+    assert good.status == "done"
+    assert [t.status for t in chat.turns(session.id)] == ["error", "done"]
+
+
+def test_model_still_loading(store):
+    loading = ModelLoader(Settings())
+    with pytest.raises(ChatError, match="still loading"):
+        ChatService(store, loading).ask(None, OWNER, "Hi?", FAST)
+
+
+# ---------------------------------------------------------------------------------- bad uploads
+def test_bad_uploads_are_explained_and_not_stored(chat, store, tmp_path, pictures):
+    big = tmp_path / "big.png"
+    big.write_bytes(png_bytes() + b"\0" * (3 << 20))
+    truncated = pictures[0].read_bytes()[:5000]
+    session, problems = chat.add_images(None, OWNER, [
+        ("notes.txt", b"hello, not an image"),
+        ("cut.png", truncated),
+        ("bomb.png", bomb_png()),
+        ("big.png", big),
+        ("ok.png", png_bytes()),
+    ])
+    assert len(session.image_shas) == 1  # only the good one
+    assert len(problems) == 4
+    assert problems[0].startswith("notes.txt: ") and "not an image" in problems[0]
+    assert problems[1].startswith("cut.png: ")
+    assert problems[2].startswith("bomb.png: ") and "pixel" in problems[2].lower()
+    assert problems[3].startswith("big.png: ") and "MiB" in problems[3]
+    # the session stays usable
+    _, final = run(chat.ask(session.id, OWNER, "What colour?", FAST))
+    assert final.status == "done"
+
+
+def test_image_count_limit(chat):
+    colours = [(i * 40, 0, 0) for i in range(5)]
+    session, problems = chat.add_images(None, OWNER, [(f"{i}.png", png_bytes(colour=c)) for i, c in enumerate(colours)])
+    assert len(session.image_shas) == 3 and len(problems) == 2
+    session = chat.remove_image(session.id, OWNER, session.image_shas[0])
+    assert len(session.image_shas) == 2
+
+
+def test_other_owners_cannot_use_a_session(chat):
+    session, _ = chat.add_images(None, OWNER, [("a.png", png_bytes())])
+    assert chat.session(session.id, STRANGER) is None
+    with pytest.raises(ChatError):
+        chat.rename(session.id, STRANGER, "mine now")
+    other = chat.ask(session.id, STRANGER, "Hi?", FAST)  # a new session of their own, not this one
+    assert other.session.id != session.id
+    run(other)
+    assert chat.stop(session.id, STRANGER) is False
+    assert [s.id for s in chat.sessions(STRANGER)] == [other.session.id]
+
+
+# ---------------------------------------------------------------------------------- page handlers
+def request(owner=OWNER, **query):
+    return types.SimpleNamespace(cookies={"prism_owner": owner}, query_params=query)
+
+
+@pytest.fixture
+def ui(chat):
+    from app.ui import PrismUI
+
+    return PrismUI(chat, chat.engine_source)
+
+
+def test_handlers_upload_ask_and_reopen(ui, pictures):
+    out = ui.add_images(None, [str(p) for p in pictures], request())
+    sid, sessions_html, _, images_html, chat_msgs, *_rest, notice, upload_value = out
+    assert sid and images_html.count("/images/") == 2 and notice == "" and upload_value is None
+    assert "../" not in images_html and str(pictures[0].parent) not in images_html  # hashes only, no paths
+    steps = list(ui.answer(sid, "What is this?", 0.0, 6, False, request()))
+    assert steps[0][3] == ""  # the question box is cleared at once
+    final_chat = steps[-1][1]
+    assert final_chat[-2] == {"role": "user", "content": "What is this?"}
+    assert "prism-tel-miss" in final_chat[-1]["content"] and "prefix MISS" in final_chat[-1]["content"]
+    steps = list(ui.answer(sid, "And now?", 0.0, 6, False, request()))
+    assert "prefix HIT" in steps[-1][1][-1]["content"]
+    # reopening (page load with ?session=) shows the stored telemetry again
+    loaded = ui.on_load(request(session=sid))
+    assert loaded[0] == sid and "prefix MISS" in loaded[4][1]["content"] and "prefix HIT" in loaded[4][3]["content"]
+    assert "Q1" in loaded[5] and "prism-pages" in loaded[6]
+    # a stranger's page load never opens it
+    assert ui.on_load(request(STRANGER, session=sid))[0] is None
+
+
+def test_handlers_refuse_empty_question_and_show_bad_upload(ui, tmp_path):
+    step = list(ui.answer(None, "  ", 0.0, 6, False, request()))
+    assert len(step) == 1 and "type a question" in step[0][2]
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"definitely not a png")
+    out = ui.add_images(None, [str(junk)], request())
+    assert "Not added" in out[-2] and "junk.png" in out[-2]
+    assert "/images/" not in out[3]
+
+
+def test_handlers_share_and_revoke(ui, chat):
+    session, _ = chat.add_images(None, OWNER, [("a.png", png_bytes())])
+    html, notice = ui.create_share(session.id, "continue", request())
+    assert 'data-path="/s/' in html and "can continue" in html and notice == ""
+    share = chat.store.list_shares(session.id, OWNER)[0]
+    evt = types.SimpleNamespace(_data={"revoke": share.id})
+    assert "No active links" in ui.revoke_share(session.id, evt, request())
+    assert chat.store.list_shares(session.id, OWNER) == []
+
+
+def test_handlers_open_rename_new_and_delete(ui, chat):
+    a, _ = chat.add_images(None, OWNER, [("a.png", png_bytes(colour=(1, 2, 3)))])
+    b, _ = chat.add_images(None, OWNER, [("b.png", png_bytes(colour=(4, 5, 6)))])
+    opened = ui.open_session(types.SimpleNamespace(_data={"session": a.id}), request())
+    assert opened[0] == a.id and "prism-session-active" in opened[1]
+    assert ui.open_session(types.SimpleNamespace(_data={"session": a.id}), request(STRANGER))[0] is None
+    sessions_html, title = ui.rename(a.id, "  Renamed   chat ", request())
+    assert title == "Renamed chat" and "Renamed chat" in sessions_html
+    assert chat.session(a.id, OWNER).title == "Renamed chat"
+    fresh = ui.new_session(request())
+    assert fresh[0] is None and fresh[4] == [] and fresh[2] == ""
+    after = ui.delete(b.id, request())
+    assert chat.session(b.id, OWNER) is None and after[0] == a.id
+    skipped = ui.delete(None, request())  # the browser's confirm() said no
+    assert len(skipped) == 7 and chat.session(a.id, OWNER) is not None
+
+
+def test_handlers_stop(ui, chat, engine):
+    active = chat.ask(None, OWNER, "Long", ChatOptions(max_tokens=2000))
+    it = iter(active)
+    next(it), next(it)
+    ui.stop(active.session.id, request())
+    assert list(it)[-1].status == "cancelled"
+    assert engine.stats()["running"] == 0
+
+
+def test_two_users_are_answered_together(chat, engine, pictures):
+    import threading
+
+    sessions = [chat.add_images(None, owner, [(pictures[0].name, pictures[0])])[0] for owner in (OWNER, STRANGER)]
+    actives = [chat.ask(s.id, o, "Describe it", ChatOptions(max_tokens=24))
+               for s, o in zip(sessions, (OWNER, STRANGER), strict=True)]
+    peak = []
+    finals = [None, None]
+
+    def read(i):
+        for view in actives[i]:
+            peak.append(engine.stats()["running"])
+            finals[i] = view
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [f.status for f in finals] == ["done", "done"]
+    assert max(peak) == 2  # both in the same running batch
+    # each session has its own cache salt: no sharing of the prefix between the two users
+    assert {f.prefix for f in finals} == {"miss"}
+
+
+def test_settings_defaults_match_the_engines_image_limits():
+    from engine.images import ImageOptions
+
+    s = Settings()
+    assert s.max_image_pixels == ImageOptions.max_image_pixels
+    assert s.max_upload_bytes == ImageOptions.max_bytes
+
+
+def test_chat_events_are_not_serialised(tmp_path, engine):
+    from app.server import create_app
+    from app.ui import CHAT_CONCURRENCY
+
+    store = SessionStore(tmp_path)
+    loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny", True, "test"))
+    app = create_app(Settings(data_dir=tmp_path), store, loader)
+    blocks = app.state.blocks
+    limits = {fn.name: fn.concurrency_limit for fn in blocks.fns.values()}
+    assert limits["answer"] == limits["regenerate"] == CHAT_CONCURRENCY > 1
+    assert blocks._queue.default_concurrency_limit > 1  # quick clicks are not serialised either
+    store.close()
+
+
+def test_sessions_survive_a_restart_with_a_cold_cache(tmp_path, tiny_engine_factory, pictures):
+    data = tmp_path / "data"
+    with SessionStore(data) as store:
+        chat = ChatService(store, ModelLoader.ready(tiny_engine_factory(kv_cache_bytes=32 << 20),
+                                                    ModelChoice("tiny", "tiny", True, "test")))
+        session, _ = chat.add_images(None, OWNER, [(p.name, p) for p in pictures])
+        run(chat.ask(session.id, OWNER, "Before the restart?", FAST))
+        _, warm = run(chat.ask(session.id, OWNER, "Still warm?", FAST))
+        assert warm.prefix == "hit"
+    with SessionStore(data) as store:  # a new process: new store, new engine, empty caches
+        chat = ChatService(store, ModelLoader.ready(tiny_engine_factory(kv_cache_bytes=32 << 20),
+                                                    ModelChoice("tiny", "tiny", True, "test")))
+        again = chat.session(session.id, OWNER)
+        assert again.image_shas == session.image_shas
+        assert [t.line for t in chat.turns(session.id)][1].startswith("prefix HIT")
+        _, cold = run(chat.ask(session.id, OWNER, "After the restart?", FAST))
+        assert cold.prefix == "miss" and cold.line.startswith("prefix MISS · vision encoder ran")
+
+
+def test_gradio_temp_copies_are_deleted_after_upload(ui, tmp_path, monkeypatch, pictures):
+    temp = tmp_path / "gradio-tmp"
+    upload_dir = temp / "abc123"
+    upload_dir.mkdir(parents=True)
+    copy = upload_dir / "astronaut.png"
+    copy.write_bytes(pictures[0].read_bytes())
+    junk = temp / "def456" / "junk.png"
+    junk.parent.mkdir()
+    junk.write_bytes(b"nope")
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(temp))
+    out = ui.add_images(None, [str(copy), str(junk)], request())
+    assert out[3].count("/images/") == 1 and "junk.png" in out[-2]
+    assert not copy.exists() and not junk.exists() and not upload_dir.exists()
+    assert pictures[0].exists()
+
+
+def test_a_turn_left_unfinished_by_a_crash_shows_as_interrupted(chat, store):
+    session = store.create_session(OWNER)
+    store.add_turn(session.id, "Asked just before the crash")  # never finished
+    [view] = chat.turns(session.id)
+    assert view.status == "error" and view.line.startswith("interrupted")
+    active = chat.ask(session.id, OWNER, "Now?", FAST)
+    assert chat.turns(session.id)[-1].status == "streaming"  # a live one is not
+    run(active)
+    assert chat.turns(session.id)[-1].status == "done"

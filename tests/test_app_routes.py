@@ -1,0 +1,175 @@
+"""The web app's own routes: health, the owner cookie, images by hash only, share links (read-only
+view, continue/fork, revoke, 404s that reveal nothing), static files and the Gradio page."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.chat import ChatOptions, ChatService
+from app.model_loader import ModelChoice, ModelLoader
+from app.server import create_app
+from app.settings import Settings
+from sessions import SessionStore
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_factory):
+    return tiny_engine_factory(kv_cache_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, engine, media_path):
+    """(client, store, chat, owner, session) with one session holding two images and two answers."""
+    data = tmp_path_factory.mktemp("app-data")
+    settings = Settings(data_dir=data, max_upload_mb=2)
+    store = SessionStore(data, image_options=settings.image_options())
+    loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny-test", False, "test"), settings)
+    chat = ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
+    app = create_app(settings, store, loader, chat)
+    with TestClient(app) as client:
+        first = client.get("/")
+        owner = first.cookies.get("prism_owner")
+        pictures = [media_path("astronaut.png"), media_path("coffee.png")]
+        session, _ = chat.add_images(None, owner, [(p.name, p) for p in pictures])
+        for q in ("What is in the first image?", "What about <b>the second</b>?"):
+            list(chat.ask(session.id, owner, q, ChatOptions(max_tokens=5)))
+        chat.rename(session.id, owner, "Astronaut & coffee")
+        secret = store.create_session(owner, "My other secret chat")
+        yield types_ns(client=client, store=store, chat=chat, owner=owner, session=session, secret=secret,
+                       data=data, first=first)
+    store.close()
+
+
+def types_ns(**kw):
+    import types
+
+    return types.SimpleNamespace(**kw)
+
+
+# ---------------------------------------------------------------------------------- basics
+def test_page_sets_an_httponly_owner_cookie(env):
+    header = env.first.headers["set-cookie"]
+    assert "prism_owner=" in header and "HttpOnly" in header and "SameSite=Lax" in header
+    assert len(env.owner) >= 32
+    again = env.client.get("/")  # the client now sends it: no new one
+    assert "prism_owner" not in again.headers.get("set-cookie", "")
+    assert "/prism-static/prism.css" in again.text and again.status_code == 200
+
+
+def test_healthz(env, tmp_path):
+    r = env.client.get("/healthz")
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "ok"
+    assert body["model"] == "tiny-test" and body["device"] == "cpu" and body["kv_cache_dtype"] == "fp8_e4m3"
+    assert body["engine_status"] == "running" and "pages_free" in body["engine"]
+    loading = ModelLoader(Settings())
+    store = SessionStore(tmp_path)
+    with TestClient(create_app(Settings(data_dir=tmp_path), store, loading, mount_ui=False)) as client:
+        r = client.get("/healthz")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+    store.close()
+
+
+def test_static_files(env):
+    assert env.client.get("/prism-static/prism.css").status_code == 200
+    assert "paste" in env.client.get("/prism-static/prism.js").text
+    assert env.client.get("/prism-static/../app/server.py").status_code == 404
+
+
+# ---------------------------------------------------------------------------------- images
+def test_image_route_serves_by_hash(env, media_path):
+    sha = env.session.image_shas[0]
+    r = env.client.get(f"/images/{sha}")
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    assert r.content == media_path("astronaut.png").read_bytes()
+    assert r.headers["x-content-type-options"] == "nosniff"
+
+
+@pytest.mark.parametrize("bad", [
+    "../../etc/passwd", "..%2F..%2Fetc%2Fpasswd", "%2e%2e/%2e%2e/etc/passwd", "/etc/passwd", "abc", "not-hex",
+    "g" * 64, "A" * 64, "0" * 63, "0" * 65, "0" * 64, "prism.db", "../prism.db",
+])
+def test_image_route_refuses_anything_but_a_known_hash(env, bad):
+    r = env.client.get(f"/images/{bad}")
+    assert r.status_code == 404
+    assert b"root:" not in r.content and b"SQLite" not in r.content
+
+
+def test_image_route_refuses_paths_of_stored_files(env):
+    sha = env.session.image_shas[0]
+    assert env.client.get(f"/images/{sha[:2]}/{sha}").status_code == 404
+    assert env.client.get(f"/images/{sha}/../{sha}").status_code in (200, 404)  # normalised by the client or 404
+
+
+# ---------------------------------------------------------------------------------- shares
+def share_link(env, mode):
+    token, share = env.store.create_share(env.session.id, env.owner, mode)
+    return token, share
+
+
+def test_read_only_share_shows_the_conversation_and_nothing_else(env):
+    token, _ = share_link(env, "read")
+    viewer = TestClient(env.client.app)
+    r = viewer.get(f"/s/{token}")
+    assert r.status_code == 200
+    html = r.text
+    assert "Astronaut &amp; coffee" in html
+    assert "What is in the first image?" in html
+    assert "What about &lt;b&gt;the second&lt;/b&gt;?" in html and "<b>the second</b>" not in html  # escaped
+    for turn in env.chat.turns(env.session.id):
+        assert turn.line in html.replace("&#x27;", "'")
+    assert "prefix MISS" in html and "prefix HIT" in html
+    assert html.count("/images/") == 2
+    # no way to post, and nothing private
+    assert "<textarea" not in html and "<form" not in html and "<input" not in html
+    assert env.owner not in html and "My other secret chat" not in html
+    assert str(env.data) not in html and "prism.db" not in html and env.session.cache_salt not in html
+    assert viewer.cookies.get("prism_owner") != env.owner
+    assert r.headers["cache-control"] == "no-store" and r.headers["referrer-policy"] == "no-referrer"
+
+
+def test_continue_share_forks_into_the_visitors_own_session(env):
+    token, _ = share_link(env, "continue")
+    visitor = TestClient(env.client.app)
+    page = visitor.get(f"/s/{token}")
+    assert page.status_code == 200 and f'action="/s/{token}/fork"' in page.text
+    r = visitor.post(f"/s/{token}/fork", follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"].startswith("/?session=")
+    new_id = r.headers["location"].split("=", 1)[1]
+    visitor_owner = visitor.cookies.get("prism_owner")
+    fork = env.store.get_session(new_id, owner=visitor_owner)
+    assert fork is not None and fork.id != env.session.id
+    assert fork.image_shas == env.session.image_shas and fork.cache_salt == env.session.cache_salt
+    assert env.store.get_session(new_id, owner=env.owner) is None
+    # the visitor's first question hits the warm prefix of the original
+    final = list(env.chat.ask(fork.id, visitor_owner, "Another question?", ChatOptions(max_tokens=4)))[-1]
+    assert final.prefix == "hit"
+    # the original is unchanged
+    assert len(env.chat.turns(env.session.id)) == 2
+
+
+def test_read_only_share_cannot_be_forked(env):
+    token, _ = share_link(env, "read")
+    r = TestClient(env.client.app).post(f"/s/{token}/fork", follow_redirects=False)
+    assert r.status_code == 404
+
+
+def test_revoked_and_unknown_tokens_reveal_nothing(env):
+    token, share = share_link(env, "read")
+    assert env.client.get(f"/s/{token}").status_code == 200
+    env.store.revoke_share(share.id, env.owner)
+    revoked = env.client.get(f"/s/{token}")
+    unknown = env.client.get("/s/" + "x" * 32)
+    assert revoked.status_code == unknown.status_code == 404
+    assert revoked.text == unknown.text
+    assert "Astronaut" not in revoked.text and "/images/" not in revoked.text
+    assert env.client.post(f"/s/{token}/fork", follow_redirects=False).status_code == 404
+    assert env.client.get("/s/").status_code == 404 or "Astronaut" not in env.client.get("/s/").text
+
+
+def test_shared_images_are_still_served_by_hash_only(env):
+    token, _ = share_link(env, "read")
+    html = TestClient(env.client.app).get(f"/s/{token}").text
+    for sha in env.session.image_shas:
+        assert f'src="/images/{sha}"' in html

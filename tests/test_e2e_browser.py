@@ -1,0 +1,251 @@
+"""End to end in a real browser: ``python launch.py`` on a tiny checkpoint, driven by Playwright
+through Debian's Chromium.
+
+Uploads two sample photos, asks two questions, and checks that the first answer's telemetry says
+MISS and the second HIT with a lower time to first token, that the page shows no error and loads
+nothing from outside, then opens a read-only share link in a second browser context, continues a
+"continue" link there (its first question hits the warm prefix), and pastes and removes an image
+in the first. Screenshots
+and the server log go to ``artifacts/e2e/`` (``PRISM_UPDATE_SCREENSHOTS=1`` also copies the main
+one to ``docs/screenshot.png``). Finally Ctrl-C (SIGINT) must stop the server cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MEDIA = Path(__file__).resolve().parents[2] / "shared" / "media"
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = ROOT / "artifacts" / "e2e"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+# every image thumbnail has loaded
+IMAGES_LOADED = """() => Array.from(document.querySelectorAll('.prism-image img'))
+  .every((i) => i.complete && i.naturalWidth > 0)"""
+# the last telemetry chip is final (not "generating ...") and there are at least n of them
+ANSWERED = """(n) => { const c = document.querySelectorAll('#prism-chat .prism-tel');
+  return c.length >= n && !c[c.length - 1].classList.contains('prism-tel-streaming'); }"""
+
+pytestmark = pytest.mark.slow
+
+
+def _playwright():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("Playwright for Python is not installed (pip install playwright; CI installs it)")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"Debian's Chromium is not installed at {CHROMIUM} (apt-get install chromium; CI installs it)")
+    return sync_playwright
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"launch.py exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "healthz", timeout=2) as r:
+                return json.loads(r.read())
+        except Exception:
+            time.sleep(0.3)
+    pytest.fail(f"the app did not become healthy in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def sync_playwright():
+    """Playwright's entry point; skips (with the reason) when Playwright or Chromium is missing."""
+    return _playwright()
+
+
+@pytest.fixture(scope="module")
+def server(sync_playwright, tiny_ckpt, tmp_path_factory):
+    """``python launch.py --model <tiny ckpt> --port N --data-dir tmp --device cpu``; yields (url, proc, log)."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    data = tmp_path_factory.mktemp("e2e-data")
+    log = ARTIFACTS / "server.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "launch.py", "--model", str(tiny_ckpt), "--port", str(port), "--data-dir", str(data),
+             "--device", "cpu"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        health = _wait_healthy(url, proc, log)
+        assert health["status"] == "ok" and health["device"] == "cpu"
+        yield url, proc, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _ttft(chip_text: str) -> float:
+    match = re.search(r"TTFT ([\d,.]+) ms", chip_text)
+    assert match, chip_text
+    return float(match.group(1).replace(",", ""))
+
+
+def _short_answers(page, tokens: int = 16) -> None:
+    """Set "Max tokens per answer" in the settings panel (short answers keep the test quick)."""
+    page.get_by_role("tab", name="Settings").click()
+    page.fill("#prism-max-tokens input[type=number]", str(tokens))
+    page.press("#prism-max-tokens input[type=number]", "Enter")
+    page.get_by_role("tab", name="Session").click()
+
+
+def test_browser_chat_share_and_shutdown(sync_playwright, server):
+    url, proc, log = server
+    pictures = [MEDIA / "astronaut.png", MEDIA / "coffee.png"]
+    for p in pictures:
+        if not p.is_file():
+            pytest.skip(f"sample media {p} is not available")
+    outside: list[str] = []
+
+    def only_local(route):
+        if route.request.url.startswith(("http://127.0.0.1", "http://localhost", "data:", "blob:")):
+            return route.continue_()
+        outside.append(route.request.url)
+        return route.abort()
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            ctx = browser.new_context(viewport={"width": 1440, "height": 1000},
+                                      permissions=["clipboard-read", "clipboard-write"])
+            ctx.route("**/*", only_local)
+            page = ctx.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            page.wait_for_selector("#prism-upload input[type=file]", state="attached")
+            page.wait_for_selector(".prism-banner-warn")  # the tiny model is flagged as random text
+
+            _short_answers(page)
+
+            page.set_input_files("#prism-upload input[type=file]", [str(p) for p in pictures])
+            page.wait_for_function("() => document.querySelectorAll('#prism-images .prism-image').length === 2")
+
+            page.fill("#prism-question textarea", "What is in the first picture?")
+            page.click("#prism-send")
+            page.wait_for_function(ANSWERED, arg=1, timeout=120_000)
+            page.fill("#prism-question textarea", "And what is in the second one?")
+            page.press("#prism-question textarea", "Enter")
+            page.wait_for_function(ANSWERED, arg=2, timeout=120_000)
+            page.wait_for_function("() => document.querySelectorAll('#prism-ttft-plot rect').length === 2")
+
+            chips = [c.inner_text() for c in page.query_selector_all("#prism-chat .prism-tel")]
+            assert len(chips) == 2, chips
+            assert chips[0].startswith("prefix MISS") and "vision encoder ran" in chips[0], chips
+            assert chips[1].startswith("prefix HIT") and "reused" in chips[1], chips
+            assert _ttft(chips[1]) < _ttft(chips[0]), chips
+            assert page.query_selector(".prism-tel-error") is None
+            assert page.query_selector(".prism-notice-error") is None
+            assert not page.query_selector_all(".toast-body.error, .toast-wrap .error"), "an error toast is shown"
+            assert page.input_value("#prism-question textarea") == ""
+            assert "What is in the first picture?" in page.inner_text("#prism-sessions")
+            page.evaluate("window.scrollTo(0, 0)")
+            page.wait_for_function(IMAGES_LOADED)
+            page.screenshot(path=str(ARTIFACTS / "chat.png"))
+
+            # our copy button copies an answer's text without its telemetry chip
+            page.hover("#prism-chat .message.bot >> nth=1")
+            page.click("#prism-chat .message.bot >> nth=1 >> .prism-copy-answer")
+            copied = page.evaluate("() => navigator.clipboard.readText()")
+            assert copied.strip() and "TTFT" not in copied and "prism-tel" not in copied, copied
+
+            page.get_by_role("tab", name="Engine").click()
+            page.wait_for_selector(".prism-engine")
+            assert "hit rate 50%" in page.inner_text("#prism-engine")
+            page.screenshot(path=str(ARTIFACTS / "engine-panel.png"))
+
+            # share read-only, open the link in a fresh browser context
+            page.click("#prism-share-btn")
+            page.wait_for_selector("#prism-share-dialog", state="visible")
+            page.click("#prism-create-share")
+            page.wait_for_selector("input.prism-link")
+            link = page.input_value("input.prism-link")
+            assert re.fullmatch(re.escape(url.rstrip("/")) + r"/s/[A-Za-z0-9_-]{20,}", link), link
+            page.screenshot(path=str(ARTIFACTS / "share-dialog.png"))
+            page.get_by_label("Can continue").check()
+            page.click("#prism-create-share")
+            page.wait_for_function("(old) => { const i = document.querySelector('input.prism-link');"
+                                   " return i && i.value !== old; }", arg=link)
+            continue_link = page.input_value("input.prism-link")
+            assert page.locator(".prism-shares li").count() == 2
+            page.click("#prism-close-share")
+            page.wait_for_selector("#prism-share-dialog", state="hidden")
+
+            viewer_ctx = browser.new_context(viewport={"width": 1100, "height": 900})
+            viewer_ctx.route("**/*", only_local)
+            viewer = viewer_ctx.new_page()
+            viewer.set_default_timeout(60_000)
+            response = viewer.goto(link)
+            assert response.status == 200
+            text = viewer.inner_text("body")
+            assert "What is in the first picture?" in text and "And what is in the second one?" in text
+            assert "prefix MISS" in text and "prefix HIT" in text
+            assert viewer.locator(".prism-image img").count() == 2
+            viewer.wait_for_function(IMAGES_LOADED)  # served by hash from /images/<sha>
+            assert viewer.locator("textarea, input, form, #prism-question").count() == 0
+            viewer.screenshot(path=str(ARTIFACTS / "shared-read-only.png"), full_page=True)
+            assert viewer.goto(url + "s/not-a-real-token").status == 404
+
+            # a "continue" link gives the visitor their own copy, whose first question hits the warm prefix
+            viewer.goto(continue_link)
+            viewer.click(".prism-fork button")
+            viewer.wait_for_url(re.compile(r".*/\?session=.+"))
+            viewer.wait_for_function(ANSWERED, arg=2)
+            assert viewer.locator("#prism-images .prism-image").count() == 2
+            _short_answers(viewer)
+            viewer.fill("#prism-question textarea", "Is there anything else?")
+            viewer.click("#prism-send")
+            viewer.wait_for_function(ANSWERED, arg=3, timeout=120_000)
+            chips = [c.inner_text() for c in viewer.query_selector_all("#prism-chat .prism-tel")]
+            assert chips[2].startswith("prefix HIT"), chips
+            viewer.screenshot(path=str(ARTIFACTS / "forked.png"))
+            viewer_ctx.close()
+
+            # paste an image into the page, then remove it again
+            page.evaluate("""async () => {
+                const canvas = document.createElement('canvas'); canvas.width = 48; canvas.height = 32;
+                const g = canvas.getContext('2d'); g.fillStyle = '#4f46e5'; g.fillRect(0, 0, 48, 32);
+                const blob = await new Promise((done) => canvas.toBlob(done, 'image/png'));
+                const data = new DataTransfer(); data.items.add(new File([blob], 'pasted.png', {type: 'image/png'}));
+                document.dispatchEvent(new ClipboardEvent('paste', {clipboardData: data, bubbles: true}));
+            }""")
+            page.wait_for_function("() => document.querySelectorAll('#prism-images .prism-image').length === 3")
+            assert "pasted.png" in page.inner_text("#prism-images")
+            page.click("#prism-images .prism-image:nth-child(3) .prism-remove")
+            page.wait_for_function("() => document.querySelectorAll('#prism-images .prism-image').length === 2")
+            assert not outside, f"the page asked for outside resources: {outside}"
+        finally:
+            browser.close()
+
+    if os.environ.get("PRISM_UPDATE_SCREENSHOTS"):
+        shutil.copyfile(ARTIFACTS / "chat.png", ROOT / "docs" / "screenshot.png")
+        shutil.copyfile(ARTIFACTS / "shared-read-only.png", ROOT / "docs" / "screenshot-shared.png")
+
+    # Ctrl-C: a clean stop (answers cancelled, database closed), exit code 0
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
+    assert "database closed" in log.read_text()
