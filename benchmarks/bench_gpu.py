@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -35,10 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import shapes  # noqa: E402
+from media import load_photos as photos  # noqa: E402
 
-MEDIA = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT.parent / "shared" / "media"))
-PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "grace_hopper.jpg",
-          "hubble_deep_field.jpg", "coins.png"]
 QUESTION = "Which of these pictures shows the most people, and what are they doing in it? Answer briefly."
 
 
@@ -70,12 +67,6 @@ def ceilings() -> dict:
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     mm = cuda_time(lambda: a @ b)
     return {"copy_tb_s": 2 * n / ms / 1e9, "matmul_tflop_s": 2 * 8192**3 / mm / 1e9}
-
-
-def photos(n):
-    from PIL import Image
-
-    return [Image.open(MEDIA / PHOTOS[i % len(PHOTOS)]).convert("RGB").resize((448, 448)) for i in range(n)]
 
 
 def lm_weight_bytes(model) -> int:

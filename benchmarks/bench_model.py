@@ -47,11 +47,10 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-MEDIA_DIR = ROOT.parent / "shared" / "media"
-PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "grace_hopper.jpg",
-          "hubble_deep_field.jpg", "coins.png")
-IMAGE_SIDE = 448
+from media import IMAGE_SIDE, load_photos  # noqa: E402
+
 QUESTION = "Describe these pictures in detail and say what they have in common."
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,18 +59,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # --------------------------------------------------------------------------------------------
 # Setup
 # --------------------------------------------------------------------------------------------
-
-
-def load_photos(n: int):
-    from PIL import Image
-
-    if n and not MEDIA_DIR.is_dir():
-        raise SystemExit(f"error: sample photos not found in {MEDIA_DIR}")
-    images = []
-    for i in range(n):
-        with Image.open(MEDIA_DIR / PHOTOS[i % len(PHOTOS)]) as im:
-            images.append(im.convert("RGB").resize((IMAGE_SIDE, IMAGE_SIDE), Image.Resampling.BICUBIC))
-    return images
 
 
 def messages_for(images) -> list[dict]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -40,10 +39,8 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-MEDIA_DIR = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT.parent / "shared" / "media"))
-PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "grace_hopper.jpg",
-          "hubble_deep_field.jpg", "coins.png")
-IMAGE_SIDE = 448
+from media import load_photos  # noqa: E402
+
 QUESTIONS = (
     "What do these pictures show? Answer briefly.",
     "Which picture has the most vivid colours, and why?",
@@ -55,18 +52,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
-
-
-def load_photos(n: int):
-    from PIL import Image
-
-    if not MEDIA_DIR.is_dir():
-        raise SystemExit(f"error: sample photos not found in {MEDIA_DIR}")
-    images = []
-    for i in range(n):
-        with Image.open(MEDIA_DIR / PHOTOS[i % len(PHOTOS)]) as im:
-            images.append(im.convert("RGB").resize((IMAGE_SIDE, IMAGE_SIDE), Image.Resampling.BICUBIC))
-    return images
 
 
 def median(values):
