@@ -81,6 +81,7 @@ class Settings:
     max_image_pixels: int = 50_000_000  # engine.images.ImageOptions' defaults (not imported: --help stays fast)
     max_upload_mb: int = 50
     max_images: int = 16
+    resize_pixels: int = 1_003_520  # about 980 visual tokens per image (32 x 32 pixels per token)
 
     @property
     def data_path(self) -> Path:
@@ -106,6 +107,7 @@ class Settings:
             "cache_scope": self.cache_scope,
             "max_image_pixels": self.max_image_pixels,
             "max_image_bytes": self.max_upload_bytes,
+            "max_pixels": self.resize_pixels,
         }
         if self.kv_cache_bytes is not None:
             options["kv_cache_bytes"] = self.kv_cache_bytes
@@ -136,6 +138,9 @@ _OPTIONS = [
      "refuse images whose width x height is larger (decompression-bomb guard)"),
     ("--max-upload-mb", "max_upload_mb", _positive_int, None, "refuse image files larger than this many MiB"),
     ("--max-images", "max_images", _positive_int, None, "most images one chat session may hold"),
+    ("--resize-pixels", "resize_pixels", _positive_int, None,
+     "largest area an image is resized to before the vision encoder; more pixels mean more visual "
+     "tokens and slower answers (Qwen3-VL allows up to 16777216, ~16k tokens for one photo)"),
 ]
 
 

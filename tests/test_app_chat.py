@@ -82,6 +82,9 @@ def test_settings_from_cli_and_environment(tmp_path):
     opts = s.engine_options()
     assert opts["compaction"] is None and opts["kv_cache_bytes"] == 256 << 20 and opts["cache_scope"] == "global"
     assert parse_bytes("2G") == 2 << 30 and parse_bytes("1048576") == 1 << 20
+    # a 12-megapixel phone photo is resized to about 1 megapixel (~980 visual tokens), not 16.7
+    assert opts["max_pixels"] == 1_003_520
+    assert parse_settings(["--resize-pixels", "262144"], env).engine_options()["max_pixels"] == 262144
 
 
 @pytest.mark.parametrize("argv,env", [(["--compaction", "sometimes"], {}), ([], {"PRISM_CACHE_SCOPE": "world"}),
@@ -98,7 +101,8 @@ def test_help_explains_every_option(capsys):
         parse_settings(["--help"], {})
     text = capsys.readouterr().out
     for flag in ("--model", "--device", "--host", "--port", "--data-dir", "--kv-cache-bytes", "--kv-cache-dtype",
-                 "--compaction", "--keep-ratio", "--cache-scope", "--max-image-pixels", "--max-upload-mb"):
+                 "--compaction", "--keep-ratio", "--cache-scope", "--max-image-pixels", "--max-upload-mb",
+                 "--resize-pixels"):
         assert flag in text
     assert "PRISM_MAX_UPLOAD_MB" in text
 
