@@ -34,7 +34,7 @@ from .request import Request, Status
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .vision import VisionFeatures
+from .vision import VisionFeatures, span_features
 from .vision_cache import VisionCache
 
 log = logging.getLogger(__name__)
@@ -434,24 +434,23 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ request plumbing
-    def _image_features(self, prompt: Prompt, salt: str) -> tuple[VisionFeatures, bool]:
+    def _image_features(self, prompt: Prompt, salt: str, indices: list[int]) -> tuple[list[VisionFeatures], bool]:
+        """Features of the prompt's images ``indices``: from the session's vision-feature cache,
+        the others encoded together. Returns them in order and whether the encoder ran."""
         merge2 = self.config.vision.spatial_merge_size ** 2
-        keys = [
-            f"{salt}|{self.namespace}|{h}|{g}" for h, g in zip(prompt.image_hashes, prompt.image_grids, strict=True)
-        ]
+        keys = [f"{salt}|{self.namespace}|{prompt.image_hashes[i]}|{prompt.image_grids[i]}" for i in indices]
         found = [self.vision_cache.get(k) for k in keys]
-        missing = [i for i, f in enumerate(found) if f is None]
+        missing = [j for j, f in enumerate(found) if f is None]
         if missing:
-            pixels = torch.cat([prompt.image_pixels[i] for i in missing])
-            fresh = self.model.encode_vision(pixels, [prompt.image_grids[i] for i in missing])
+            pixels = torch.cat([prompt.image_pixels[indices[j]] for j in missing])
+            fresh = self.model.encode_vision(pixels, [prompt.image_grids[indices[j]] for j in missing])
             offset = 0
-            for i in missing:
-                n = prompt.image_pixels[i].shape[0] // merge2
-                rows = torch.arange(offset, offset + n, device=self.device)
-                found[i] = fresh.select(rows)
-                self.vision_cache.put(keys[i], found[i])
+            for j in missing:
+                n = prompt.image_pixels[indices[j]].shape[0] // merge2
+                found[j] = fresh.select(torch.arange(offset, offset + n, device=self.device))
+                self.vision_cache.put(keys[j], found[j])
                 offset += n
-        return VisionFeatures.concat(found), bool(missing)
+        return found, bool(missing)
 
     def _check_fits(self, prompt: Prompt, sampling: SamplingParams) -> None:
         total = len(prompt.input_ids) + sampling.max_tokens
@@ -674,38 +673,42 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
 
-    def _encode_request(self, req: Request) -> VisionFeatures:
-        features, ran = self.encode_prompt_vision(req.prompt, req.salt)
-        req.telemetry.vision_encoder_ran = ran
-        return features
+    def _encode_request(self, req: Request, items: list[tuple[str, int]]):
+        return self.encode_items(req.prompt, req.salt, items)
 
     def vision_features(self, prompt: Prompt, salt: str = "") -> VisionFeatures:
         """Vision features of a prompt's images and videos, in prompt order (``prompt.visual_rows()``)."""
         return self.encode_prompt_vision(prompt, salt)[0]
 
     def encode_prompt_vision(self, prompt: Prompt, salt: str = "") -> tuple[VisionFeatures, bool]:
-        """Vision features of a prompt's images and videos, in prompt order
-        (``prompt.visual_rows()``), and whether the encoder had to run.
+        """Vision features of all of a prompt's visual tokens, in prompt order
+        (``prompt.visual_rows()``), and whether the encoder had to run."""
+        items = [("image", i) for i in range(len(prompt.image_grids))]
+        items += [("video", i) for i in range(len(prompt.video_grids))]
+        features, ran = self.encode_items(prompt, salt, items)
+        return span_features(prompt.spans, features, 0, len(prompt.input_ids), self.device)[1], ran
 
-        Image features come from the session's (``salt``'s) vision-feature cache when present;
-        the encoder runs on the others and on videos.
+    def encode_items(self, prompt: Prompt, salt: str, items: list[tuple[str, int]]) -> tuple[dict, bool]:
+        """Vision features of some of a prompt's images and videos.
+
+        Args:
+            items: ``("image", i)`` / ``("video", i)`` keys.
+
+        Returns:
+            ``(features by key, whether the encoder ran)``: an image's features come from the
+            session's (``salt``'s) vision-feature cache when present; videos are always encoded.
         """
-        parts = {}
-        ran = bool(prompt.video_grids)
-        if prompt.image_grids:
-            parts["image"], images_ran = self._image_features(prompt, salt)
-            ran = ran or images_ran
-        if prompt.video_grids:
-            parts["video"] = self.model.encode_vision(prompt.pixel_values_videos, prompt.video_grids)
-        if len(parts) == 1:
-            return next(iter(parts.values())), ran
-        # images and videos interleaved: gather each span's rows from its own feature tensor
-        offsets = {"image": 0, "video": 0}
-        pieces = []
-        for span in prompt.spans:
-            start = offsets[span.kind]
-            rows = torch.arange(start, start + span.length, device=self.device)
-            pieces.append(parts[span.kind].select(rows))
-            offsets[span.kind] += span.length
-        return VisionFeatures.concat(pieces), ran
+        images = [i for kind, i in items if kind == "image"]
+        out, ran = {}, False
+        if images:
+            features, ran = self._image_features(prompt, salt, images)
+            out.update({("image", i): f for i, f in zip(images, features, strict=True)})
+        patches = [t * h * w for t, h, w in prompt.video_grids]
+        for kind, i in items:
+            if kind == "video":
+                start = sum(patches[:i])
+                pixels = prompt.pixel_values_videos[start : start + patches[i]]
+                out[("video", i)] = self.model.encode_vision(pixels, [prompt.video_grids[i]])
+                ran = True
+        return out, ran
 

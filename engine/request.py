@@ -50,7 +50,7 @@ class Request:
     status: Status = Status.WAITING
     outbox: queue.Queue = field(default_factory=queue.Queue)
     telemetry: Telemetry = field(default_factory=Telemetry)
-    vision: VisionFeatures | None = None
+    vision: dict[tuple[str, int], VisionFeatures] = field(default_factory=dict)  # per image / video
     cancelled: bool = False
     finish_reason: str | None = None
     first_scheduled: float | None = None
@@ -94,6 +94,15 @@ class Request:
         phys = logical - self.kv_offset
         return self.block_table[phys // page_size] * page_size + phys % page_size
 
+    def visual_items_in(self, start: int, end: int) -> list[tuple[str, int]]:
+        """``(kind, item)`` of the images / videos with tokens among ``start .. end - 1``."""
+        items = []
+        for span in self.prompt.spans:
+            key = (span.kind, span.item)
+            if span.start < end and span.end > start and key not in items:
+                items.append(key)
+        return items
+
     def positions(self, start: int, end: int) -> torch.Tensor:
         """Logical M-RoPE positions ``[3, end - start]`` of tokens ``start .. end - 1``."""
         n = self.num_prompt
@@ -104,18 +113,3 @@ class Request:
             idx = torch.arange(max(start, n), end) + self.prompt.rope_delta
             parts.append(idx.unsqueeze(0).expand(3, -1))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-
-    def visual_rows_in(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Visual tokens among ``start .. end - 1``: their offsets within the range and their
-        indices into the prompt's visual features (both int64)."""
-        offsets, feature_rows, base = [], [], 0
-        for span in self.prompt.spans:
-            lo, hi = max(span.start, start), min(span.end, end)
-            if lo < hi:
-                offsets.append(torch.arange(lo - start, hi - start))
-                feature_rows.append(torch.arange(base + lo - span.start, base + hi - span.start))
-            base += span.length
-        if not offsets:
-            empty = torch.empty(0, dtype=torch.long)
-            return empty, empty
-        return torch.cat(offsets), torch.cat(feature_rows)

@@ -15,15 +15,16 @@ from .model import Qwen3VL
 from .request import Request
 from .scheduler import Batch
 from .text import VisualInjection
-from .vision import VisionFeatures
+from .vision import VisionFeatures, span_features
 
 
 class ModelRunner:
     """Runs batches on ``model`` with K/V in ``pool``.
 
-    ``encode_vision(request) -> VisionFeatures`` computes a request's visual features; it runs the
-    first time a request with images is scheduled, and its result stays with the request (also
-    across preemption), so recomputation never reruns the encoder.
+    ``encode_vision(request, items) -> (features by item, encoder ran)`` computes the features of
+    some of a request's images / videos (``(kind, index)`` keys). It runs when a step first reaches
+    an image's tokens; the features stay with the request (also across preemption), so
+    recomputation never reruns the encoder.
     """
 
     def __init__(self, model: Qwen3VL, pool: PagePool, encode_vision, graphs=None):
@@ -53,12 +54,10 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(end - req.kv_offset)
             tables.append(req.block_table)
-            if req.prompt.spans and start < req.prompt.spans[-1].end:
-                features = self._vision(req)
-                rows, feature_rows = req.visual_rows_in(start, end)
-                if rows.numel():
-                    vis_rows.append(rows + offset)
-                    vis_parts.append(features.select(feature_rows.to(self.device)))
+            rows, features = self._vision(req, start, end)
+            if features is not None:
+                vis_rows.append(rows + offset)
+                vis_parts.append(features)
             if end == len(req.tokens):
                 logit_rows.append(offset + n - 1)
                 samplers.append(req)
@@ -119,24 +118,38 @@ class ModelRunner:
         return self._sample(reqs, logits, greedy)
 
     def encode_pending(self, batch: Batch) -> list[tuple[Request, Exception]]:
-        """Run the vision encoder, one request at a time, for the step's requests whose visual
-        tokens are still to be computed (``execute`` then reuses the features). Returns the
-        requests whose encoding failed, with the error, so that only they fail."""
+        """Run the vision encoder, one request at a time, for the images and videos whose tokens
+        this step computes (``execute`` then reuses the features). Returns the requests whose
+        encoding failed, with the error, so that only they fail."""
         failed = []
-        for req, _ in batch.items:
-            if req.vision is None and req.prompt.spans and req.num_computed < req.prompt.spans[-1].end:
-                try:
-                    self._vision(req)
-                except Exception as exc:
-                    failed.append((req, exc))
+        for req, n in batch.items:
+            try:
+                self._encode_missing(req, req.visual_items_in(req.num_computed, req.num_computed + n))
+            except Exception as exc:
+                failed.append((req, exc))
         return failed
 
-    def _vision(self, req: Request) -> VisionFeatures:
-        if req.vision is None:
-            t = time.perf_counter()
-            req.vision = self.encode_vision(req)
+    def _vision(self, req: Request, start: int, end: int):
+        """Offsets and features of the visual tokens among the request's tokens ``start .. end - 1``.
+
+        Images are encoded when a step first reaches their tokens, not all at the first chunk, so a
+        prompt with many images spreads its encoder work over its prefill chunks.
+        """
+        items = req.visual_items_in(start, end)
+        if not items:
+            return torch.empty(0, dtype=torch.long), None
+        self._encode_missing(req, items)
+        return span_features(req.prompt.spans, req.vision, start, end, self.device)
+
+    def _encode_missing(self, req: Request, items: list[tuple[str, int]]) -> None:
+        missing = [key for key in items if key not in req.vision]
+        if not missing:
+            return
+        t = time.perf_counter()
+        features, ran = self.encode_vision(req, missing)
+        req.vision.update(features)
+        if ran:  # cached features: the encoder took no time
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            if req.telemetry.vision_encoder_ran:  # cached features: the encoder took no time
-                req.telemetry.vision_ms += (time.perf_counter() - t) * 1e3
-        return req.vision
+            req.telemetry.vision_ms += (time.perf_counter() - t) * 1e3
+            req.telemetry.vision_encoder_ran = True

@@ -47,6 +47,32 @@ class VisionFeatures:
         )
 
 
+def span_features(spans, items: dict, start: int, end: int, device) -> tuple[torch.Tensor, VisionFeatures | None]:
+    """The visual tokens among prompt tokens ``start .. end - 1`` and their features.
+
+    Args:
+        spans: the prompt's :class:`~engine.rope.VisualSpan` list.
+        items: features per ``(kind, item)`` (one image, or one whole video in frame order).
+        start, end: the token range.
+        device: where the index tensors go.
+
+    Returns:
+        ``(offsets, features)``: int64 offsets of the visual tokens within the range, and their
+        features in that order (None when the range holds no visual token).
+    """
+    offsets, parts = [], []
+    for span in spans:
+        lo, hi = max(span.start, start), min(span.end, end)
+        if lo >= hi:
+            continue
+        base = span.frame * span.length - span.start  # a video frame's tokens follow the earlier frames'
+        offsets.append(torch.arange(lo - start, hi - start))
+        parts.append(items[(span.kind, span.item)].select(torch.arange(base + lo, base + hi, device=device)))
+    if not parts:
+        return torch.empty(0, dtype=torch.long), None
+    return torch.cat(offsets), VisionFeatures.concat(parts)
+
+
 class PatchEmbed(nn.Module):
     """Linear projection of flattened ``(channels, temporal, patch, patch)`` patches.
 

@@ -516,11 +516,10 @@ def test_an_internal_error_fails_one_request_and_the_engine_goes_on(cases, alone
     bad_hash = engine.prompts.build(bad_messages).image_hashes[0]
     real = engine.runner.encode_vision
 
-    def encode(item):
-        prompt = getattr(item, "prompt", item)  # a request (or a prompt)
-        if bad_hash in prompt.image_hashes:
+    def encode(req, items):
+        if bad_hash in req.prompt.image_hashes:
             raise RuntimeError("simulated device failure")
-        return real(item)
+        return real(req, items)
 
     monkeypatch.setattr(engine.runner, "encode_vision", encode)
     with pytest.raises(PrismError, match="simulated device failure"):
@@ -537,10 +536,10 @@ def test_an_internal_error_spares_the_requests_sharing_its_step(cases, alone, en
     bad_hash = engine.prompts.build(bad_messages).image_hashes[0]
     real_encode, real_execute = engine.runner.encode_vision, engine.runner.execute
 
-    def encode(item):
-        if bad_hash in getattr(item, "prompt", item).image_hashes:
+    def encode(req, items):
+        if bad_hash in req.prompt.image_hashes:
             raise RuntimeError("simulated device failure")
-        return real_encode(item)
+        return real_encode(req, items)
 
     # A plug request's step waits until the three requests are queued, so that the next step
     # admits them together: the failing request shares its step with the two good ones.
