@@ -145,8 +145,10 @@ def sampling_from(body: dict) -> SamplingParams:
             seed=seed,
             stop=tuple(stop),
         )
-    except InvalidRequestError as exc:
-        raise _bad(str(exc)) from None
+    except InvalidRequestError as exc:  # the engine's messages start with the field's name
+        field = str(exc).split(" ", 1)[0]
+        param = {"max_tokens": limit_name, "temperature": "temperature", "top_p": "top_p"}.get(field)
+        raise _bad(str(exc), param) from None
 
 
 def _usage(completion: Completion) -> dict:

@@ -103,7 +103,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     app = FastAPI(title="Prism", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.chat, app.state.loader, app.state.store = chat, loader, store
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD for load balancers' health checks
     def healthz():
         """Model id, device, KV dtype and engine state; 503 while the model is loading (or failed)."""
         status = loader.status()

@@ -134,6 +134,12 @@ def test_bad_requests_get_clear_400s(client, body, needle):
     assert err["type"] == "invalid_request_error" and needle.lower() in err["message"].lower()
 
 
+@pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 5), ("max_tokens", -1)])
+def test_out_of_range_values_name_their_parameter(client, field, value):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
 def test_body_must_be_a_json_object(client):
     assert client.post("/v1/chat/completions", content=b"{nope").status_code == 400
     assert client.post("/v1/chat/completions", json=[1, 2]).status_code == 400

@@ -63,6 +63,7 @@ def test_healthz(env, tmp_path):
     assert r.status_code == 200 and body["status"] == "ok"
     assert body["model"] == "tiny-test" and body["device"] == "cpu" and body["kv_cache_dtype"] == "fp8_e4m3"
     assert body["engine_status"] == "running" and "pages_free" in body["engine"]
+    assert env.client.head("/healthz").status_code == 200  # load balancers probe with HEAD
     loading = ModelLoader(Settings())
     store = SessionStore(tmp_path)
     with TestClient(create_app(Settings(data_dir=tmp_path), store, loading, mount_ui=False)) as client:
