@@ -194,5 +194,5 @@ def test_fused_kernels_match_references(device, dtype, monkeypatch):
     # bfloat16 casts truncate, measured up to 2 ulps on the rotary output)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
     pairs = ((got_sum, ref_sum), (got_norm, ref_norm), (got_plain, ref_plain), (got_q, ref_q), (got_act, ref_act))
-    for got, ref in pairs:
-        torch.testing.assert_close(got.float(), ref.float(), **tol)
+    for got, expected in pairs:
+        torch.testing.assert_close(got.float(), expected.float(), **tol)
