@@ -131,11 +131,6 @@ def mrope_positions(num_tokens: int, spans: list[VisualSpan]) -> tuple[torch.Ten
     return pos, delta
 
 
-def decode_positions(seq_index: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
-    """Positions of generated tokens: ``[3, N]`` int64 from sequence indices ``[N]`` plus delta."""
-    return (seq_index + delta).unsqueeze(0).expand(3, -1)
-
-
 def mrope_axis_of_frequency(half_dim: int, section: tuple[int, int, int], interleaved: bool) -> torch.Tensor:
     """Which axis (0 = time, 1 = height, 2 = width) drives each of the ``half_dim`` frequencies."""
     idx = torch.arange(half_dim, device="cpu")
