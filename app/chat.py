@@ -267,21 +267,27 @@ class ChatService:
 
     # ------------------------------------------------------------------ images
     def add_images(self, session_id: str | None, owner: str, uploads: list[tuple[str, str | Path | bytes]]
-                   ) -> tuple[Session, list[str]]:
+                   ) -> tuple[Session | None, list[str]]:
         """Add uploaded images (``(file name, path or bytes)`` pairs) to the session, creating it
         if needed. Returns the session and one message per refused file; a refused file is not
-        stored and the others are."""
-        session = self.ensure_session(session_id, owner)
-        problems = []
+        stored and the others are. When every file of a first upload is refused, no session is
+        left behind and the session returned is None."""
+        existing = self.session(session_id, owner)
+        session = existing or self.ensure_session(None, owner)
+        problems, stored = [], 0
         for name, source in uploads:
             label = os.path.basename(str(name or "")) or "image"
             try:
                 data = self._read_upload(source)
                 self.store.add_image(session.id, owner, data, filename=label)
+                stored += 1
             except (InvalidImageError, LimitExceeded, ChatError) as exc:
                 problems.append(f"{label}: {exc}")
             except (NotFound, PermissionDenied) as exc:
                 raise ChatError(str(exc)) from None
+        if existing is None and uploads and not stored:
+            self.store.delete_session(session.id, owner)
+            return None, problems
         return self.store.get_session(session.id, owner=owner) or session, problems
 
     def _read_upload(self, source) -> bytes:
@@ -393,7 +399,7 @@ class ChatService:
             tel = view.telemetry
             if view.status == "error" or not tel:
                 continue
-            rows.append({"turn": n, "ttft_ms": round(float(tel.get("ttft_ms", 0.0)), 1),
+            rows.append({"turn": n, "ttft_ms": float(tel.get("ttft_ms", 0.0)),  # rounded once, when shown
                          "prefix": str(tel.get("prefix_cache", "off"))})
             if tel.get("prefix_pages"):
                 pages = {"compact": int(tel["prefix_pages"]), "dense": int(tel.get("prefix_pages_dense") or 0),

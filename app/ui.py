@@ -145,7 +145,7 @@ class PrismUI:
         notice = ""
         try:
             session, problems = self.chat.add_images(session_id, owner, uploads)
-            session_id = session.id
+            session_id = session.id if session is not None else session_id
             if problems:
                 notice = _notice("Not added: " + " ".join(problems), "error")
         except ChatError as exc:

@@ -279,6 +279,13 @@ def test_bad_uploads_are_explained_and_not_stored(chat, store, tmp_path, picture
     assert final.status == "done"
 
 
+def test_a_first_upload_of_only_bad_files_leaves_no_empty_session(chat):
+    before = [s.id for s in chat.sessions(OWNER)]
+    session, problems = chat.add_images(None, OWNER, [("notes.txt", b"not an image"), ("bomb.png", bomb_png())])
+    assert session is None and len(problems) == 2
+    assert [s.id for s in chat.sessions(OWNER)] == before
+
+
 def test_image_count_limit(chat):
     colours = [(i * 40, 0, 0) for i in range(5)]
     session, problems = chat.add_images(None, OWNER, [(f"{i}.png", png_bytes(colour=c)) for i, c in enumerate(colours)])
