@@ -513,7 +513,8 @@ class Engine:
             self._cv.notify_all()
 
     def _step(self) -> None:
-        batch = self.scheduler.schedule()
+        with self._cv:  # scheduling evicts and attaches cache entries: never beside stats() or a clear
+            batch = self.scheduler.schedule()
         if not batch.items:
             time.sleep(0.001)  # nothing fits right now: pages are held by requests about to finish
             return
