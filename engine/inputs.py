@@ -14,6 +14,7 @@ the checkpoint's own transformers processor.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +161,7 @@ class PromptBuilder:
         self._processed: OrderedDict[str, ProcessedImage] = OrderedDict()
         self._cached_bytes = 0
         self.cache_hits = 0
+        self._lock = threading.Lock()  # build() runs in every caller's thread
 
     def build(self, messages) -> Prompt:
         """Tokenise ``messages`` (with the generation prompt) and process their images / videos.
@@ -171,12 +173,14 @@ class PromptBuilder:
         template, raw_images, raw_videos = _normalise(messages)
         text = self.processor.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
         keys = [self._source_key(src) for src in raw_images]
-        cached = [self._processed.get(k) if k else None for k in keys]
+        with self._lock:
+            cached = [self._processed.get(k) if k else None for k in keys]
+            if not raw_videos and all(cached):
+                for k in keys:
+                    self._processed.move_to_end(k)
+                self.cache_hits += len(keys)
         if raw_videos or not all(cached):
             return self._build_with_processor(text, raw_images, raw_videos, keys)
-        for k in keys:
-            self._processed.move_to_end(k)
-        self.cache_hits += len(keys)
         return self._build_from_cache(text, cached)
 
     def _source_key(self, src) -> str | None:
@@ -247,13 +251,14 @@ class PromptBuilder:
         )
 
     def _remember(self, key: str | None, item: ProcessedImage) -> None:
-        if key is None or key in self._processed or item.nbytes > self.cache_bytes:
-            return
-        self._processed[key] = item
-        self._cached_bytes += item.nbytes
-        while self._cached_bytes > self.cache_bytes:
-            _, old = self._processed.popitem(last=False)
-            self._cached_bytes -= old.nbytes
+        with self._lock:
+            if key is None or key in self._processed or item.nbytes > self.cache_bytes:
+                return
+            self._processed[key] = item
+            self._cached_bytes += item.nbytes
+            while self._cached_bytes > self.cache_bytes:
+                _, old = self._processed.popitem(last=False)
+                self._cached_bytes -= old.nbytes
 
     def _prompt(self, input_ids, images: list[ProcessedImage], video_grids, video_pixels, video_hashes) -> Prompt:
         image_grids = [im.grid for im in images]
