@@ -8,6 +8,8 @@ in progress are cancelled and the database is closed.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import sys
 import time
@@ -20,6 +22,11 @@ def _prepare_environment(data_dir) -> None:
     os.environ.setdefault("PRISM_CACHE_DIR", str(data_dir / "cache"))
     os.environ.setdefault("MPLCONFIGDIR", str(data_dir / "cache" / "matplotlib"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _drop_shutdown_cancellations(record: logging.LogRecord) -> bool:
+    """Logging filter: False for records about a task cancelled by the shutdown."""
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             timeout_graceful_shutdown=3, access_log=False)
+    # Open browser tabs keep Gradio's event streams alive; at Ctrl-C uvicorn cancels them after the
+    # grace period and would log each cancellation as an "Exception in ASGI application".
+    logging.getLogger("uvicorn.error").addFilter(_drop_shutdown_cancellations)
     server = Server(config)
     try:
         server.run()
