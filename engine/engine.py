@@ -320,7 +320,10 @@ class Engine:
 
         Raises: as :meth:`generate`, except failures inside the engine loop.
         """
-        if self._closed:
+        # Review fix: close() drops self.model; a submit racing it (prompt building is slow) then
+        # failed with AttributeError on self.device instead of "engine is closed" below.
+        model = self.model
+        if self._closed or model is None:
             raise PrismError("engine is closed")
         sampling = sampling or SamplingParams()
         submitted = time.perf_counter()
@@ -329,7 +332,7 @@ class Engine:
         req = Request(
             prompt=prompt,
             sampling=sampling,
-            sampler=Sampler(sampling, self.device),
+            sampler=Sampler(sampling, model.device),
             stream=TextStream(self.tokenizer, sampling.stop),
             submitted=submitted,
         )
@@ -671,8 +674,9 @@ class Engine:
     def clear_prefix_cache(self) -> None:
         """Evict every cached prefix that no running request uses."""
         with self._cv:
-            if self.prefix_cache is not None:
-                self.prefix_cache.clear()
+            cache = self.prefix_cache  # read once: close() drops it
+            if cache is not None:
+                cache.clear()
 
     def _encode_request(self, req: Request, items: list[tuple[str, int]]):
         return self.encode_items(req.prompt, req.salt, items)

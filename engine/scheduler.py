@@ -124,9 +124,13 @@ class Scheduler:
         match = req.match
         if match is not None and not match.entry.alive:
             req.match = match = None
-            req.telemetry.prefix_cache = "stale"
-            self.cache.stats.stale += 1
-            self.cache.stats.hits -= 1  # counted as a hit at intake
+            # Review fix: only a match found at intake was counted (and reported) as a hit; a
+            # preempted request's own re-lookup (kept while it waited) was relabelled "stale" and
+            # took a hit off the counters that it had never added.
+            if not req.telemetry.preempted:
+                req.telemetry.prefix_cache = "stale"
+                self.cache.stats.stale += 1
+                self.cache.stats.hits -= 1  # counted as a hit at intake
         if match is None and req.telemetry.preempted and req.prefix_key is not None:
             match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
         if match is not None:
@@ -141,7 +145,19 @@ class Scheduler:
             finally:
                 match.entry.users -= 1
             if not room:
-                return False
+                if self.running:
+                    return False  # running requests will free pages
+                # Review fix: nothing runs, so no page will ever be freed; the pinned entry (and its
+                # parent) hold pages this request cannot use (a partly filled last page it would
+                # copy, the parent's own last page, an extension's tail), so waiting spun forever
+                # on a request that fits the pool. Compute it cold instead: the entry becomes
+                # evictable.
+                req.match = match = None
+                if not req.telemetry.preempted:  # the match came from intake: undo its hit
+                    req.telemetry.prefix_cache = "stale"
+                    self.cache.stats.stale += 1
+                    self.cache.stats.hits -= 1
+        if match is not None:
             req.block_table = self.cache.acquire(match)
             req.attached = match.entry
             req.num_computed = match.length
@@ -157,8 +173,11 @@ class Scheduler:
         entry, tel = match.entry, req.telemetry
         if not tel.preempted:  # a re-admission after preemption saves nothing new for the user
             self.cache.stats.tokens_saved += match.length
-        tel.cached_tokens = match.length
-        tel.conversation_reuse_tokens = match.length - entry.prefix_len
+            # Review fix: set at the first admission only. A re-admission's match is not prompt
+            # reuse: it may run into the request's own generated tokens (cached_tokens >
+            # prompt_tokens) or be the request's own prefix (a "miss" reporting cached tokens).
+            tel.cached_tokens = match.length
+            tel.conversation_reuse_tokens = match.length - entry.prefix_len
         tel.visual_tokens_kept = entry.visual_kept
         tel.prefix_pages = self.pages_for(entry.prefix_len - entry.kv_offset)
         tel.prefix_pages_dense = entry.dense_pages
@@ -178,6 +197,16 @@ class Scheduler:
         need = self.pages_for(num_tokens - req.kv_offset) - len(table) + cow
         while not self._free_pages(need):
             victim = self.running[-1]
+            if victim is req and len(self.running) == 1 and req.attached is not None:
+                # Review fix: alone, ``req`` pins the entry it is attached to (and its parent),
+                # whose pages it only partly uses; preempting itself re-attached the same entry on
+                # re-admission, a livelock. Drop the attachment (its own page references stay),
+                # evict the now unused entries (everything else was evicted already), and retry
+                # with the copy-on-write need recomputed.
+                self.cache.release_user(req.attached)
+                req.attached = None
+                self.cache.clear()
+                return self._grow(req, num_tokens, batch)
             self.preempt(victim)
             batch.preempted.append(victim)
             batch.items = [(r, n) for r, n in batch.items if r is not victim]
