@@ -62,6 +62,22 @@ def causal_gqa_attention(
     return out.transpose(0, 1)
 
 
+class DenseStep:
+    """:class:`AttentionContext` over a :class:`DenseKVCache` for one sequence; ``mask`` (bool
+    ``[T, S]``, None = causal) says which stored keys each new query sees."""
+
+    mask: torch.Tensor | None = None
+
+    def __init__(self, cache: DenseKVCache, start: int, num_new: int):
+        self.cache, self.start, self.num_new = cache, start, num_new
+
+    def attend(self, layer, q, k, v):
+        end = self.start + self.num_new
+        self.cache.k[layer][self.start : end] = k
+        self.cache.v[layer][self.start : end] = v
+        return causal_gqa_attention(q, self.cache.k[layer][:end], self.cache.v[layer][:end], self.start, self.mask)
+
+
 class DenseKVCache:
     """K/V of one sequence in contiguous per-layer tensors ``[capacity, Hkv, D]`` (model dtype).
 
@@ -75,6 +91,8 @@ class DenseKVCache:
         self.length = 0
         self.capacity = capacity
 
+    step_class = DenseStep  # the per-step context; subclasses may give their own
+
     def step(self, num_new: int) -> DenseStep:
         """Context for a forward step that appends ``num_new`` tokens.
 
@@ -83,22 +101,11 @@ class DenseKVCache:
         """
         if self.length + num_new > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} tokens exceeded")
-        ctx = DenseStep(self, self.length, num_new)
+        ctx = self.step_class(self, self.length, num_new)
         self.length += num_new
         return ctx
 
 
-class DenseStep:
-    """:class:`AttentionContext` over a :class:`DenseKVCache` for one sequence."""
-
-    def __init__(self, cache: DenseKVCache, start: int, num_new: int):
-        self.cache, self.start, self.num_new = cache, start, num_new
-
-    def attend(self, layer, q, k, v):
-        end = self.start + self.num_new
-        self.cache.k[layer][self.start : end] = k
-        self.cache.v[layer][self.start : end] = v
-        return causal_gqa_attention(q, self.cache.k[layer][:end], self.cache.v[layer][:end], self.start)
 
 
 class PagedStep:

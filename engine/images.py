@@ -401,19 +401,20 @@ def _unidentified_message(data: bytes) -> str:
             "The file is a HEIC/HEIF or AVIF photo, which Prism cannot read (supported: PNG, "
             "JPEG, WebP, GIF, BMP, TIFF). Export it as JPEG and upload again."
         )
-    if _sniff_format(data) is not None:
+    if sniff_format(data) is not None:
         return _damaged_header_message(data)
     return _NOT_AN_IMAGE
 
 
 def _damaged_header_message(data: bytes) -> str:
-    kind = _sniff_format(data)
+    kind = sniff_format(data)
     start = f"The file starts like a {kind} image but its" if kind else "The image file's"
     return f"{start} header is damaged or cut off, so Prism cannot read it. Check the file and upload it again."
 
 
-def _sniff_format(data: bytes) -> str | None:
-    """Name a supported format from the file's magic bytes, for error messages only."""
+def sniff_format(data: bytes) -> str | None:
+    """Name a supported format (``"PNG"``, ``"JPEG"``, ``"GIF"``, ``"WebP"``, ``"TIFF"``, ``"BMP"``)
+    from the file's magic bytes, or None. For messages and MIME types only: it does not validate."""
     if data.startswith(b"\x89PNG\r\n\x1a\n"):
         return "PNG"
     if data.startswith(b"\xff\xd8\xff"):

@@ -25,11 +25,19 @@ from __future__ import annotations
 
 import torch
 
-from .attention import causal_gqa_attention
+from .attention import DenseKVCache, DenseStep
 from .text import VisualInjection
 
 
-class MaskedDenseCache:
+class MaskedStep(DenseStep):
+    """Stores one step's K/V at their logical indices and attends under :meth:`MaskedDenseCache.visible`."""
+
+    def __init__(self, cache: MaskedDenseCache, start: int, num_new: int):
+        super().__init__(cache, start, num_new)
+        self.mask = cache.visible(start, num_new)  # [T, S], the same for every layer
+
+
+class MaskedDenseCache(DenseKVCache):
     """K/V of one sequence in contiguous per-layer tensors ``[capacity, Hkv, D]`` plus a key mask.
 
     Args:
@@ -44,26 +52,12 @@ class MaskedDenseCache:
                  prefix_len: int, removed: torch.Tensor, dtype, device):
         if removed.numel() and int(removed.max()) >= prefix_len:
             raise ValueError("removed positions must lie inside the prefix")
-        shape = (capacity, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        super().__init__(num_layers, capacity, num_kv_heads, head_dim, dtype, device)
         self.keep = torch.ones(capacity, dtype=torch.bool, device=device)  # [capacity]
         self.keep[removed.to(device)] = False
         self.prefix_len = prefix_len
-        self.capacity = capacity
-        self.length = 0
 
-    def step(self, num_new: int) -> MaskedStep:
-        """The :class:`~engine.attention.AttentionContext` of a forward step appending ``num_new`` tokens.
-
-        Raises:
-            ValueError: the cache would overflow its capacity.
-        """
-        if self.length + num_new > self.capacity:
-            raise ValueError(f"KV cache capacity {self.capacity} tokens exceeded")
-        ctx = MaskedStep(self, self.length, num_new)
-        self.length += num_new
-        return ctx
+    step_class = MaskedStep
 
     def visible(self, start: int, num_new: int) -> torch.Tensor:
         """Bool ``[num_new, start + num_new]``: which keys each new query (logical ``start + t``) sees."""
@@ -74,21 +68,6 @@ class MaskedDenseCache:
         causal = k_pos <= q_pos
         after_prefix = q_pos >= self.prefix_len  # [T, 1]
         return causal & (~after_prefix | self.keep[:end][None, :])
-
-
-class MaskedStep:
-    """Stores one step's K/V at their logical indices and attends under :meth:`MaskedDenseCache.visible`."""
-
-    def __init__(self, cache: MaskedDenseCache, start: int, num_new: int):
-        self.cache, self.start, self.num_new = cache, start, num_new
-        self.mask = cache.visible(start, num_new)  # [T, S], the same for every layer
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, H, D]`` (softmax scale ``D ** -0.5``)."""
-        end = self.start + self.num_new
-        self.cache.k[layer][self.start : end] = k
-        self.cache.v[layer][self.start : end] = v
-        return causal_gqa_attention(q, self.cache.k[layer][:end], self.cache.v[layer][:end], self.start, self.mask)
 
 
 def removed_positions(engine, prompt) -> torch.Tensor:

@@ -51,7 +51,7 @@ from typing import Any
 import sqlite_utils
 
 from engine.errors import InvalidImageError
-from engine.images import ImageOptions, open_image
+from engine.images import ImageOptions, open_image, sniff_format
 
 __all__ = [
     "DB_FILENAME",
@@ -312,20 +312,12 @@ def _check_owner(owner: str) -> str:
     return owner
 
 
+_MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WebP": "image/webp",
+         "TIFF": "image/tiff", "BMP": "image/bmp"}
+
+
 def _sniff_mime(data: bytes) -> str:
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if data.startswith((b"GIF87a", b"GIF89a")):
-        return "image/gif"
-    if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
-        return "image/webp"
-    if data.startswith((b"II*\x00", b"MM\x00*")):
-        return "image/tiff"
-    if data.startswith(b"BM"):
-        return "image/bmp"
-    return "application/octet-stream"
+    return _MIME.get(sniff_format(data), "application/octet-stream")
 
 
 def _json_default(value: Any) -> Any:
