@@ -16,11 +16,12 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from media import MEDIA_DIR as MEDIA  # noqa: E402
 
 from engine import Engine, SamplingParams, media_first_messages  # noqa: E402
 from engine.tiny import build_tiny_checkpoint  # noqa: E402
-
-MEDIA = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT.parent / "shared" / "media"))
 
 
 def run(engine, prompts, salt_prefix="s"):
