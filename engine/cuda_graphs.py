@@ -1,7 +1,8 @@
 """CUDA-graph capture of the whole decode step (model, attention, greedy argmax).
 
 A decode step of ``B`` sequences launches hundreds of small kernels; replaying them as one CUDA
-graph takes the host out of the way. Graphs are captured once per batch-size bucket over
+graph takes the host out of the way. Short text-only prefills replay the same graphs, one row per
+new token (see :meth:`engine.runner.ModelRunner._run_graph`). Graphs are captured once per batch-size bucket over
 fixed-address input buffers (token ids, M-RoPE positions, slot mapping, sequence lengths, block
 tables); a step with ``n`` sequences copies its inputs into the buffers of the smallest bucket
 ``>= n`` and pads the rest (slot -1: nothing stored; length 0: attention reads nothing). The only
@@ -39,7 +40,8 @@ class DecodeGraphs:
     Args:
         model: the model (on CUDA).
         pool: the KV pool it decodes over.
-        max_batch: the largest batch captured (the scheduler's ``max_num_seqs``).
+        max_batch: the most rows captured: the scheduler's ``max_num_seqs``, or more so that short
+            prefills (one row per token) fit.
         max_pages_per_seq: block-table width (the model length in pages).
         max_seq_len: the longest sequence, used to choose each bucket's context split.
     """
@@ -91,11 +93,11 @@ class DecodeGraphs:
         """Replay the bucket for ``n = len(ids)`` sequences.
 
         Args:
-            ids: the token fed to each sequence.
+            ids: the token of each row.
             positions: int64 ``[3, n]`` M-RoPE positions (host or device).
-            slots: the slot each new token's K/V goes to.
-            seq_lens: each sequence's KV length after this step.
-            tables: each sequence's block table.
+            slots: the slot each row's K/V goes to.
+            seq_lens: the KV length each row attends to (its own token included).
+            tables: each row's block table (rows of one sequence may pass the same list).
 
         Returns:
             ``(logits [n, vocab] float32, greedy ids [n] int64)``, views of the graph's outputs
@@ -107,8 +109,12 @@ class DecodeGraphs:
         dev = self.ids.device
         width = self.tables.shape[1]
         table = torch.zeros(b, width, dtype=torch.int32)
+        made: dict[int, torch.Tensor] = {}  # the rows of one prefill share their block table
         for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            row = made.get(id(t))
+            if row is None:
+                row = made[id(t)] = torch.tensor(t, dtype=torch.int32)
+            table[i, : len(t)] = row
         pad = b - n
         self.ids[:b].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
         self.positions[:, :b].copy_(torch.cat([positions.cpu(), torch.zeros(3, pad, dtype=torch.long)], 1))

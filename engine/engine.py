@@ -72,6 +72,9 @@ class EngineOptions:
             prefills only its new question.
         vision_cache_bytes: bound of the per-session vision-feature cache.
         cuda_graphs: on CUDA, replay captured graphs for decode steps (see :mod:`engine.cuda_graphs`).
+        graph_max_tokens: text-only steps of up to this many new tokens (and at least
+            ``max_num_seqs``) replay the graphs too, so the question after a cached prefix is
+            prefilled without the host in the way.
     """
 
     min_pixels: int | None = None
@@ -98,6 +101,7 @@ class EngineOptions:
     conversation_reuse: bool = True
     vision_cache_bytes: int = 256 << 20
     cuda_graphs: bool = True
+    graph_max_tokens: int = 64
 
     def image_options(self) -> ImageOptions:
         return ImageOptions(
@@ -205,7 +209,7 @@ class Engine:
         from .cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs(
-            self.model, self.pool, self.options.max_num_seqs,
+            self.model, self.pool, max(self.options.max_num_seqs, self.options.graph_max_tokens),
             max_pages_per_seq=-(-self.max_model_len // self.pool.page_size), max_seq_len=self.max_model_len,
         )
         graphs.capture()

@@ -39,8 +39,8 @@ class ModelRunner:
 
         K/V of the step's tokens are stored; ``num_computed`` advances.
         """
-        if self.graphs is not None and self._graphable(batch):
-            return self._decode_with_graph(batch)
+        if self.graphs is not None and self._fits_graph(batch):
+            return self._run_graph(batch)
         page = self.pool.page_size
         ids, positions, slots = [], [], []
         query_lens, seq_lens, tables, logit_rows, samplers = [], [], [], [], []
@@ -96,26 +96,41 @@ class ModelRunner:
             out.append((req, req.sampler(logits[i], seen)))
         return out
 
-    def _graphable(self, batch: Batch) -> bool:
-        return (
-            0 < len(batch.items) <= self.graphs.max_batch
-            and all(n == 1 and req.num_pending == 1 and req.num_computed >= req.num_prompt for req, n in batch.items)
+    def _fits_graph(self, batch: Batch) -> bool:
+        """A step replays the captured decode graph when it is text only and has at most
+        ``graphs.max_batch`` new tokens. Decode steps qualify, and so do short prefills, such as
+        a question after a cached prefix: that prefill is the whole TTFT of a prefix hit."""
+        rows = sum(n for _, n in batch.items)
+        return 0 < rows <= self.graphs.max_batch and not any(
+            req.visual_items_in(req.num_computed, req.num_computed + n) for req, n in batch.items
         )
 
-    def _decode_with_graph(self, batch: Batch) -> list[tuple[Request, int]]:
+    def _run_graph(self, batch: Batch) -> list[tuple[Request, int]]:
+        """Every new token becomes one row of the decode graph, attending to its sequence's KV up
+        to and including itself (``seq_len`` = its position + 1). The graph stores all rows' K/V
+        of a layer before any row attends, so the rows of one prefill see each other causally,
+        exactly as one prefill would; the prefix's KV is read once per row (fine for short
+        prefills, which is all that fits a graph)."""
         page = self.pool.page_size
-        reqs = [req for req, _ in batch.items]
-        last = [len(r.tokens) - 1 for r in reqs]
-        logits, greedy = self.graphs.run(
-            ids=[r.tokens[i] for r, i in zip(reqs, last, strict=True)],
-            positions=torch.cat([r.positions(i, i + 1) for r, i in zip(reqs, last, strict=True)], dim=1),
-            slots=[r.slot(i, page) for r, i in zip(reqs, last, strict=True)],
-            seq_lens=[i + 1 - r.kv_offset for r, i in zip(reqs, last, strict=True)],
-            tables=[r.block_table for r in reqs],
-        )
-        for req in reqs:
-            req.num_computed += 1
-        return self._sample(reqs, logits, greedy)
+        ids, positions, slots, seq_lens, tables, logit_rows, samplers = [], [], [], [], [], [], []
+        for req, n in batch.items:
+            start, end = req.num_computed, req.num_computed + n
+            ids.extend(req.tokens[start:end])
+            positions.append(req.positions(start, end))
+            for i in range(start, end):
+                slots.append(req.slot(i, page))
+                seq_lens.append(i + 1 - req.kv_offset)
+                tables.append(req.block_table)
+            if end == len(req.tokens):
+                logit_rows.append(len(ids) - 1)
+                samplers.append(req)
+        logits, greedy = self.graphs.run(ids, torch.cat(positions, dim=1), slots, seq_lens, tables)
+        for req, n in batch.items:
+            req.num_computed += n
+        if logit_rows != list(range(len(ids))):  # some rows are prefill tokens with no next token
+            pick = torch.tensor(logit_rows, device=logits.device)
+            logits, greedy = logits[pick], greedy[pick]
+        return self._sample(samplers, logits, greedy)
 
     def encode_pending(self, batch: Batch) -> list[tuple[Request, Exception]]:
         """Run the vision encoder, one request at a time, for the images and videos whose tokens

@@ -1,0 +1,130 @@
+"""Short text-only steps as rows of the decode graph (engine/runner.py ``_run_graph``).
+
+On CUDA the runner replays the captured decode graph for any text-only step of at most
+``graphs.max_batch`` new tokens: every new token is one row that attends to its sequence's KV up to
+itself. A prefix hit's question is prefilled that way. CUDA graphs need a GPU, so here the graph is
+replaced by :class:`EagerRows`, which runs the same rows through the model with the reference
+decode op: what is tested is the runner's row layout (slots, causal lengths, block tables, which
+rows are sampled). The oracle is the same engine running every step eagerly; K/V in float32.
+benchmarks/gpu_smoke.py checks the captured graphs themselves on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from engine import Completion, SamplingParams, media_first_messages
+from engine.attention import PagedStep
+from ops import AttentionMetadata
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+BASE = dict(kv_cache_dtype="auto", max_pixels=256 * 256)
+
+
+class EagerRows:
+    """The interface of :class:`engine.cuda_graphs.DecodeGraphs` without capture: each row is a
+    sequence of one new token (the decode op), run eagerly. Records the rows of every call."""
+
+    def __init__(self, model, pool, max_batch: int):
+        self.model, self.pool, self.max_batch = model, pool, max_batch
+        self.calls: list[list[int]] = []
+
+    def run(self, ids, positions, slots, seq_lens, tables):
+        self.calls.append(list(ids))
+        meta = AttentionMetadata.build([1] * len(ids), seq_lens, tables, slots, self.model.device)
+        assert meta.is_decode_only
+        logits = self.model(torch.tensor(ids), positions, PagedStep(self.pool, meta))
+        return logits, logits.argmax(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def photos(media_path) -> list[Image.Image]:
+    out = []
+    for name in ("astronaut.png", "coffee.png"):
+        with Image.open(media_path(name)) as im:
+            out.append(im.convert("RGB"))
+    return out
+
+
+def with_rows(engine, max_batch: int = 32) -> EagerRows:
+    rows = EagerRows(engine.model, engine.pool, max_batch)
+    engine.runner.graphs = rows
+    return rows
+
+
+def image_token_ids(engine) -> set[int]:
+    return {engine.config.image_token_id, engine.config.video_token_id}
+
+
+def test_text_prompts_prefill_and_decode_as_rows_like_eager_steps(tiny_engine_factory):
+    eager = tiny_engine_factory(**BASE, prefix_cache=False)
+    graphed = tiny_engine_factory(**BASE, prefix_cache=False)
+    rows = with_rows(graphed)
+    prompt = [{"role": "user", "content": "Write a short poem about the sea, please."}]
+    n_prompt = len(graphed.prompts.build(prompt).input_ids)
+    assert 1 < n_prompt <= rows.max_batch
+
+    want = eager.generate(prompt, GREEDY)
+    got = graphed.generate(prompt, GREEDY)
+
+    assert got.token_ids == want.token_ids
+    assert [len(c) for c in rows.calls] == [n_prompt] + [1] * (GREEDY.max_tokens - 1)
+
+
+def test_a_prompt_longer_than_the_graph_is_prefilled_eagerly(tiny_engine_factory):
+    eager = tiny_engine_factory(**BASE, prefix_cache=False)
+    graphed = tiny_engine_factory(**BASE, prefix_cache=False)
+    rows = with_rows(graphed, max_batch=8)
+    prompt = [{"role": "user", "content": "Name the planets of the solar system in order, with one fact each."}]
+    assert len(graphed.prompts.build(prompt).input_ids) > 8
+
+    assert graphed.generate(prompt, GREEDY).token_ids == eager.generate(prompt, GREEDY).token_ids
+    assert [len(c) for c in rows.calls] == [1] * (GREEDY.max_tokens - 1)  # decode steps only
+
+
+def test_a_prefix_hit_prefills_its_question_as_rows(tiny_engine_factory, photos):
+    eager = tiny_engine_factory(**BASE)
+    graphed = tiny_engine_factory(**BASE)
+    first = media_first_messages(photos, "What is in the first picture?")
+    second = media_first_messages(photos, "Which picture has more colour in it?")
+    want = [eager.generate(m, GREEDY, cache_salt="s") for m in (first, second)]
+    rows = with_rows(graphed)
+
+    got = [graphed.generate(m, GREEDY, cache_salt="s") for m in (first, second)]
+
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.telemetry.prefix_cache for c in got] == ["miss", "hit"]
+    hit_prefill = got[1].telemetry.computed_tokens
+    assert 1 < hit_prefill <= rows.max_batch
+    assert any(len(c) == hit_prefill for c in rows.calls), [len(c) for c in rows.calls]
+    # steps with image tokens never ran as rows: the vision features are injected eagerly
+    assert not any(set(c) & image_token_ids(graphed) for c in rows.calls)
+
+
+def test_decode_rows_and_a_prefill_share_one_step(tiny_engine_factory, photos, monkeypatch):
+    eager = tiny_engine_factory(**BASE, prefix_cache=False)
+    graphed = tiny_engine_factory(**BASE, prefix_cache=False)
+    rows = with_rows(graphed)
+    long = [{"role": "user", "content": "Count slowly from one to twenty."}]
+    short = [{"role": "user", "content": "Hi!"}]
+    want = [eager.generate(m, GREEDY) for m in (long, short)]
+
+    # Submit the second request once the first is decoding, so one step holds both.
+    first = graphed.submit(long, GREEDY)
+    real = graphed.runner.execute
+    state = {"sent": None}
+
+    def execute(batch):
+        if state["sent"] is None and first.generated:
+            state["sent"] = graphed.submit(short, GREEDY)
+        return real(batch)
+
+    monkeypatch.setattr(graphed.runner, "execute", execute)
+    done = [item for item in graphed._drain(first) if isinstance(item, Completion)]
+    second = [item for item in graphed._drain(state["sent"]) if isinstance(item, Completion)]
+
+    assert [done[0].token_ids, second[0].token_ids] == [c.token_ids for c in want]
+    n_short = len(graphed.prompts.build(short).input_ids)
+    assert any(len(c) == n_short + 1 for c in rows.calls), [len(c) for c in rows.calls]
