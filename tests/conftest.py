@@ -13,6 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+#: Where tests put the engines they build: ``PRISM_TEST_DEVICE=cuda python -m pytest`` runs the
+#: engine tests on the GPU (their oracles, transformers and the reference ops, stay on the CPU).
+TEST_DEVICE = os.environ.get("PRISM_TEST_DEVICE", "cpu")
+
 #: Sample photos and clips shared by the project (``/work/shared/media`` beside the repository).
 MEDIA_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "media"
 
@@ -65,7 +69,7 @@ def tiny_engine_factory(tiny_ckpt):
 
     def make(dtype=torch.float32, **options) -> Engine:
         if dtype not in models:
-            models[dtype] = load_model(tiny_ckpt, device="cpu", dtype=dtype, progress=False)
+            models[dtype] = load_model(tiny_ckpt, device=TEST_DEVICE, dtype=dtype, progress=False)
         options.setdefault("progress", False)
         engine = Engine(models[dtype], processor, model_id=str(tiny_ckpt), folder=tiny_ckpt,
                         options=EngineOptions(**options))

@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from PIL import Image
 
 from engine import (
@@ -37,7 +38,7 @@ def ask(image=None, question="What is in the picture?"):
 
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt):
-    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False, prefix_cache=False) as eng:
+    with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False, prefix_cache=False) as eng:
         yield eng
 
 
@@ -61,7 +62,7 @@ def test_from_pretrained_device_and_dtype(tiny_ckpt, device, dtype, expected):
 
 
 def test_from_pretrained_accepts_a_string_path(tiny_ckpt):
-    with Engine.from_pretrained(str(tiny_ckpt), device="cpu", progress=False) as eng:
+    with Engine.from_pretrained(str(tiny_ckpt), device=TEST_DEVICE, progress=False) as eng:
         assert eng.generate(ask(question="Hi"), SamplingParams(max_tokens=1)).token_ids
 
 
@@ -180,7 +181,7 @@ def test_broken_images_raise_and_the_engine_goes_on(engine, media_path):
 
 
 def test_prompt_plus_max_tokens_beyond_max_model_len(tiny_ckpt):
-    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False, max_model_len=64) as eng:
+    with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False, max_model_len=64) as eng:
         prompt_len = eng.count_prompt_tokens(ask(question="Hi"))
         assert prompt_len < 32
         fits = eng.generate(ask(question="Hi"), SamplingParams(max_tokens=64 - prompt_len, ignore_eos=True))
@@ -246,7 +247,7 @@ def test_abandoned_stream_does_not_block(engine):
 
 
 def test_context_manager_and_close(tiny_ckpt):
-    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False) as eng:
+    with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False) as eng:
         assert eng.generate(ask(question="Hi"), SamplingParams(max_tokens=2)).token_ids
     with pytest.raises(PrismError, match="closed"):
         eng.generate(ask(question="Hi"), SamplingParams(max_tokens=2))
@@ -304,10 +305,10 @@ def test_pixel_bounds_change_visual_tokens(tiny_ckpt, engine, media_path):
     big, small = media_path("astronaut.png"), media_path("coins.png")
     default_big = engine.count_prompt_tokens(ask(big))
     default_small = engine.count_prompt_tokens(ask(small))
-    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False, max_pixels=128 * 128) as eng:
+    with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False, max_pixels=128 * 128) as eng:
         capped = eng.count_prompt_tokens(ask(big))
         assert capped < default_big
         done = eng.generate(ask(big), SamplingParams(max_tokens=2, ignore_eos=True))
         assert 0 < done.telemetry.visual_tokens <= (128 * 128) // (32 * 32)
-    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False, min_pixels=768 * 768) as eng:
+    with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False, min_pixels=768 * 768) as eng:
         assert eng.count_prompt_tokens(ask(small)) > default_small

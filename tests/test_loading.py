@@ -10,6 +10,7 @@ import socket
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from safetensors.torch import load_file, save_file
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
@@ -215,7 +216,7 @@ def test_uncached_model_id_offline_names_the_hub_cache(tmp_path, monkeypatch):
 
 
 def test_processor_is_a_real_qwen3vl_processor(tiny_ckpt):
-    engine = Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False, kv_cache_bytes=8 << 20)
+    engine = Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False, kv_cache_bytes=8 << 20)
     try:
         proc = engine.processor
         assert isinstance(proc, Qwen3VLProcessor)

@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from PIL import Image
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
@@ -71,7 +72,8 @@ PARITY_OPTIONS = {"kv_cache_dtype": "auto", "prefix_cache": False, "kv_cache_byt
 
 
 def _engine(ckpt, dtype=torch.float32, **options) -> Engine:
-    return Engine.from_pretrained(ckpt, device="cpu", dtype=dtype, progress=False, **{**PARITY_OPTIONS, **options})
+    options = {**PARITY_OPTIONS, **options}
+    return Engine.from_pretrained(ckpt, device=TEST_DEVICE, dtype=dtype, progress=False, **options)
 
 
 def _load_pair(ckpt, dtype=torch.float32, **engine_options) -> Pair:

@@ -13,6 +13,7 @@ import json
 
 import pytest
 import regex
+from conftest import TEST_DEVICE
 
 from engine import Completion, Engine, SamplingParams
 from engine.detokenize import TextStream
@@ -231,7 +232,7 @@ QUESTION = [{"role": "user", "content": "Tell me a long story about a robot."}]
 
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt):
-    with Engine.from_pretrained(tiny_ckpt, device="cpu", progress=False) as eng:
+    with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False) as eng:
         yield eng
 
 
@@ -316,7 +317,7 @@ def eos_setup(tiny_ckpt, free_run, tmp_path_factory):
     gen = json.loads((tiny_ckpt / "generation_config.json").read_text())
     gen["eos_token_id"] = [eos]
     (folder / "generation_config.json").write_text(json.dumps(gen))
-    with Engine.from_pretrained(folder, device="cpu", progress=False) as eng:
+    with Engine.from_pretrained(folder, device=TEST_DEVICE, progress=False) as eng:
         yield eng, eos, tokens.index(eos)
 
 
