@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: kernel tests, correctness smoke, benchmarks. Run on the GPU machine from the repo root;
 # results go to $OUT (or ./gpu-results). Carry .whl (dashscope, platformdirs wheels) along.
+# Steps (STEPS="..."): tests (every engine test with its engines on CUDA; the web app's tests need
+# gradio & co. and are left out), kernels, fused, smoke, sweep, profile, bench, model, serving.
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -14,7 +16,16 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 for step in ${STEPS:-kernels smoke bench}; do
   case $step in
     fused) timeout 120 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -k "fused or store or move" 2>&1 | tail -5 | tee "$OUT/fused.txt" ;;
-    profile) timeout 300 python3 benchmarks/profile_decode.py 2>&1 | grep -v Warning | tail -45 | tee "$OUT/profile.txt" ;;
+    profile) timeout 300 python3 benchmarks/profile_decode.py 2>&1 | grep -v Warning | tail -80 | tee "$OUT/profile.txt" ;;
+    tests) PRISM_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests -q -p no:cacheprovider \
+             -n ${TEST_WORKERS:-6} --dist loadfile --ignore=tests/test_app_chat.py --ignore=tests/test_app_openai.py \
+             --ignore=tests/test_app_routes.py --ignore=tests/test_sessions.py --ignore=tests/test_e2e_browser.py \
+             2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
+    sweep) timeout 300 python3 benchmarks/sweep_decode.py 8x16384 1x1700 2>&1 | grep -v Warning | tail -20 | tee "$OUT/sweep.txt" ;;
+    model) timeout 300 python3 benchmarks/bench_model.py --shape 8b --device cuda --out "$OUT/bench_model.json" 2>&1 \
+             | grep -v Warning | tail -30 | tee "$OUT/bench_model.txt" ;;
+    serving) timeout 400 python3 benchmarks/bench_serving.py --shape 8b --device cuda --out "$OUT/bench_serving.json" \
+             2>&1 | grep -v Warning | tail -30 | tee "$OUT/bench_serving.txt" ;;
     kernels) timeout 300 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernels.txt" ;;
     smoke) timeout 300 python3 benchmarks/gpu_smoke.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/smoke.txt" ;;
     bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;

@@ -1,5 +1,7 @@
-"""Where a decode step's time goes on the GPU (run by hand): graph replay alone vs the engine's
-TPOT (the difference is host work per step), and a kernel-time table of one eager step.
+"""Where a decode step's and a prefix hit's time goes on the GPU (run by hand): graph replay alone
+vs the engine's TPOT (the difference is host work per step), a kernel-time table of eager steps,
+and a prefix hit on eight photos with its question prefilled through the decode graph (rows) and
+eagerly, with the host-side breakdown of its TTFT.
 
     python benchmarks/profile_decode.py --shape 8b
 """
@@ -18,7 +20,32 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import shapes  # noqa: E402
-from bench_gpu import cuda_time, text_prompt  # noqa: E402
+from bench_gpu import QUESTION, cuda_time, text_prompt  # noqa: E402
+from media import load_photos  # noqa: E402
+
+
+def profile_hit(eng) -> None:
+    """TTFT of prefix hits on 8 photos, question through the graph rows and eagerly."""
+    from engine import SamplingParams, media_first_messages
+
+    ims = load_photos(8)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    eng.generate(media_first_messages(ims, QUESTION), one, cache_salt="hit")  # cold: caches the prefix
+    graphs = eng.runner.graphs
+    for mode in ("graph rows", "eager", "graph rows"):
+        eng.runner.graphs = graphs if mode == "graph rows" else None
+        asks = [media_first_messages(ims, f"{QUESTION} Variant {j}{mode}?") for j in range(5)]
+        tels = [eng.generate(m, one, cache_salt="hit").telemetry for m in asks]
+        t = sorted(tels, key=lambda x: x.ttft_ms)[2]
+        print(f"prefix hit, question {mode}: TTFT {t.ttft_ms:.1f} ms (queue incl. prompt building {t.queue_ms:.1f} ms, "
+              f"prefill {t.prefill_ms:.1f} ms, computed {t.computed_tokens} tokens, {t.prefix_cache})")
+    eng.runner.graphs = graphs
+    build = cuda_time(lambda: eng.prompts.build(media_first_messages(ims, QUESTION)), repeats=5, warmup=1)
+    print(f"prompt building alone (8 photos, cached pixels): {build:.1f} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eng.generate(media_first_messages(ims, QUESTION + " Profiled?"), one, cache_salt="hit")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
 
 
 def main(argv=None) -> int:
@@ -41,6 +68,8 @@ def main(argv=None) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             eng.generate(text_prompt(eng, 1700, 1), SamplingParams(max_tokens=9, ignore_eos=True))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        eng.runner.graphs = graphs
+        profile_hit(eng)
         eng.close()
     return 0
 

@@ -147,13 +147,20 @@ def _attend_block(
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if FP8:  # scale V's rows (not P): P stays in [0, 1] for the 16-bit product
-        v = v * tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0).to(v.dtype)[:, None]
+    acc = acc * alpha[:, None]
+    if FP8:
+        # V's scales go on P's columns ([rows, BLOCK_N] multiplies instead of [BLOCK_N, D]),
+        # divided by the block's largest scale so that P stays in [0, 1] for the 16-bit product
+        vs = tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)
+        v_max = tl.maximum(tl.max(vs, axis=0), 1e-30)
+        p = p * (vs / v_max)[None, :]
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+        pv = tl.dot(p.to(q.dtype), v, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-    return m_new, l_i, acc
+        pv = tl.dot(p.to(q.dtype), v)
+    if FP8:
+        pv = pv * v_max
+    return m_new, l_i, acc + pv
 
 
 @triton.jit

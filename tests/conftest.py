@@ -17,6 +17,19 @@ if not torch.cuda.is_available():
 #: engine tests on the GPU (their oracles, transformers and the reference ops, stay on the CPU).
 TEST_DEVICE = os.environ.get("PRISM_TEST_DEVICE", "cpu")
 
+if TEST_DEVICE != "cpu":
+    import dataclasses
+
+    import engine.engine as _engine_module
+
+    # On CUDA an engine's KV pool defaults to most of the free GPU memory; the tests build many
+    # engines in one process, so each gets the CPU default (512 MiB) unless a test asks otherwise.
+    @dataclasses.dataclass(frozen=True)
+    class _TestEngineOptions(_engine_module.EngineOptions):
+        kv_cache_bytes: int | None = 512 << 20
+
+    _engine_module.EngineOptions = _TestEngineOptions
+
 #: Sample photos and clips shared by the project (``/work/shared/media`` beside the repository).
 MEDIA_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "media"
 
