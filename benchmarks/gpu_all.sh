@@ -17,10 +17,10 @@ for step in ${STEPS:-kernels smoke bench}; do
   case $step in
     fused) timeout 120 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -k "fused or store or move" 2>&1 | tail -5 | tee "$OUT/fused.txt" ;;
     profile) timeout 300 python3 benchmarks/profile_decode.py 2>&1 | grep -v Warning | tail -80 | tee "$OUT/profile.txt" ;;
-    tests) PRISM_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests -q -p no:cacheprovider \
+    tests) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PRISM_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests -q -p no:cacheprovider \
              -n ${TEST_WORKERS:-6} --dist loadfile --ignore=tests/test_app_chat.py --ignore=tests/test_app_openai.py \
              --ignore=tests/test_app_routes.py --ignore=tests/test_sessions.py --ignore=tests/test_e2e_browser.py \
-             2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
+             -o console_output_style=count 2>&1 | tee "$OUT/tests_full.txt" | tail -40 | tee "$OUT/tests.txt" ;;
     sweep) timeout 300 python3 benchmarks/sweep_decode.py 8x16384 1x1700 2>&1 | grep -v Warning | tail -20 | tee "$OUT/sweep.txt" ;;
     model) timeout 300 python3 benchmarks/bench_model.py --shape 8b --device cuda --out "$OUT/bench_model.json" 2>&1 \
              | grep -v Warning | tail -30 | tee "$OUT/bench_model.txt" ;;

@@ -51,8 +51,10 @@ class Attention(nn.Module):
 
     def fuse_projections(self) -> None:
         """Store the Q, K, V weights as one matrix (their parameters become views of it) so a step
-        runs one matrix product instead of three. Used on CUDA, where launches dominate decode."""
-        if self.q_proj.bias is not None:
+        runs one matrix product instead of three. Used on CUDA, where launches dominate decode.
+        Idempotent: a second engine on the same model must not re-fuse, or the CUDA graphs the first
+        one captured would read freed weight memory."""
+        if self.q_proj.bias is not None or self.qkv is not None:
             return
         fused = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
         sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
@@ -87,7 +89,10 @@ class MLP(nn.Module):
         self.gate_up: nn.Parameter | None = None  # fused [gate; up] weight, see fuse_projections()
 
     def fuse_projections(self) -> None:
-        """One matrix for the gate and up projections (their parameters become views of it)."""
+        """One matrix for the gate and up projections (their parameters become views of it).
+        Idempotent, as :meth:`Attention.fuse_projections`."""
+        if self.gate_up is not None:
+            return
         fused = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
         n = self.gate_proj.out_features
         self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)

@@ -89,7 +89,8 @@ class DualStep:
 def make_pool(engine, kv_cache_dtype: str, pages: int) -> PagePool:
     t = engine.config.text
     return PagePool(num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim,
-                    num_pages=pages, page_size=16, kv_cache_dtype=kv_cache_dtype, model_dtype=engine.dtype)
+                    num_pages=pages, page_size=16, kv_cache_dtype=kv_cache_dtype, model_dtype=engine.dtype,
+                    device=engine.device)
 
 
 def run_steps(engine, prompt, ctx_for, steps: int = DECODE_STEPS) -> list[torch.Tensor]:
@@ -97,18 +98,19 @@ def run_steps(engine, prompt, ctx_for, steps: int = DECODE_STEPS) -> list[torch.
     returns each step's last-row logits. One sequence in pages ``0 .. n - 1``."""
     p = len(prompt.input_ids)
     table = list(range(-(-(p + steps) // 16)))
+    dev = engine.device
     feats = engine.vision_features(prompt)
-    visual = VisualInjection(prompt.visual_rows(), feats.embeds, feats.deepstack)
-    ids, positions, start = torch.tensor(prompt.input_ids), prompt.positions, 0
+    visual = VisualInjection(prompt.visual_rows().to(dev), feats.embeds, feats.deepstack)
+    ids, positions, start = torch.tensor(prompt.input_ids, device=dev), prompt.positions.to(dev), 0
     logits = []
     for _ in range(steps + 1):
         n = len(ids)
-        meta = AttentionMetadata.build([n], [start + n], [table], list(range(start, start + n)))
-        out = engine.model(ids, positions, ctx_for(meta), visual, torch.tensor([n - 1]))
+        meta = AttentionMetadata.build([n], [start + n], [table], list(range(start, start + n)), dev)
+        out = engine.model(ids, positions, ctx_for(meta), visual, torch.tensor([n - 1], device=dev))
         logits.append(out[0])
         start += n
         ids = out[0].argmax().reshape(1)
-        positions = torch.full((3, 1), start + prompt.rope_delta)
+        positions = torch.full((3, 1), start + prompt.rope_delta, device=dev)
         visual = None
     return logits
 

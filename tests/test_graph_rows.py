@@ -35,7 +35,8 @@ class EagerRows:
         self.calls.append(list(ids))
         meta = AttentionMetadata.build([1] * len(ids), seq_lens, tables, slots, self.model.device)
         assert meta.is_decode_only
-        logits = self.model(torch.tensor(ids), positions, PagedStep(self.pool, meta))
+        dev = self.model.device
+        logits = self.model(torch.tensor(ids, device=dev), positions.to(dev), PagedStep(self.pool, meta))
         return logits, logits.argmax(dim=-1)
 
 

@@ -155,15 +155,16 @@ def hf_inputs(processor, messages, *, max_pixels: int | None = None) -> dict:
 
 def our_all_logits(engine: Engine, prompt) -> torch.Tensor:
     """float32 logits ``[T, vocab]`` of every prompt position, from one prefill of our model."""
-    ids = torch.tensor(prompt.input_ids)
+    dev = engine.device
+    ids = torch.tensor(prompt.input_ids, device=dev)
     n = len(ids)
     cfg = engine.config.text
-    cache = DenseKVCache(cfg.num_hidden_layers, n, cfg.num_key_value_heads, cfg.head_dim, engine.dtype, engine.device)
+    cache = DenseKVCache(cfg.num_hidden_layers, n, cfg.num_key_value_heads, cfg.head_dim, engine.dtype, dev)
     visual = None
     if prompt.spans:
         feats = engine.vision_features(prompt)
-        visual = VisualInjection(prompt.visual_rows(), feats.embeds, feats.deepstack)
-    return engine.model(ids, prompt.positions, cache.step(n), visual)
+        visual = VisualInjection(prompt.visual_rows().to(dev), feats.embeds, feats.deepstack)
+    return engine.model(ids, prompt.positions.to(dev), cache.step(n), visual).cpu()
 
 
 @torch.no_grad()

@@ -97,11 +97,12 @@ def recorded_logits(engine):
     """Record the logits of every sampled token while the block runs (run one request at a time:
     then row ``i`` is the distribution generated token ``i`` was chosen from)."""
     recorder = LogitsRecorder(engine.runner.model)
-    engine.runner.model = recorder
+    engine.runner.model, graphs = recorder, engine.runner.graphs
+    engine.runner.graphs = None  # (CUDA) replayed graphs would bypass the recorder: steps run eagerly
     try:
         yield recorder.rows
     finally:
-        engine.runner.model = recorder.model
+        engine.runner.model, engine.runner.graphs = recorder.model, graphs
 
 
 def gen_with_logits(engine, messages, salt="s") -> tuple[Completion, torch.Tensor]:
