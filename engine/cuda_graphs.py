@@ -37,6 +37,13 @@ class _GraphDecodeStep:
 class DecodeGraphs:
     """Captured decode graphs for batch sizes up to ``max_batch``.
 
+    The graphs read their inputs from fixed device buffers: one int64 ``[6, max_batch]`` block
+    (token ids, the three M-RoPE position rows, slots, sequence lengths) and the int32 block tables
+    ``[max_batch, max_pages_per_seq]``. A step fills a pinned host copy of the block and sends it in
+    one transfer; table rows are sent only when some row changed since the last step (a sequence
+    grows by a page every ``page_size`` tokens), so a steady decode step costs the host two small
+    copies and one graph launch.
+
     Args:
         model: the model (on CUDA).
         pool: the KV pool it decodes over.
@@ -46,17 +53,22 @@ class DecodeGraphs:
         max_seq_len: the longest sequence, used to choose each bucket's context split.
     """
 
+    IDS, POS, SLOTS, LENS = 0, slice(1, 4), 4, 5  # rows of the packed input block
+
     def __init__(self, model: Qwen3VL, pool: PagePool, max_batch: int, max_pages_per_seq: int, max_seq_len: int):
         self.model, self.pool = model, pool
         dev = model.device
         self.buckets = sorted({b for b in DEFAULT_BUCKETS if b < max_batch} | {max_batch})
         top = self.buckets[-1]
-        self.ids = torch.zeros(top, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(3, top, dtype=torch.long, device=dev)
-        self.slots = torch.full((top,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
+        self.inputs = torch.zeros(6, top, dtype=torch.long, device=dev)
+        self.inputs[self.SLOTS] = -1
         self.tables = torch.zeros(top, max_pages_per_seq, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        pin = torch.cuda.is_available()
+        self._staging = torch.zeros(6, top, dtype=torch.long, pin_memory=pin)
+        self._host_tables = torch.zeros(top, max_pages_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._host_rows: list[list[int] | None] = [None] * top  # what each device table row holds
+        self._sent = torch.cuda.Event() if pin else None  # the staging buffers may be reused after it
         self.max_seq_len = max_seq_len
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._mempool = None
@@ -68,17 +80,19 @@ class DecodeGraphs:
         block_n = 64 if head_dim <= 64 else 32
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        ids, positions = self.inputs[self.IDS], self.inputs[self.POS]
         with torch.cuda.stream(stream), torch.inference_mode():
             for b in reversed(self.buckets):
                 meta = AttentionMetadata(
-                    self.slots[:b], self.qsl[: b + 1], self.seq_lens[:b], self.tables[:b], 1, self.max_seq_len
+                    self.inputs[self.SLOTS, :b], self.qsl[: b + 1], self.inputs[self.LENS, :b], self.tables[:b],
+                    1, self.max_seq_len,
                 )
                 ctx = _GraphDecodeStep(self.pool, meta, decode_splits(b, hkv, self.max_seq_len, block_n))
                 for _ in range(2):  # compile the Triton kernels and warm the allocator outside capture
-                    self.model(self.ids[:b], self.positions[:, :b], ctx)
+                    self.model(ids[:b], positions[:, :b], ctx)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._mempool, stream=stream):
-                    logits = self.model(self.ids[:b], self.positions[:, :b], ctx)
+                    logits = self.model(ids[:b], positions[:, :b], ctx)
                     greedy = logits.argmax(dim=-1)
                 self._mempool = graph.pool()
                 self._graphs[b] = (graph, logits, greedy)
@@ -88,13 +102,13 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def run(self, ids: list[int], positions: torch.Tensor, slots: list[int], seq_lens: list[int],
+    def run(self, ids: list[int], positions: list[list[int]], slots: list[int], seq_lens: list[int],
             tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the bucket for ``n = len(ids)`` sequences.
+        """Replay the bucket for ``n = len(ids)`` rows.
 
         Args:
             ids: the token of each row.
-            positions: int64 ``[3, n]`` M-RoPE positions (host or device).
+            positions: three lists (temporal, height, width) of the rows' M-RoPE positions.
             slots: the slot each row's K/V goes to.
             seq_lens: the KV length each row attends to (its own token included).
             tables: each row's block table (rows of one sequence may pass the same list).
@@ -106,20 +120,23 @@ class DecodeGraphs:
         n = len(ids)
         b = next(x for x in self.buckets if x >= n)
         graph, logits, greedy = self._graphs[b]
-        dev = self.ids.device
-        width = self.tables.shape[1]
-        table = torch.zeros(b, width, dtype=torch.int32)
-        made: dict[int, torch.Tensor] = {}  # the rows of one prefill share their block table
+        if self._sent is not None:
+            self._sent.synchronize()  # the previous step's transfers have left the staging buffers
+        pad = [0] * (b - n)
+        self._staging[:, :b] = torch.tensor(
+            [ids + pad, *(p + pad for p in positions), slots + [-1] * (b - n), seq_lens + pad]
+        )
+        self.inputs[:, :b].copy_(self._staging[:, :b], non_blocking=True)
+        width, changed = 0, False
         for i, t in enumerate(tables):
-            row = made.get(id(t))
-            if row is None:
-                row = made[id(t)] = torch.tensor(t, dtype=torch.int32)
-            table[i, : len(t)] = row
-        pad = b - n
-        self.ids[:b].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        self.positions[:, :b].copy_(torch.cat([positions.cpu(), torch.zeros(3, pad, dtype=torch.long)], 1))
-        self.slots[:b].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        self.tables[:b].copy_(table.to(dev, non_blocking=True))
+            width = max(width, len(t))
+            if self._host_rows[i] != t:  # by value: copy-on-write replaces pages in place
+                self._host_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+                self._host_rows[i] = list(t)
+                changed = True
+        if changed:
+            self.tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=True)
+        if self._sent is not None:
+            self._sent.record()
         graph.replay()
         return logits[:n], greedy[:n]

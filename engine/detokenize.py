@@ -43,6 +43,13 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
+        # the fast tokenizer's Rust decoder directly: the same text without transformers' per-call
+        # argument conversion, which every generated token pays
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode = (
+            (lambda ids: backend.decode(ids, skip_special_tokens=True)) if backend is not None
+            else (lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+        )
         self.stop = tuple(stop)
         self._pending: list[int] = []
         self._text = ""
@@ -58,7 +65,7 @@ class TextStream:
         if self.stopped:
             return ""
         self._pending.append(token_id)
-        piece = self.tokenizer.decode(self._pending, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        piece = self._decode(self._pending)
         if piece.endswith(REPLACEMENT):
             return ""  # an incomplete UTF-8 character: wait for the next byte-level token
         self._pending = []
@@ -70,9 +77,7 @@ class TextStream:
     def finish(self) -> str:
         """Flush everything held back (the stream has ended)."""
         if self._pending and not self.stopped:
-            self._text += self.tokenizer.decode(
-                self._pending, skip_special_tokens=True, clean_up_tokenization_spaces=False
-            )
+            self._text += self._decode(self._pending)
             self._pending = []
             self._cut_at_stop(len(self._text))
         return self._emit(len(self._text))

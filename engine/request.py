@@ -103,6 +103,14 @@ class Request:
                 items.append(key)
         return items
 
+    def position_lists(self, start: int, end: int) -> list[list[int]]:
+        """:meth:`positions` as three Python lists; generated tokens take no tensor op (decode's
+        per-step host path)."""
+        if start >= self.num_prompt:
+            row = list(range(start + self.prompt.rope_delta, end + self.prompt.rope_delta))
+            return [row, row, row]
+        return self.positions(start, end).tolist()
+
     def positions(self, start: int, end: int) -> torch.Tensor:
         """Logical M-RoPE positions ``[3, end - start]`` of tokens ``start .. end - 1``."""
         n = self.num_prompt

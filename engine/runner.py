@@ -112,11 +112,13 @@ class ModelRunner:
         exactly as one prefill would; the prefix's KV is read once per row (fine for short
         prefills, which is all that fits a graph)."""
         page = self.pool.page_size
-        ids, positions, slots, seq_lens, tables, logit_rows, samplers = [], [], [], [], [], [], []
+        ids, slots, seq_lens, tables, logit_rows, samplers = [], [], [], [], [], []
+        positions: list[list[int]] = [[], [], []]
         for req, n in batch.items:
             start, end = req.num_computed, req.num_computed + n
             ids.extend(req.tokens[start:end])
-            positions.append(req.positions(start, end))
+            for axis, row in zip(positions, req.position_lists(start, end), strict=True):
+                axis.extend(row)
             for i in range(start, end):
                 slots.append(req.slot(i, page))
                 seq_lens.append(i + 1 - req.kv_offset)
@@ -124,7 +126,7 @@ class ModelRunner:
             if end == len(req.tokens):
                 logit_rows.append(len(ids) - 1)
                 samplers.append(req)
-        logits, greedy = self.graphs.run(ids, torch.cat(positions, dim=1), slots, seq_lens, tables)
+        logits, greedy = self.graphs.run(ids, positions, slots, seq_lens, tables)
         for req, n in batch.items:
             req.num_computed += n
         if logit_rows != list(range(len(ids))):  # some rows are prefill tokens with no next token

@@ -32,7 +32,9 @@ if TEST_DEVICE != "cpu":
 
 #: Sample photos and clips shared by the project (``../shared/media`` beside the repository, or
 #: ``$PRISM_MEDIA_DIR``).
-MEDIA_DIR = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", pathlib.Path(__file__).resolve().parents[2] / "shared" / "media"))
+MEDIA_DIR = pathlib.Path(
+    os.environ.get("PRISM_MEDIA_DIR", pathlib.Path(__file__).resolve().parents[2] / "shared" / "media")
+)
 
 
 @pytest.fixture(scope="session")

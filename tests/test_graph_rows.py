@@ -36,7 +36,8 @@ class EagerRows:
         meta = AttentionMetadata.build([1] * len(ids), seq_lens, tables, slots, self.model.device)
         assert meta.is_decode_only
         dev = self.model.device
-        logits = self.model(torch.tensor(ids, device=dev), positions.to(dev), PagedStep(self.pool, meta))
+        logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                            PagedStep(self.pool, meta))
         return logits, logits.argmax(dim=-1)
 
 
@@ -129,3 +130,45 @@ def test_decode_rows_and_a_prefill_share_one_step(tiny_engine_factory, photos, m
     assert [done[0].token_ids, second[0].token_ids] == [c.token_ids for c in want]
     n_short = len(graphed.prompts.build(short).input_ids)
     assert any(len(c) == n_short + 1 for c in rows.calls), [len(c) for c in rows.calls]
+
+
+class _NoGraph:
+    def replay(self):
+        pass
+
+
+def graph_inputs(max_batch: int = 8, width: int = 6):
+    """A DecodeGraphs on the CPU with its graphs replaced: what ``run`` writes to the buffers."""
+    from types import SimpleNamespace
+
+    from engine.cuda_graphs import DecodeGraphs
+
+    model = SimpleNamespace(device=torch.device("cpu"))
+    graphs = DecodeGraphs(model, None, max_batch, max_pages_per_seq=width, max_seq_len=width * 16)
+    graphs._graphs = {b: (_NoGraph(), torch.zeros(b, 3), torch.zeros(b, dtype=torch.long)) for b in graphs.buckets}
+    return graphs
+
+
+def test_graph_inputs_are_packed_and_padded_to_the_bucket():
+    graphs = graph_inputs()
+    graphs.run([11, 12, 13], [[5, 6, 7], [5, 6, 8], [5, 6, 9]], [40, 41, 42], [6, 7, 8], [[2, 3], [2, 3], [4]])
+    b = 4  # the bucket for three rows
+    assert graphs.inputs[graphs.IDS, :b].tolist() == [11, 12, 13, 0]
+    assert graphs.inputs[graphs.POS, :b].tolist() == [[5, 6, 7, 0], [5, 6, 8, 0], [5, 6, 9, 0]]
+    assert graphs.inputs[graphs.SLOTS, :b].tolist() == [40, 41, 42, -1]  # padding stores nothing
+    assert graphs.inputs[graphs.LENS, :b].tolist() == [6, 7, 8, 0]  # and attends to nothing
+    assert graphs.tables[:3, :2].tolist() == [[2, 3], [2, 3], [4, 0]]
+
+
+def test_graph_table_rows_follow_growth_copy_on_write_and_new_owners():
+    graphs = graph_inputs()
+    a, b = [1, 2], [7]
+    graphs.run([0, 0], [[0, 0]] * 3, [0, 0], [1, 1], [a, b])
+    a.append(3)  # a sequence grew by a page
+    graphs.run([0, 0], [[0, 0]] * 3, [0, 0], [1, 1], [a, b])
+    assert graphs.tables[:2, :3].tolist()[0] == [1, 2, 3] and graphs.tables[1, 0] == 7
+    a[1] = 9  # copy-on-write replaced a page in place: same length, new content
+    graphs.run([0, 0], [[0, 0]] * 3, [0, 0], [1, 1], [a, b])
+    assert graphs.tables[0, :3].tolist() == [1, 9, 3]
+    graphs.run([0, 0], [[0, 0]] * 3, [0, 0], [1, 1], [b, a])  # rows change owners
+    assert graphs.tables[0, 0] == 7 and graphs.tables[1, :3].tolist() == [1, 9, 3]
