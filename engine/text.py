@@ -65,15 +65,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, layer: int, ctx: AttentionContext):
         t = x.shape[0]
         eps = self.q_norm.eps
-        if self.qkv is not None:
-            q, k, v = F.linear(x, self.qkv).split(
-                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1
-            )
+        if self.qkv is not None:  # query and key heads are adjacent: one norm + rotary launch
+            heads = F.linear(x, self.qkv).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
+            qk = qk_norm_rope(heads[:, : self.heads + self.kv_heads], self.q_norm.weight, cos, sin, eps,
+                              k_weight=self.k_norm.weight, q_heads=self.heads)
+            q, k, v = qk[:, : self.heads], qk[:, self.heads :], heads[:, self.heads + self.kv_heads :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = qk_norm_rope(q.view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin, eps)
-        k = qk_norm_rope(k.view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin, eps)
-        v = v.view(t, self.kv_heads, self.head_dim)
+            q = qk_norm_rope(self.q_proj(x).view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin, eps)
+            k = qk_norm_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin, eps)
+            v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         return self.o_proj(ctx.attend(layer, q, k, v).reshape(t, -1))
 
 

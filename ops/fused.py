@@ -71,8 +71,8 @@ if triton is not None:
         tl.store(y_ptr + row * n + c, (w * normed).to(x.dtype), mask=m)
 
     @triton.jit
-    def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, heads, stride_t, stride_h, eps,
-                             D: tl.constexpr):
+    def _qk_norm_rope_kernel(x_ptr, w_ptr, wk_ptr, cos_ptr, sin_ptr, y_ptr, heads, q_heads, stride_t, stride_h,
+                             eps, D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         half: tl.constexpr = D // 2
@@ -83,8 +83,12 @@ if triton is not None:
         dt = x1.dtype
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         inv = tl.math.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
-        w1 = tl.load(w_ptr + i).to(tl.float32)
-        w2 = tl.load(w_ptr + half + i).to(tl.float32)
+        if h < q_heads:  # query heads take the Q-norm weight, the key heads after them the K-norm's
+            w1 = tl.load(w_ptr + i).to(tl.float32)
+            w2 = tl.load(w_ptr + half + i).to(tl.float32)
+        else:
+            w1 = tl.load(wk_ptr + i).to(tl.float32)
+            w2 = tl.load(wk_ptr + half + i).to(tl.float32)
         n1 = (w1 * (f1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         n2 = (w2 * (f2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         c1 = tl.load(cos_ptr + t * D + i).to(tl.float32)
@@ -137,19 +141,30 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return y, s
 
 
-def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float):
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                 k_weight: torch.Tensor | None = None, q_heads: int | None = None):
     """Per-head RMSNorm of ``x [T, heads, D]`` (a view of the QKV projection is fine: its last dim
     must be contiguous) then rotary embedding with ``cos``/``sin`` ``[T, D]``.
+
+    With ``k_weight`` and ``q_heads``, ``x`` holds the query heads then the key heads of one token
+    (adjacent in the fused QKV output): heads ``< q_heads`` are normed with ``weight`` (Q-norm),
+    the rest with ``k_weight`` (K-norm), all in one launch.
 
     Returns:
         a new contiguous ``[T, heads, D]`` tensor.
     """
+    if k_weight is None:
+        k_weight, q_heads = weight, x.shape[1]
     if not use_triton(x) or triton is None:
-        return rope_reference(rms_norm_reference(x, weight, eps), cos, sin)
+        q = rope_reference(rms_norm_reference(x[:, :q_heads], weight, eps), cos, sin)
+        if q_heads == x.shape[1]:
+            return q
+        k = rope_reference(rms_norm_reference(x[:, q_heads:], k_weight, eps), cos, sin)
+        return torch.cat([q, k], dim=1)
     t, heads, d = x.shape
     y = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
     if t:
-        _qk_norm_rope_kernel[(t, heads)](x, weight, cos.contiguous(), sin.contiguous(), y, heads,
+        _qk_norm_rope_kernel[(t, heads)](x, weight, k_weight, cos.contiguous(), sin.contiguous(), y, heads, q_heads,
                                          x.stride(0), x.stride(1), eps, D=d)
     return y
 

@@ -236,6 +236,26 @@ def test_text_only(f32):
     assert prompt.rope_delta == 0
 
 
+def test_fused_projections_give_the_same_logits(tiny_ckpt, f32):
+    """The fused QKV / gate-up matrices (used on CUDA) and the one-launch Q/K norm + rotary of the
+    adjacent query and key heads compute what the separate projections do; fusing twice (a second
+    engine on the same model) keeps the first fused weights, which captured CUDA graphs point to."""
+    from types import SimpleNamespace
+
+    from engine.model import load_model
+
+    model = load_model(tiny_ckpt, device=TEST_DEVICE, progress=False)
+    unfused = SimpleNamespace(model=model, config=model.config, device=model.device, dtype=model.dtype)
+    prompt = f32.engine.prompts.build([{"role": "user", "content": "Write a short poem about the sea, please."}])
+    before = our_all_logits(unfused, prompt)
+    model.language_model.fuse_projections()
+    attn = model.language_model.layers[0].self_attn
+    fused = attn.qkv
+    model.language_model.fuse_projections()
+    assert fused is not None and attn.qkv is fused
+    torch.testing.assert_close(our_all_logits(unfused, prompt), before, rtol=0, atol=1e-5)
+
+
 def test_one_photo(f32, media_path):
     messages = [
         {

@@ -171,6 +171,9 @@ def test_fused_kernels_match_references(device, dtype, monkeypatch):
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, dtype)
     q = torch.randn(t, heads, d, generator=g).to(device, dtype)
     qw = (1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype)
+    kw = (1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype)
+    qkv = torch.randn(t, heads + 4, d, generator=g).to(device, dtype)  # 3 query, 2 key, 2 value heads
+    qk = qkv[:, : heads + 2]  # a strided view, as the decoder passes it
     ang = torch.randn(t, d // 2, generator=g)
     cos = torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype)
     sin = torch.cat([ang.sin(), ang.sin()], -1).to(device, dtype)
@@ -181,11 +184,13 @@ def test_fused_kernels_match_references(device, dtype, monkeypatch):
     ref_norm, ref_sum = fused.add_rms_norm(x, r, w, 1e-6)
     ref_plain = fused.add_rms_norm(x, None, w, 1e-6)[0]
     ref_q = fused.qk_norm_rope(q, qw, cos, sin, 1e-6)
+    ref_qk = fused.qk_norm_rope(qk, qw, cos, sin, 1e-6, k_weight=kw, q_heads=heads)
     ref_act = fused.silu_mul(gate, up)
     monkeypatch.setenv("PRISM_OPS", "triton")
     got_norm, got_sum = fused.add_rms_norm(x, r, w, 1e-6)
     got_plain = fused.add_rms_norm(x, None, w, 1e-6)[0]
     got_q = fused.qk_norm_rope(q, qw, cos, sin, 1e-6)
+    got_qk = fused.qk_norm_rope(qk, qw, cos, sin, 1e-6, k_weight=kw, q_heads=heads)
     got_act = fused.silu_mul(gate, up)
 
     if device == "cuda":  # compiled, the residual add rounds exactly as torch's (the interpreter truncates)
@@ -193,6 +198,7 @@ def test_fused_kernels_match_references(device, dtype, monkeypatch):
     # same roundings, different reduction order: within two ulps of the dtype (the interpreter's
     # bfloat16 casts truncate, measured up to 2 ulps on the rotary output)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
-    pairs = ((got_sum, ref_sum), (got_norm, ref_norm), (got_plain, ref_plain), (got_q, ref_q), (got_act, ref_act))
+    pairs = ((got_sum, ref_sum), (got_norm, ref_norm), (got_plain, ref_plain), (got_q, ref_q), (got_qk, ref_qk),
+             (got_act, ref_act))
     for got, expected in pairs:
         torch.testing.assert_close(got.float(), expected.float(), **tol)
