@@ -104,11 +104,26 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rope_float32(q, cos, sin), _rope_float32(k, cos, sin)
-        outs = []
-        for qs, ks, vs in zip(q.split(seg_lens), k.split(seg_lens), v.split(seg_lens), strict=True):
-            o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
-            outs.append(o.transpose(0, 1))
-        return self.proj(torch.cat(outs).reshape(n, -1))
+        outs, start = [], 0
+        for length, count in _runs(seg_lens):
+            # consecutive segments of one length (same-size photos, a video's frames) attend as
+            # one batch: [count, heads, length, head_dim]
+            rows = slice(start, start + length * count)
+            qs, ks, vs = (t[rows].view(count, length, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(length * count, -1))
+            start += length * count
+        return self.proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+
+
+def _runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """``[(length, count)]`` of consecutive equal lengths: [4, 4, 9, 4] -> [(4, 2), (9, 1), (4, 1)]."""
+    runs: list[list[int]] = []
+    for n in lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return [(n, c) for n, c in runs]
 
 
 def _rope_float32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
