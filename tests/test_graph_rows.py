@@ -172,3 +172,18 @@ def test_graph_table_rows_follow_growth_copy_on_write_and_new_owners():
     assert graphs.tables[0, :3].tolist() == [1, 9, 3]
     graphs.run([0, 0], [[0, 0]] * 3, [0, 0], [1, 1], [b, a])  # rows change owners
     assert graphs.tables[0, 0] == 7 and graphs.tables[1, :3].tolist() == [1, 9, 3]
+
+
+def test_prefill_chunks_that_sample_nothing_run_as_rows(tiny_engine_factory):
+    """A prompt split into chunks: the first chunks end before the prompt does, so their steps
+    sample no token (regression: the empty row selection was a float tensor and failed on CUDA)."""
+    eager = tiny_engine_factory(**BASE, prefix_cache=False)
+    graphed = tiny_engine_factory(**BASE, prefix_cache=False, max_num_batched_tokens=8)
+    rows = with_rows(graphed)
+    prompt = [{"role": "user", "content": "Write a short poem about the sea, please."}]
+    n_prompt = len(graphed.prompts.build(prompt).input_ids)
+    assert n_prompt > 8
+
+    assert graphed.generate(prompt, GREEDY).token_ids == eager.generate(prompt, GREEDY).token_ids
+    chunks = [len(c) for c in rows.calls[: -(GREEDY.max_tokens - 1)]]
+    assert sum(chunks) == n_prompt and max(chunks) == 8

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import MEDIA_DIR
 from PIL import Image, ImageFile, ImageOps
 
 from engine.errors import InvalidImageError
 from engine.images import ImageOptions, bytes_sha256, image_sha256, open_image
 
-MEDIA = Path(__file__).resolve().parents[2] / "shared" / "media"
+MEDIA = MEDIA_DIR
 
 # name -> (width, height, mode Pillow opens it in)
 MEDIA_FILES = {

@@ -21,6 +21,7 @@ import time
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from PIL import Image
 
 from engine import Completion, SamplingParams
@@ -36,7 +37,9 @@ MAX_PIXELS = 256 * 256
 BASE = {"max_pixels": MAX_PIXELS, "kv_cache_bytes": 16 << 20, "debug_checks": True}
 #: Exact settings: K/V pages in float32, so a hit can be compared with dense references.
 EXACT = {**BASE, "kv_cache_dtype": "auto"}
-LOGITS_ATOL = 1e-5
+#: Hit vs cold logits: 1e-5 on the CPU; on CUDA the hit's question runs other kernels (decode-graph
+#: rows, split-context attention) whose float32 sums differ in order, measured up to 1.5e-5.
+LOGITS_ATOL = 1e-5 if TEST_DEVICE == "cpu" else 1e-4
 
 Q1 = "What is in this picture?"
 Q2 = "Describe the colours you can see."
