@@ -332,6 +332,7 @@ class Engine:
         sampling = sampling or SamplingParams()
         submitted = time.perf_counter()
         prompt = self.prompts.build(messages)
+        preprocess_ms = (time.perf_counter() - submitted) * 1e3
         self._check_fits(prompt, sampling)
         req = Request(
             prompt=prompt,
@@ -340,6 +341,7 @@ class Engine:
             stream=TextStream(self.tokenizer, sampling.stop),
             submitted=submitted,
         )
+        req.telemetry.preprocess_ms = preprocess_ms
         req.telemetry.prompt_tokens = len(prompt.input_ids)
         req.telemetry.visual_tokens = prompt.num_visual_tokens
         req.salt = "" if self.options.cache_scope == "global" else (cache_salt or "")

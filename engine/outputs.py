@@ -16,6 +16,8 @@ class Telemetry:
         visual_tokens: image / video tokens in the prompt.
         generated_tokens: tokens generated.
         queue_ms: from submission until the engine started the request.
+        preprocess_ms: of ``queue_ms``, building the prompt in the caller's thread (chat template,
+            tokeniser, image decoding and processing, or their cache lookups).
         vision_ms: time spent in the vision encoder (0 when it did not run).
         vision_encoder_ran: whether the vision encoder ran for this request.
         prefill_ms: time of the prompt prefill (vision excluded).
@@ -39,6 +41,7 @@ class Telemetry:
     visual_tokens: int = 0
     generated_tokens: int = 0
     queue_ms: float = 0.0
+    preprocess_ms: float = 0.0
     vision_ms: float = 0.0
     vision_encoder_ran: bool = False
     prefill_ms: float = 0.0

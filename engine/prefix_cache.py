@@ -101,9 +101,10 @@ def prefix_key(namespace: str, salt: str, image_hashes: list[str], compaction: s
     return h.hexdigest()
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b``, whose first ``start`` items are known equal."""
     n = min(len(a), len(b))
-    for i in range(n):
+    for i in range(start, n):
         if a[i] != b[i]:
             return i
     return n
@@ -130,7 +131,8 @@ class PrefixCache:
         for ext in entry.children:
             if not ext.alive:
                 continue
-            n = min(_common_prefix(ext.tokens, prompt_ids), len(prompt_ids) - 1)
+            # an extension starts with its parent's tokens, equal to the prompt's (checked above)
+            n = min(_common_prefix(ext.tokens, prompt_ids, prefix_len), len(prompt_ids) - 1)
             if n > best.length:
                 best = Match(ext, n)
         if best.length >= len(prompt_ids):

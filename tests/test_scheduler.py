@@ -655,6 +655,7 @@ def test_telemetry_and_stats(cases, photos, tiny_engine_factory):
     assert tel.vision_encoder_ran is True and tel.vision_ms > 0
     assert tel.generated_tokens == GEN
     assert 0 <= tel.queue_ms <= tel.ttft_ms <= tel.e2e_ms
+    assert 0 < tel.preprocess_ms <= tel.queue_ms  # building the prompt is part of the wait
     assert tel.decode_tokens_per_s > 0 and tel.tpot_ms > 0
     # the K/V of the prompt and of all generated tokens but the last
     assert tel.kv_pages == math.ceil((tel.prompt_tokens + GEN - 1) / 16)
