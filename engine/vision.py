@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops.fused import rotate_half
+from ops.fused import rope_float32
 
 from .config import VisionConfig
 from .layers import activation
@@ -102,8 +102,9 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_lens: list[int]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _rope_float32(q, cos, sin), _rope_float32(k, cos, sin)
+        qkv = self.qkv(x).view(n, 3 * self.num_heads, self.head_dim)
+        qk = rope_float32(qkv[:, : 2 * self.num_heads], cos, sin)  # query and key heads in one launch
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, 2 * self.num_heads :]
         outs, start = [], 0
         for length, count in _runs(seg_lens):
             # consecutive segments of one length (same-size photos, a video's frames) attend as
@@ -124,11 +125,6 @@ def _runs(lengths: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append([n, 1])
     return [(n, c) for n, c in runs]
-
-
-def _rope_float32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(x.dtype)
 
 
 class VisionMLP(nn.Module):

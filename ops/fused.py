@@ -5,6 +5,7 @@ the launches, not the bytes, dominate. These kernels do each group in one launch
 
 - :func:`add_rms_norm`: residual add + RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467);
 - :func:`qk_norm_rope`: Qwen3's per-head Q/K RMSNorm followed by rotary embedding (M-RoPE tables);
+- :func:`rope_float32`: the vision tower's rotary embedding, float32 math on 16-bit inputs;
 - :func:`silu_mul`: the SwiGLU gate ``silu(gate) * up`` (Shazeer 2020, arXiv:2002.05202).
 
 Each kernel follows its reference's rounding: values are computed in float32 and rounded to the
@@ -46,6 +47,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, heads, D]`` by ``cos``/``sin`` ``[T, D]`` (in the model dtype)."""
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def rope_float32_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, D]`` by float32 ``cos``/``sin`` ``[T, D]`` in float32, rounding once to
+    ``x.dtype`` at the end (the vision tower's rotary embedding, as transformers applies it)."""
+    xf = x.float()
+    return (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,6 +109,25 @@ if triton is not None:
         out = y_ptr + (t * heads + h) * D
         tl.store(out + i, o1)
         tl.store(out + half + i, o2)
+
+    @triton.jit
+    def _rope_float32_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, stride_t, stride_h, HALF: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        i = tl.arange(0, BLOCK)
+        m = i < HALF
+        base = x_ptr + t * stride_t + h * stride_h
+        x1 = tl.load(base + i, mask=m, other=0.0)
+        x2 = tl.load(base + HALF + i, mask=m, other=0.0)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        c1 = tl.load(cos_ptr + t * 2 * HALF + i, mask=m, other=0.0)
+        c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i, mask=m, other=0.0)
+        s1 = tl.load(sin_ptr + t * 2 * HALF + i, mask=m, other=0.0)
+        s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i, mask=m, other=0.0)
+        out = y_ptr + (t * heads + h) * 2 * HALF
+        tl.store(out + i, (f1 * c1 - f2 * s1).to(x1.dtype), mask=m)
+        tl.store(out + HALF + i, (f2 * c2 + f1 * s2).to(x1.dtype), mask=m)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr):
@@ -166,6 +193,26 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     if t:
         _qk_norm_rope_kernel[(t, heads)](x, weight, k_weight, cos.contiguous(), sin.contiguous(), y, heads, q_heads,
                                          x.stride(0), x.stride(1), eps, D=d)
+    return y
+
+
+def rope_float32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_float32_reference` in one launch, without float32 copies of ``x`` in memory.
+
+    Args:
+        x: ``[T, heads, D]`` (a strided view is fine: its last dim must be contiguous), D even.
+        cos, sin: float32 ``[T, D]``.
+
+    Returns:
+        a new contiguous ``[T, heads, D]`` tensor in ``x.dtype``.
+    """
+    if not use_triton(x) or triton is None:
+        return rope_float32_reference(x, cos, sin)
+    t, heads, d = x.shape
+    y = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
+    if t:
+        _rope_float32_kernel[(t, heads)](x, cos.float().contiguous(), sin.float().contiguous(), y, heads,
+                                         x.stride(0), x.stride(1), HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2))
     return y
 
 

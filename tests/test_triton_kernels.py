@@ -177,6 +177,9 @@ def test_fused_kernels_match_references(device, dtype, monkeypatch):
     ang = torch.randn(t, d // 2, generator=g)
     cos = torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype)
     sin = torch.cat([ang.sin(), ang.sin()], -1).to(device, dtype)
+    vis = torch.randn(t, 3 * heads, 24, generator=g).to(device, dtype)  # vision q/k/v heads, half = 12
+    vang = torch.randn(t, 12, generator=g)
+    vcos, vsin = torch.cat([vang.cos(), vang.cos()], -1).to(device), torch.cat([vang.sin(), vang.sin()], -1).to(device)
     gate = torch.randn(t, inter, generator=g).to(device, dtype)
     up = torch.randn(t, inter, generator=g).to(device, dtype)
 
@@ -186,12 +189,14 @@ def test_fused_kernels_match_references(device, dtype, monkeypatch):
     ref_q = fused.qk_norm_rope(q, qw, cos, sin, 1e-6)
     ref_qk = fused.qk_norm_rope(qk, qw, cos, sin, 1e-6, k_weight=kw, q_heads=heads)
     ref_act = fused.silu_mul(gate, up)
+    ref_vis = fused.rope_float32(vis[:, : 2 * heads], vcos, vsin)
     monkeypatch.setenv("PRISM_OPS", "triton")
     got_norm, got_sum = fused.add_rms_norm(x, r, w, 1e-6)
     got_plain = fused.add_rms_norm(x, None, w, 1e-6)[0]
     got_q = fused.qk_norm_rope(q, qw, cos, sin, 1e-6)
     got_qk = fused.qk_norm_rope(qk, qw, cos, sin, 1e-6, k_weight=kw, q_heads=heads)
     got_act = fused.silu_mul(gate, up)
+    got_vis = fused.rope_float32(vis[:, : 2 * heads], vcos, vsin)
 
     if device == "cuda":  # compiled, the residual add rounds exactly as torch's (the interpreter truncates)
         assert torch.equal(got_sum, ref_sum)
@@ -199,6 +204,6 @@ def test_fused_kernels_match_references(device, dtype, monkeypatch):
     # bfloat16 casts truncate, measured up to 2 ulps on the rotary output)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
     pairs = ((got_sum, ref_sum), (got_norm, ref_norm), (got_plain, ref_plain), (got_q, ref_q), (got_qk, ref_qk),
-             (got_act, ref_act))
+             (got_act, ref_act), (got_vis, ref_vis))
     for got, expected in pairs:
         torch.testing.assert_close(got.float(), expected.float(), **tol)
