@@ -80,20 +80,22 @@ def main() -> int:
             q, cache, meta = setup(batch, ctx, kv)
             kv_bytes = 2 * batch * ctx * 8 * 128 * (1 if kv != "auto" else 2)
             best = None
-            for bn, warps, stages, waves in itertools.product((32, 64, 128), (4, 8), (2, 3), (2, 4, 8)):
+            for bn, warps, stages, waves, rows in itertools.product((64, 128), (4, 8), (2, 3), (2, 4, 8), (16, 64)):
                 try:
                     splits = tk.decode_splits(batch, 8, ctx, bn, waves=waves)
-                    args = dict(num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages)
+                    args = dict(num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, rows=rows)
                     ms = graph_time(lambda a=args, x=(q, cache, meta): tk.paged_decode_attention(*x, **a))
                 except Exception as exc:  # a config that does not compile or fit
                     print(f"  skip bn={bn} w={warps} st={stages}: {type(exc).__name__}")
                     continue
-                row = (ms, bn, warps, stages, waves)
+                row = (ms, bn, warps, stages, waves, rows)
                 best = min(best, row) if best else row
-            ms, bn, warps, stages, waves = best
+            ms, bn, warps, stages, waves, rows = best
             floor = gather_floor(q, cache, meta, ctx)
-            print(f"batch {batch} ctx {ctx} {kv}: best {ms * 1e3:.1f} us (block_n {bn}, warps {warps}, "
-                  f"stages {stages}, waves {waves}) = {kv_bytes / ms / 1e9:.2f} TB/s; plain gather of the same "
+            default = graph_time(lambda x=(q, cache, meta): tk.paged_decode_attention(*x))
+            print(f"batch {batch} ctx {ctx} {kv}: default settings {default * 1e3:.1f} us; best {ms * 1e3:.1f} us "
+                  f"(block_n {bn}, warps {warps}, stages {stages}, waves {waves}, rows {rows}) = "
+                  f"{kv_bytes / ms / 1e9:.2f} TB/s; plain gather of the same "
                   f"bytes {floor * 1e3:.1f} us = {kv_bytes / floor / 1e9:.2f} TB/s", flush=True)
             results.append((batch, ctx, kv, best))
     return 0

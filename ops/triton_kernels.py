@@ -404,8 +404,11 @@ def _decode_merge_kernel(
 
 
 #: Launch settings of the decode kernel (chosen by benchmarks/sweep_decode.py on the H200; see
-#: docs/PERFORMANCE.md). ``block_n`` None picks by head size; ``waves`` sets the context split.
-DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 4}
+#: docs/PERFORMANCE.md). ``block_n`` None picks by head size; ``waves`` sets the context split;
+#: ``rows`` pads the GQA group's query rows of a program (16: register-operand MMA; 64: Hopper's
+#: warpgroup MMA, which reads its operands from shared memory, so FP8 tiles are converted before
+#: they are staged instead of being read back byte by byte).
+DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 4, "rows": 16, "rows_fp8": 16}
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, sm_count: int = 132,
@@ -424,6 +427,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """Triton flash-decoding version of :func:`ops.reference.paged_decode_attention`.
 
@@ -434,7 +438,7 @@ def paged_decode_attention(
             (a padding row) gives zeros.
         num_splits: context chunks per sequence (fixed for CUDA-graph capture); None chooses by
             :func:`decode_splits`.
-        block_n, num_warps, num_stages: launch settings; None takes :data:`DECODE_CONFIG`.
+        block_n, num_warps, num_stages, rows: launch settings; None takes :data:`DECODE_CONFIG`.
 
     Returns:
         ``[B, Hq, D]`` in ``q``'s dtype.
@@ -467,7 +471,7 @@ def paged_decode_attention(
         meta.softmax_scale(d),
         splits,
         G=g,
-        GP=max(16, triton.next_power_of_2(g)),
+        GP=max(rows or cfg["rows_fp8" if cache.is_fp8 else "rows"], triton.next_power_of_2(g)),
         D=d,
         BLOCK_D=bd,
         PAGE=cache.page_size,

@@ -96,8 +96,8 @@ def test_decode_attention_matches_reference(device, kv, dtype, case):
     cache, meta, g = _layout(device, kv, hkv, d, page, [1] * len(lens), [n - 1 for n in lens], dtype)
     q = torch.randn(len(lens), hkv * gqa, d, generator=g).to(device, dtype)
     expected = ref.paged_decode_attention(q, cache, meta)
-    for splits in (None, 1, 3):
-        got = tk.paged_decode_attention(q, cache, meta, num_splits=splits)
+    for splits, rows in ((None, None), (1, 16), (3, 64)):  # rows: query rows padded per program
+        got = tk.paged_decode_attention(q, cache, meta, num_splits=splits, rows=rows)
         torch.testing.assert_close(got.float(), expected.float(), **_tol(dtype))
 
 
