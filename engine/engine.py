@@ -18,8 +18,6 @@ from pathlib import Path
 
 import torch
 
-from ops.dispatch import move_slots
-
 from .compaction import CompactionConfig
 from .detokenize import TextStream
 from .errors import EngineOverloadedError, InvalidRequestError, PrismError, RequestTooLargeError
@@ -646,10 +644,8 @@ class Engine:
         k = len(kept)
         if k < n:
             table = req.block_table
-            src = torch.tensor([table[i // page] * page + i % page for i in kept.tolist()], device=self.device)
-            dst = torch.tensor([table[i // page] * page + i % page for i in range(k)], device=self.device)
-            for layer in self.pool.layers:
-                move_slots(layer, src, dst)
+            self.pool.move_slots([table[i // page] * page + i % page for i in kept.tolist()],
+                                 [table[i // page] * page + i % page for i in range(k)])
             keep_pages = -(-k // page)
             self.pool.release(table[keep_pages:])
             del table[keep_pages:]

@@ -261,3 +261,28 @@ def test_engine_kv_cache_bytes_sets_the_page_count(tiny_engine_factory, kv_cache
         assert engine.max_model_len == 37 * 16, "a request can never be longer than the pool"
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "auto"])
+def test_pool_move_slots_moves_every_layer_like_the_per_layer_reference(kv_cache_dtype):
+    """Compaction moves kept tokens down in all layers at once (one launch per buffer); source and
+    target ranges overlap. Oracle: the reference move, layer by layer, on a copy of the pool."""
+    from ops.reference import move_slots as reference_move
+
+    pool = make_pool(num_pages=6, kv_cache_dtype=kv_cache_dtype)
+    table = pool.allocate(4)
+    _fill(pool, table, 0, 4 * PAGE, seed=5)
+    slot = lambda i: table[i // PAGE] * PAGE + i % PAGE  # noqa: E731
+    kept = [0, 2, 3, 5, 6, 7, 9, 11, 12, 13]  # positions kept; they move to 0 .. 9
+    src, dst = [slot(i) for i in kept], [slot(i) for i in range(len(kept))]
+    expected = make_pool(num_pages=6, kv_cache_dtype=kv_cache_dtype)
+    for mine, theirs in zip(pool.layers, expected.layers, strict=True):
+        for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+            if getattr(mine, name) is not None:
+                getattr(theirs, name).copy_(getattr(mine, name))
+        reference_move(theirs, torch.tensor(src), torch.tensor(dst))
+
+    pool.move_slots(src, dst)
+
+    for page in table:
+        assert _equal(_page_state(pool, page), _page_state(expected, page)), page
