@@ -112,22 +112,24 @@ if triton is not None:
 
     @triton.jit
     def _rope_float32_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, stride_t, stride_h, HALF: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        i = tl.arange(0, BLOCK)
-        m = i < HALF
-        base = x_ptr + t * stride_t + h * stride_h
-        x1 = tl.load(base + i, mask=m, other=0.0)
-        x2 = tl.load(base + HALF + i, mask=m, other=0.0)
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        c1 = tl.load(cos_ptr + t * 2 * HALF + i, mask=m, other=0.0)
-        c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i, mask=m, other=0.0)
-        s1 = tl.load(sin_ptr + t * 2 * HALF + i, mask=m, other=0.0)
-        s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i, mask=m, other=0.0)
-        out = y_ptr + (t * heads + h) * 2 * HALF
-        tl.store(out + i, (f1 * c1 - f2 * s1).to(x1.dtype), mask=m)
-        tl.store(out + HALF + i, (f2 * c2 + f1 * s2).to(x1.dtype), mask=m)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # several heads a program: T x heads is
+        i = tl.arange(0, BLOCK)  # far too many programs of 36 elements each
+        m = (h < heads)[:, None] & (i < HALF)[None, :]
+        base = x_ptr + t * stride_t + h[:, None] * stride_h + i[None, :]
+        f1 = tl.load(base, mask=m, other=0.0)
+        dt = f1.dtype
+        f1 = f1.to(tl.float32)
+        f2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+        cm = i < HALF
+        c1 = tl.load(cos_ptr + t * 2 * HALF + i, mask=cm, other=0.0)[None, :]
+        c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i, mask=cm, other=0.0)[None, :]
+        s1 = tl.load(sin_ptr + t * 2 * HALF + i, mask=cm, other=0.0)[None, :]
+        s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i, mask=cm, other=0.0)[None, :]
+        out = y_ptr + (t * heads + h[:, None]) * 2 * HALF + i[None, :]
+        tl.store(out, (f1 * c1 - f2 * s1).to(dt), mask=m)
+        tl.store(out + HALF, (f2 * c2 + f1 * s2).to(dt), mask=m)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, stride_g, stride_u, BLOCK: tl.constexpr):
@@ -211,8 +213,11 @@ def rope_float32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     t, heads, d = x.shape
     y = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
     if t:
-        _rope_float32_kernel[(t, heads)](x, cos.float().contiguous(), sin.float().contiguous(), y, heads,
-                                         x.stride(0), x.stride(1), HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2))
+        block_h = min(16, triton.next_power_of_2(heads))
+        _rope_float32_kernel[(t, triton.cdiv(heads, block_h))](
+            x, cos.float().contiguous(), sin.float().contiguous(), y, heads, x.stride(0), x.stride(1),
+            HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), BLOCK_H=block_h,
+        )
     return y
 
 
