@@ -43,6 +43,8 @@ class PagePool:
         ValueError: unknown ``kv_cache_dtype`` or fewer than one page.
     """
 
+    MOVE_ROWS = 1 << 18  # most (layer, slot) rows one compaction launch moves
+
     def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
                  kv_cache_dtype="fp8_e4m3", model_dtype=torch.float32, device="cpu"):
         if kv_cache_dtype not in KV_DTYPES:
@@ -147,10 +149,14 @@ class PagePool:
         if not src:
             return
         slots = self.num_pages * self.page_size
-        layer_base = (torch.arange(self.num_layers) * slots)[:, None]
         dev = self._k.device
-        move_slots(self._all, (layer_base + torch.tensor(src)).flatten().to(dev),
-                   (layer_base + torch.tensor(dst)).flatten().to(dev))
+        src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+        # a few layers a launch: the move gathers its rows into a temporary first (overlap-safe),
+        # whose size is bounded by MOVE_ROWS rows (~256 MiB of FP8 K at 8 KV heads x 128 dims)
+        step = max(1, self.MOVE_ROWS // len(src))
+        for first in range(0, self.num_layers, step):
+            base = (torch.arange(first, min(first + step, self.num_layers)) * slots)[:, None]
+            move_slots(self._all, (base + src_t).flatten().to(dev), (base + dst_t).flatten().to(dev))
 
     def check(self, holders: Iterable[Iterable[int]]) -> None:
         """Debug check: every page's reference count equals the number of holders listing it,

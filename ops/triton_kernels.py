@@ -505,7 +505,7 @@ def paged_decode_attention(
 
 @triton.jit
 def _gather_rows_kernel(src_ptr, idx_ptr, dst_ptr, row_elems, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)  # i * row_elems passes 2**31 for a long prefix over all layers
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(idx_ptr + i).to(tl.int64)
     m = c < row_elems
@@ -514,7 +514,7 @@ def _gather_rows_kernel(src_ptr, idx_ptr, dst_ptr, row_elems, BLOCK: tl.constexp
 
 @triton.jit
 def _scatter_rows_kernel(src_ptr, idx_ptr, dst_ptr, row_elems, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(idx_ptr + i).to(tl.int64)
     m = c < row_elems

@@ -264,11 +264,14 @@ def test_engine_kv_cache_bytes_sets_the_page_count(tiny_engine_factory, kv_cache
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "auto"])
-def test_pool_move_slots_moves_every_layer_like_the_per_layer_reference(kv_cache_dtype):
-    """Compaction moves kept tokens down in all layers at once (one launch per buffer); source and
-    target ranges overlap. Oracle: the reference move, layer by layer, on a copy of the pool."""
+@pytest.mark.parametrize("move_rows", [PagePool.MOVE_ROWS, 10])  # both layers a launch, one a launch
+def test_pool_move_slots_moves_every_layer_like_the_per_layer_reference(kv_cache_dtype, move_rows, monkeypatch):
+    """Compaction moves kept tokens down in all layers at once (one launch per buffer, or per few
+    layers for long prefixes); source and target ranges overlap. Oracle: the reference move, layer
+    by layer, on a copy of the pool."""
     from ops.reference import move_slots as reference_move
 
+    monkeypatch.setattr(PagePool, "MOVE_ROWS", move_rows)
     pool = make_pool(num_pages=6, kv_cache_dtype=kv_cache_dtype)
     table = pool.allocate(4)
     _fill(pool, table, 0, 4 * PAGE, seed=5)
