@@ -65,7 +65,8 @@ class DecodeGraphs:
         self.tables = torch.zeros(top, max_pages_per_seq, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(top + 1, dtype=torch.int32, device=dev)
         pin = torch.cuda.is_available()
-        self._staging = torch.zeros(6, top, dtype=torch.long, pin_memory=pin)
+        # contiguous pinned host buffers (a strided or pageable source makes the copy synchronous)
+        self._staging = {b: torch.zeros(6, b, dtype=torch.long, pin_memory=pin) for b in self.buckets}
         self._host_tables = torch.zeros(top, max_pages_per_seq, dtype=torch.int32, pin_memory=pin)
         self._host_rows: list[list[int] | None] = [None] * top  # what each device table row holds
         self._sent = torch.cuda.Event() if pin else None  # the staging buffers may be reused after it
@@ -123,20 +124,32 @@ class DecodeGraphs:
         if self._sent is not None:
             self._sent.synchronize()  # the previous step's transfers have left the staging buffers
         pad = [0] * (b - n)
-        self._staging[:, :b] = torch.tensor(
-            [ids + pad, *(p + pad for p in positions), slots + [-1] * (b - n), seq_lens + pad]
-        )
-        self.inputs[:, :b].copy_(self._staging[:, :b], non_blocking=True)
-        width, changed = 0, False
-        for i, t in enumerate(tables):
-            width = max(width, len(t))
-            if self._host_rows[i] != t:  # by value: copy-on-write replaces pages in place
-                self._host_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-                self._host_rows[i] = list(t)
-                changed = True
-        if changed:
-            self.tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=True)
+        staging = self._staging[b]
+        staging.copy_(torch.tensor([ids + pad, *(p + pad for p in positions), slots + [-1] * (b - n), seq_lens + pad]))
+        self.inputs[:, :b].copy_(staging, non_blocking=True)
+        self._send_tables(tables)
         if self._sent is not None:
             self._sent.record()
         graph.replay()
         return logits[:n], greedy[:n]
+
+    def _send_tables(self, tables: list[list[int]]) -> None:
+        """Copy the block-table rows that changed since the last step (compared by value:
+        copy-on-write replaces a page in place). A run of rows holding the same list (the rows of
+        one prefill) is sent once and repeated on the device."""
+        i = 0
+        while i < len(tables):
+            t = tables[i]
+            end = i + 1
+            while end < len(tables) and tables[end] is t:
+                end += 1
+            if any(self._host_rows[r] != t for r in range(i, end)):
+                width = len(t)
+                self._host_tables[i, :width] = torch.tensor(t, dtype=torch.int32)
+                self.tables[i, :width].copy_(self._host_tables[i, :width], non_blocking=True)
+                if end > i + 1:
+                    self.tables[i + 1 : end, :width] = self.tables[i, :width]
+                kept = list(t)
+                for r in range(i, end):
+                    self._host_rows[r] = kept
+            i = end

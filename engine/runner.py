@@ -17,6 +17,11 @@ from .scheduler import Batch
 from .text import VisualInjection
 from .vision import VisionFeatures, span_features
 
+#: A prefill rides the decode graph only while its rows' attention reads stay small: each row reads
+#: its sequence's whole KV, so (new tokens x KV length) is bounded, in tokens (64 rows over 1k-token
+#: contexts). Longer ones are cheaper as one eager prefill, which reads the context once.
+GRAPH_PREFILL_READS = 1 << 16
+
 
 class ModelRunner:
     """Runs batches on ``model`` with K/V in ``pool``.
@@ -102,7 +107,9 @@ class ModelRunner:
         a question after a cached prefix: that prefill is the whole TTFT of a prefix hit."""
         rows = sum(n for _, n in batch.items)
         return 0 < rows <= self.graphs.max_batch and not any(
-            req.visual_items_in(req.num_computed, req.num_computed + n) for req, n in batch.items
+            req.visual_items_in(req.num_computed, req.num_computed + n)
+            or (n > 1 and n * (req.num_computed + n - req.kv_offset) > GRAPH_PREFILL_READS)
+            for req, n in batch.items
         )
 
     def _run_graph(self, batch: Batch) -> list[tuple[Request, int]]:

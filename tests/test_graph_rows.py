@@ -187,3 +187,30 @@ def test_prefill_chunks_that_sample_nothing_run_as_rows(tiny_engine_factory):
     assert graphed.generate(prompt, GREEDY).token_ids == eager.generate(prompt, GREEDY).token_ids
     chunks = [len(c) for c in rows.calls[: -(GREEDY.max_tokens - 1)]]
     assert sum(chunks) == n_prompt and max(chunks) == 8
+
+
+def test_graph_rows_of_one_prefill_share_one_table_copy():
+    graphs = graph_inputs()
+    table, other = [5, 6], [8]
+    graphs.run([0] * 4, [[0] * 4] * 3, [0] * 4, [1] * 4, [other, table, table, table])  # a decode + 3 rows
+    assert graphs.tables[:4, :2].tolist() == [[8, 0], [5, 6], [5, 6], [5, 6]]
+    table.append(7)  # the prefill's sequence grew
+    graphs.run([0] * 4, [[0] * 4] * 3, [0] * 4, [1] * 4, [table, table, table, other])  # rows moved too
+    assert graphs.tables[:3, :3].tolist() == [[5, 6, 7]] * 3
+    assert graphs.tables[3, 0] == 8  # columns past a table's length are never read
+
+
+def test_a_prefill_over_a_long_context_is_run_eagerly(tiny_engine_factory, monkeypatch):
+    """Every row re-reads its sequence's KV: past GRAPH_PREFILL_READS (rows x KV length) the
+    prefill runs eagerly, reading it once; decode steps still replay the graph."""
+    import engine.runner as runner_module
+
+    eager = tiny_engine_factory(**BASE, prefix_cache=False)
+    graphed = tiny_engine_factory(**BASE, prefix_cache=False)
+    rows = with_rows(graphed)
+    prompt = [{"role": "user", "content": "Write a short poem about the sea, please."}]
+    n_prompt = len(graphed.prompts.build(prompt).input_ids)
+    monkeypatch.setattr(runner_module, "GRAPH_PREFILL_READS", n_prompt * n_prompt - 1)
+
+    assert graphed.generate(prompt, GREEDY).token_ids == eager.generate(prompt, GREEDY).token_ids
+    assert [len(c) for c in rows.calls] == [1] * (GREEDY.max_tokens - 1)
