@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ops.fused import rope_float32
 
@@ -116,6 +117,9 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
 
+_VISION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _runs(lengths: list[int]) -> list[tuple[int, int]]:
     """``[(length, count)]`` of consecutive equal lengths: [4, 4, 9, 4] -> [(4, 2), (9, 1), (4, 1)]."""
     runs: list[list[int]] = []
@@ -202,10 +206,15 @@ class VisionEncoder(nn.Module):
         seg_lens = [h * w for t, h, w in grids for _ in range(t)]
         taps = {layer: j for j, layer in enumerate(cfg.deepstack_visual_indexes)}
         deepstack: list[torch.Tensor] = [None] * len(taps)  # type: ignore[list-item]
-        for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, seg_lens)
-            if layer in taps:
-                deepstack[taps[layer]] = self.deepstack_merger_list[taps[layer]](x)
+        # Not cuDNN's attention: it builds an execution plan for every new sequence length (tens to
+        # hundreds of ms), and every new image size is one: the likely cause of the ~10x TTFT the
+        # H200 serving benchmark showed for photos of new sizes (docs/PERFORMANCE.md; not yet
+        # re-measured). Flash / memory-efficient kernels need no plan.
+        with sdpa_kernel(_VISION_SDPA_BACKENDS):
+            for layer, block in enumerate(self.blocks):
+                x = block(x, cos, sin, seg_lens)
+                if layer in taps:
+                    deepstack[taps[layer]] = self.deepstack_merger_list[taps[layer]](x)
         return VisionFeatures(self.merger(x), deepstack)
 
     def _position_embeddings(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
