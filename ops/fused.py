@@ -113,9 +113,11 @@ if triton is not None:
     @triton.jit
     def _rope_float32_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, heads, stride_t, stride_h, HALF: tl.constexpr,
                              BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+        # BLOCK_H heads a program: one program per (token, head) would be T x heads programs of
+        # only 36 elements each (the vision tower's head_dim is 72)
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # several heads a program: T x heads is
-        i = tl.arange(0, BLOCK)  # far too many programs of 36 elements each
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        i = tl.arange(0, BLOCK)
         m = (h < heads)[:, None] & (i < HALF)[None, :]
         base = x_ptr + t * stride_t + h[:, None] * stride_h + i[None, :]
         f1 = tl.load(base, mask=m, other=0.0)
