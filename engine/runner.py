@@ -136,7 +136,7 @@ class ModelRunner:
         logits, greedy = self.graphs.run(ids, positions, slots, seq_lens, tables)
         for req, n in batch.items:
             req.num_computed += n
-        if logit_rows != list(range(len(ids))):  # some rows are prefill tokens with no next token
+        if len(logit_rows) < len(ids):  # some rows are prefill tokens with no next token
             pick = torch.tensor(logit_rows, dtype=torch.long, device=logits.device)
             logits, greedy = logits[pick], greedy[pick]
         return self._sample(samplers, logits, greedy)

@@ -8,6 +8,7 @@ Meng et al., arXiv:2406.04334. Parameter names follow the Hugging Face checkpoin
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,8 @@ class VisionAttention(nn.Module):
         qk = rope_float32(qkv[:, : 2 * self.num_heads], cos, sin)  # query and key heads in one launch
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, 2 * self.num_heads :]
         outs, start = [], 0
-        for length, count in _runs(seg_lens):
+        for length, run in itertools.groupby(seg_lens):
+            count = len(list(run))
             # consecutive segments of one length (same-size photos, a video's frames) attend as
             # one batch: [count, heads, length, head_dim]
             rows = slice(start, start + length * count)
@@ -118,17 +120,6 @@ class VisionAttention(nn.Module):
 
 
 _VISION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _runs(lengths: list[int]) -> list[tuple[int, int]]:
-    """``[(length, count)]`` of consecutive equal lengths: [4, 4, 9, 4] -> [(4, 2), (9, 1), (4, 1)]."""
-    runs: list[list[int]] = []
-    for n in lengths:
-        if runs and runs[-1][0] == n:
-            runs[-1][1] += 1
-        else:
-            runs.append([n, 1])
-    return [(n, c) for n, c in runs]
 
 
 class VisionMLP(nn.Module):

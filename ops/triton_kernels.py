@@ -408,7 +408,7 @@ def _decode_merge_kernel(
 #: ``rows`` pads the GQA group's query rows of a program (16: register-operand MMA; 64: Hopper's
 #: warpgroup MMA, which reads its operands from shared memory, so FP8 tiles are converted before
 #: they are staged instead of being read back byte by byte).
-DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 4, "rows": 16, "rows_fp8": 16}
+DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 4, "rows": 16}
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, sm_count: int = 132,
@@ -471,7 +471,7 @@ def paged_decode_attention(
         meta.softmax_scale(d),
         splits,
         G=g,
-        GP=max(rows or cfg["rows_fp8" if cache.is_fp8 else "rows"], triton.next_power_of_2(g)),
+        GP=max(rows or cfg["rows"], triton.next_power_of_2(g)),
         D=d,
         BLOCK_D=bd,
         PAGE=cache.page_size,
