@@ -53,7 +53,7 @@ def _gather_kernel(kc_ptr, vc_ptr, bt_ptr, out_ptr, seq_len, stride_bt, num_kv_h
         kpos = n0 + tl.arange(0, BLOCK_N)
         kok = kpos < hi
         page = tl.load(bt_ptr + b * stride_bt + kpos // PAGE, mask=kok, other=0).to(tl.int64)
-        off = ((page * PAGE + kpos % PAGE) * num_kv_heads + kvh)[:, None] * D + d[None, :]
+        off = ((page * num_kv_heads + kvh) * PAGE + kpos % PAGE)[:, None] * D + d[None, :]  # head-major pages
         acc += tl.load(kc_ptr + off, mask=kok[:, None], other=0.0).to(tl.float32)
         acc += tl.load(vc_ptr + off, mask=kok[:, None], other=0.0).to(tl.float32)
     tl.store(out_ptr + (b * num_kv_heads + kvh) * num_splits + sp, tl.sum(tl.sum(acc, axis=1), axis=0))

@@ -55,7 +55,7 @@ class PagePool:
         self.kv_cache_dtype = kv_cache_dtype
         fp8 = kv_cache_dtype == "fp8_e4m3"
         store = torch.float8_e4m3fn if fp8 else model_dtype
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)  # head-major pages (ops.metadata)
         self._k = torch.empty(shape, dtype=store, device=device)  # untouched pages cost no RAM
         self._v = torch.empty(shape, dtype=store, device=device)
         scale_shape = shape[:-1]
@@ -68,7 +68,7 @@ class PagePool:
         # Every layer's pages as one layer of num_layers * num_pages pages (page p of layer l is page
         # l * num_pages + p): a copy-on-write or a compaction then takes one kernel launch per
         # buffer instead of one per layer (hundreds of launches, ~8 ms of host time per hit).
-        merged = (num_layers * num_pages, page_size, num_kv_heads, head_dim)
+        merged = (num_layers * num_pages, num_kv_heads, page_size, head_dim)
         self._all = KVLayerCache(
             self._k.view(merged), self._v.view(merged),
             self._ks.view(merged[:3]) if fp8 else None, self._vs.view(merged[:3]) if fp8 else None,

@@ -2,11 +2,15 @@
 
 KV pool layout (one layer):
 
-* ``k_cache``, ``v_cache``: ``[num_pages, page_size, num_kv_heads, head_dim]``, dtype
+* ``k_cache``, ``v_cache``: ``[num_pages, num_kv_heads, page_size, head_dim]`` (head-major pages:
+  one head's keys of one page are ``page_size * head_dim`` contiguous elements, 2 KiB in FP8 at
+  16 x 128, so attention reads whole 2 KiB runs instead of 128-byte rows 1 KiB apart), dtype
   ``torch.float8_e4m3fn`` ("fp8" mode) or the model dtype ("auto" mode).
-* ``k_scale``, ``v_scale``: float32 ``[num_pages, page_size, num_kv_heads]`` in fp8 mode, ``None`` in
+* ``k_scale``, ``v_scale``: float32 ``[num_pages, num_kv_heads, page_size]`` in fp8 mode, ``None`` in
   auto mode. One scale per token and KV head (see :func:`ops.reference.quantize_fp8`).
-* A token's *slot* is ``page_index * page_size + offset_in_page``; slot ``-1`` means "padding".
+* A token's *slot* is ``page_index * page_size + offset_in_page``; slot ``-1`` means "padding". The
+  element of slot ``s``, head ``h``, dim ``d`` is at
+  ``((s // page_size * num_kv_heads + h) * page_size + s % page_size) * head_dim + d``.
 
 The step's attention inputs travel in one :class:`AttentionMetadata`, with kernel-shaped tensors (flat
 slot mapping, cumulative query starts, sequence lengths, padded block tables) plus a few host ints.
@@ -76,11 +80,11 @@ class KVLayerCache:
     """One decoder layer's paged K/V pool (views into the engine's pool; the ops write in place).
 
     Attributes:
-        k_cache: ``[num_pages, page_size, num_kv_heads, head_dim]`` keys, ``torch.float8_e4m3fn``
+        k_cache: ``[num_pages, num_kv_heads, page_size, head_dim]`` keys, ``torch.float8_e4m3fn``
             (fp8 mode) or the model dtype (auto mode).
         v_cache: values, same shape and dtype as ``k_cache``.
-        k_scale: float32 ``[num_pages, page_size, num_kv_heads]`` key scales (fp8 mode), else ``None``.
-        v_scale: float32 ``[num_pages, page_size, num_kv_heads]`` value scales (fp8 mode), else ``None``.
+        k_scale: float32 ``[num_pages, num_kv_heads, page_size]`` key scales (fp8 mode), else ``None``.
+        v_scale: float32 ``[num_pages, num_kv_heads, page_size]`` value scales (fp8 mode), else ``None``.
 
     Raises:
         ValueError: (on construction) shapes or dtypes disagree, or scales are missing in fp8 mode /
@@ -95,7 +99,7 @@ class KVLayerCache:
     def __post_init__(self):
         if self.k_cache.dim() != 4:
             raise ValueError(
-                f"k_cache must be [num_pages, page_size, num_kv_heads, head_dim], got {tuple(self.k_cache.shape)}"
+                f"k_cache must be [num_pages, num_kv_heads, page_size, head_dim], got {tuple(self.k_cache.shape)}"
             )
         if self.v_cache.shape != self.k_cache.shape or self.v_cache.dtype != self.k_cache.dtype:
             raise ValueError("k_cache and v_cache must have the same shape and dtype")
@@ -123,7 +127,7 @@ class KVLayerCache:
     ) -> KVLayerCache:
         """A zero-filled pool (scales set to 1.0 in fp8 mode). ``kv_dtype`` as :func:`resolve_kv_dtype`."""
         dtype = resolve_kv_dtype(kv_dtype, model_dtype)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
         if dtype != FP8_DTYPE:
@@ -143,11 +147,11 @@ class KVLayerCache:
 
     @property
     def page_size(self) -> int:
-        return self.k_cache.shape[1]
+        return self.k_cache.shape[2]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k_cache.shape[2]
+        return self.k_cache.shape[1]
 
     @property
     def head_dim(self) -> int:

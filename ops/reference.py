@@ -112,9 +112,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
     """
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[1:] != cache.k_cache.shape[2:]:
+    if k.shape[1:] != (cache.num_kv_heads, cache.head_dim):
         raise ValueError(
-            f"k/v heads and head_dim {tuple(k.shape[1:])} do not match the cache {tuple(cache.k_cache.shape[2:])}"
+            f"k/v heads and head_dim {tuple(k.shape[1:])} do not match the cache "
+            f"{(cache.num_kv_heads, cache.head_dim)}"
         )
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected ({k.shape[0]},)")
@@ -127,13 +128,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
     if cache.is_fp8:
         kq, ks = quantize_fp8(k)
         vq, vs = quantize_fp8(v)
-        _raw(cache.k_cache)[page, off] = _raw(kq)
-        _raw(cache.v_cache)[page, off] = _raw(vq)
-        cache.k_scale[page, off] = ks
-        cache.v_scale[page, off] = vs
+        # [page, :, off] indexes [N, Hkv, ...]: the advanced indices' dim comes first
+        _raw(cache.k_cache)[page, :, off] = _raw(kq)
+        _raw(cache.v_cache)[page, :, off] = _raw(vq)
+        cache.k_scale[page, :, off] = ks
+        cache.v_scale[page, :, off] = vs
     else:
-        cache.k_cache[page, off] = k.to(cache.k_cache.dtype)
-        cache.v_cache[page, off] = v.to(cache.v_cache.dtype)
+        cache.k_cache[page, :, off] = k.to(cache.k_cache.dtype)
+        cache.v_cache[page, :, off] = v.to(cache.v_cache.dtype)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -208,7 +210,7 @@ def move_slots(cache: KVLayerCache, src_slots: torch.Tensor, dst_slots: torch.Te
     src, dst = src_slots.long(), dst_slots.long()
     sp, so, dp, do = src // ps, src % ps, dst // ps, dst % ps
     for t in _layer_tensors(cache):
-        t[dp, do] = t[sp, so]  # gather (a copy) before scatter
+        t[dp, :, do] = t[sp, :, so]  # gather (a copy) before scatter
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,11 +233,12 @@ def _gather_kv(cache: KVLayerCache, pages: torch.Tensor, length: int) -> tuple[t
     """Dense float32 K, V ``[length, Hkv, D]`` of the first ``length`` positions held by ``pages``."""
     hkv, d = cache.num_kv_heads, cache.head_dim
     pages = pages.long()
-    k = _gather(cache.k_cache, pages).reshape(-1, hkv, d)[:length]
-    v = _gather(cache.v_cache, pages).reshape(-1, hkv, d)[:length]
+    # [n, Hkv, page, D] -> token-major [n * page, Hkv, D]
+    k = _gather(cache.k_cache, pages).transpose(1, 2).reshape(-1, hkv, d)[:length]
+    v = _gather(cache.v_cache, pages).transpose(1, 2).reshape(-1, hkv, d)[:length]
     if cache.is_fp8:
-        k = dequantize_fp8(k, cache.k_scale[pages].reshape(-1, hkv)[:length])
-        v = dequantize_fp8(v, cache.v_scale[pages].reshape(-1, hkv)[:length])
+        k = dequantize_fp8(k, cache.k_scale[pages].transpose(1, 2).reshape(-1, hkv)[:length])
+        v = dequantize_fp8(v, cache.v_scale[pages].transpose(1, 2).reshape(-1, hkv)[:length])
     return k.float(), v.float()
 
 
@@ -346,11 +349,12 @@ def paged_decode_attention(q: torch.Tensor, cache: KVLayerCache, meta: Attention
     if int(used.min()) < 0 or int(used.max()) >= cache.num_pages:
         raise ValueError(f"block table entries out of range [0, {cache.num_pages})")
     table = torch.where(needed, table, torch.zeros_like(table))  # padding entries read page 0, masked
-    k = _gather(cache.k_cache, table).reshape(bsz, -1, hkv, d)
-    v = _gather(cache.v_cache, table).reshape(bsz, -1, hkv, d)
+    # [B, P, Hkv, page, D] -> token-major [B, P * page, Hkv, D]
+    k = _gather(cache.k_cache, table).transpose(2, 3).reshape(bsz, -1, hkv, d)
+    v = _gather(cache.v_cache, table).transpose(2, 3).reshape(bsz, -1, hkv, d)
     if cache.is_fp8:
-        k = dequantize_fp8(k, cache.k_scale[table].reshape(bsz, -1, hkv))
-        v = dequantize_fp8(v, cache.v_scale[table].reshape(bsz, -1, hkv))
+        k = dequantize_fp8(k, cache.k_scale[table].transpose(2, 3).reshape(bsz, -1, hkv))
+        v = dequantize_fp8(v, cache.v_scale[table].transpose(2, 3).reshape(bsz, -1, hkv))
     # Positions past seq_len may hold garbage (even NaN/inf in never-written slots): zero them so that
     # 0-probability * garbage cannot poison the sum.
     k = torch.where(valid[:, :, None, None], k.float(), 0.0)

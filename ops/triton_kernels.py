@@ -54,16 +54,18 @@ def _store_kv_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
+        row = (slot // PAGE * num_kv_heads + h) * PAGE + slot % PAGE  # head-major pages
         d = tl.arange(0, BLOCK_D)
         m = d < D
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=m, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=m, other=0.0).to(tl.float32)
-        dst = (slot * num_kv_heads + h) * D + d
+        dst = row * D + d
         if FP8:
             # correctly rounded divisions, as torch's, so scales and payload match the reference bit for bit
             ks = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor), fp8_max)
@@ -72,8 +74,8 @@ def _store_kv_kernel(
             vq = tl.clamp(tl.math.div_rn(v, vs), -fp8_max, fp8_max)
             tl.store(kc_ptr + dst, kq.to(kc_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
             tl.store(vc_ptr + dst, vq.to(vc_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
-            tl.store(ks_ptr + slot * num_kv_heads + h, ks)
-            tl.store(vs_ptr + slot * num_kv_heads + h, vs)
+            tl.store(ks_ptr + row, ks)
+            tl.store(vs_ptr + row, vs)
         else:
             tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=m)
             tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=m)
@@ -111,6 +113,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
         D=d,
         BLOCK_D=triton.next_power_of_2(d),
         FP8=fp8,
+        PAGE=cache.page_size,
     )
 
 
@@ -130,8 +133,8 @@ def _attend_block(
     kpos = n0 + tl.arange(0, BLOCK_N)
     kok = kpos < hi
     page = tl.load(table_ptr + kpos // PAGE, mask=kok, other=0).to(tl.int64)
-    slot = page * PAGE + kpos % PAGE
-    off = (slot * num_kv_heads + kvh)[:, None] * D + d[None, :]
+    row = (page * num_kv_heads + kvh) * PAGE + kpos % PAGE  # head-major pages: runs of PAGE rows
+    off = row[:, None] * D + d[None, :]
     k = tl.load(kc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
     v = tl.load(vc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
     if IEEE:
@@ -139,7 +142,7 @@ def _attend_block(
     else:
         s = tl.dot(q, tl.trans(k))
     if FP8:
-        s = s * tl.load(ks_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)[None, :]
+        s = s * tl.load(ks_ptr + row, mask=kok, other=0.0)[None, :]
     visible = (kpos[None, :] <= limit[:, None]) & kok[None, :]
     s = tl.where(visible, s * sm_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -151,7 +154,7 @@ def _attend_block(
     if FP8:
         # V's scales go on P's columns ([rows, BLOCK_N] multiplies instead of [BLOCK_N, D]),
         # divided by the block's largest scale so that P stays in [0, 1] for the 16-bit product
-        vs = tl.load(vs_ptr + slot * num_kv_heads + kvh, mask=kok, other=0.0)
+        vs = tl.load(vs_ptr + row, mask=kok, other=0.0)
         v_max = tl.maximum(tl.max(vs, axis=0), 1e-30)
         p = p * (vs / v_max)[None, :]
     if IEEE:
@@ -540,9 +543,17 @@ def _move_rows(table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
 def move_slots(cache: KVLayerCache, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Triton version of :func:`ops.reference.move_slots`: K/V and scales of ``src_slots`` move to
     ``dst_slots`` (int64 ``[N]``), correct when the two overlap."""
+    # head-major pages: a slot is one row per KV head, page_size rows apart
+    ps, hkv = cache.page_size, cache.num_kv_heads
+    heads = torch.arange(hkv, device=src_slots.device) * ps
+
+    def rows(slots: torch.Tensor) -> torch.Tensor:
+        return ((slots // ps * hkv * ps + slots % ps)[:, None] + heads[None, :]).flatten()
+
+    src, dst = rows(src_slots.long()), rows(dst_slots.long())
     for t in (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale):
         if t is not None:
-            _move_rows(t.view(cache.num_slots, *t.shape[2:]), src_slots, dst_slots)
+            _move_rows(t.view(cache.num_pages * hkv * ps, -1), src, dst)
 
 
 def copy_pages(cache: KVLayerCache, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:

@@ -180,8 +180,8 @@ def test_fork_last_copy_dequantises_like_the_original():
     pool.fork_last(other)
     for layer in pool.layers:
         for cache, scale in ((layer.k_cache, layer.k_scale), (layer.v_cache, layer.v_scale)):
-            a = dequantize_fp8(cache[table[0], :3], scale[table[0], :3])
-            b = dequantize_fp8(cache[other[0], :3], scale[other[0], :3])
+            a = dequantize_fp8(cache[table[0], :, :3], scale[table[0], :, :3])  # [head, offset, dim]
+            b = dequantize_fp8(cache[other[0], :, :3], scale[other[0], :, :3])
             assert torch.equal(a, b) and a.abs().max() > 0
 
 
@@ -229,8 +229,8 @@ def test_pool_reports_capacity_in_pages_and_tokens():
     assert pool.num_pages == 10 and pool.page_size == PAGE and pool.capacity_tokens == 10 * PAGE
     assert pool.num_free == 10 and pool.num_used == 0
     # the storage really is that size: FP8 payload plus one float32 scale per token and head
-    assert pool._k.shape == (LAYERS, 10, PAGE, HKV, D) and pool._k.dtype == torch.float8_e4m3fn
-    assert pool._ks.shape == (LAYERS, 10, PAGE, HKV) and pool._ks.dtype == torch.float32
+    assert pool._k.shape == (LAYERS, 10, HKV, PAGE, D) and pool._k.dtype == torch.float8_e4m3fn
+    assert pool._ks.shape == (LAYERS, 10, HKV, PAGE) and pool._ks.dtype == torch.float32
     stored = sum(t.numel() * t.element_size() for t in (pool._k, pool._v, pool._ks, pool._vs))
     expected = 10 * PagePool.bytes_per_page(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
                                             kv_cache_dtype="fp8_e4m3", model_dtype=torch.float32)

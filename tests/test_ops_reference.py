@@ -114,16 +114,22 @@ def make_batch(
     return Batch(cache, meta, q, k_full, v_full, tables, seqs)
 
 
+def tok(t: torch.Tensor) -> torch.Tensor:
+    """A pool tensor ``[pages, Hkv, page_size, ...]`` (head-major pages) seen token-major:
+    ``[pages, page_size, Hkv, ...]``, so ``tok(t)[page, offset]`` is one slot's heads."""
+    return t.transpose(1, 2)
+
+
 def dense_from_cache(cache: KVLayerCache, table: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 dequantised K, V ``[seq_len, Hkv, D]`` read position by position (independent of the ops)."""
     ps = cache.page_size
     ks, vs = [], []
     for p in range(seq_len):
         page, off = table[p // ps], p % ps
-        k, v = cache.k_cache[page, off].double(), cache.v_cache[page, off].double()
+        k, v = tok(cache.k_cache)[page, off].double(), tok(cache.v_cache)[page, off].double()
         if cache.is_fp8:
-            k = k * cache.k_scale[page, off].double()[:, None]
-            v = v * cache.v_scale[page, off].double()[:, None]
+            k = k * tok(cache.k_scale)[page, off].double()[:, None]
+            v = v * tok(cache.v_scale)[page, off].double()[:, None]
         ks.append(k)
         vs.append(v)
     return torch.stack(ks), torch.stack(vs)
@@ -400,9 +406,9 @@ def test_kv_bytes_per_token():
 
 
 def _snapshot(cache: KVLayerCache) -> list[torch.Tensor]:
-    """Bit-level copies of the pool tensors (uint8 views, so NaN compares equal)."""
+    """Bit-level token-major copies of the pool tensors (uint8 views, so NaN compares equal)."""
     ts = [cache.k_cache, cache.v_cache] + ([cache.k_scale, cache.v_scale] if cache.is_fp8 else [])
-    return [t.clone().view(torch.uint8) for t in ts]
+    return [tok(t).contiguous().view(torch.uint8) for t in ts]
 
 
 def _filled_cache(kv_dtype: str, num_pages=4, page_size=4, hkv=2, d=8, seed=0) -> KVLayerCache:
@@ -421,7 +427,7 @@ def test_store_kv_auto_exact_and_padding_skipped(dtype):
     k, v = torch.randn(5, 2, 8).to(dtype), torch.randn(5, 2, 8).to(dtype)
     slots = torch.tensor([-1, 9, -1, 2, 5])
     store_kv(k, v, cache, slots)
-    flat_k, flat_v = cache.k_cache.view(-1, 2, 8), cache.v_cache.view(-1, 2, 8)
+    flat_k, flat_v = tok(cache.k_cache).reshape(-1, 2, 8), tok(cache.v_cache).reshape(-1, 2, 8)
     assert torch.equal(flat_k[[9, 2, 5]], k[[1, 3, 4]]) and torch.equal(flat_v[[9, 2, 5]], v[[1, 3, 4]])
     untouched = [i for i in range(12) if i not in (9, 2, 5)]
     assert torch.equal(flat_k[untouched], before[0].view(dtype).view(-1, 2, 8)[untouched])
@@ -441,9 +447,9 @@ def test_store_kv_fp8_writes_quantised_values_and_scales():
     kq, ks = quantize_fp8(k[[0, 2, 3]])
     vq, vs = quantize_fp8(v[[0, 2, 3]])
     pages, offs = torch.tensor([1, 0, 2]), torch.tensor([3, 0, 3])
-    assert torch.equal(cache.k_cache[pages, offs].view(torch.uint8), kq.view(torch.uint8))
-    assert torch.equal(cache.v_cache[pages, offs].view(torch.uint8), vq.view(torch.uint8))
-    assert torch.equal(cache.k_scale[pages, offs], ks) and torch.equal(cache.v_scale[pages, offs], vs)
+    assert torch.equal(tok(cache.k_cache)[pages, offs].view(torch.uint8), kq.view(torch.uint8))
+    assert torch.equal(tok(cache.v_cache)[pages, offs].view(torch.uint8), vq.view(torch.uint8))
+    assert torch.equal(tok(cache.k_scale)[pages, offs], ks) and torch.equal(tok(cache.v_scale)[pages, offs], vs)
     after = _snapshot(cache)
     written = torch.zeros(3, 4, dtype=torch.bool)
     written[pages, offs] = True

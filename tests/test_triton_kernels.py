@@ -132,7 +132,7 @@ def test_store_kv_matches_reference(device, kv, d):
     close = ((db - da).abs() <= 0.125 * da.abs() + 1e-6).float().mean()
     assert close >= 0.99
     page, off = divmod(int(slots[5]), 16)
-    assert (db[page, off] == 0).all()
+    assert (db[page, :, off] == 0).all()  # head-major pages: [page, head, offset, dim]
 
 
 @pytest.mark.parametrize("device", DEVICES)
