@@ -26,7 +26,7 @@ for step in ${STEPS:-kernels smoke bench}; do
              | grep -v Warning | tail -30 | tee "$OUT/bench_model.txt" ;;
     serving) timeout 400 python3 benchmarks/bench_serving.py --shape 8b --device cuda --out "$OUT/bench_serving.json" \
              2>&1 | grep -v Warning | tail -30 | tee "$OUT/bench_serving.txt" ;;
-    kernels) timeout 300 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernels.txt" ;;
+    kernels) timeout 300 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -n ${TEST_WORKERS:-6} 2>&1 | tail -15 | tee "$OUT/kernels.txt" ;;
     smoke) timeout 300 python3 benchmarks/gpu_smoke.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/smoke.txt" ;;
     bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;
   esac

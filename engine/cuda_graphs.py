@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ops import AttentionMetadata
-from ops.triton_kernels import decode_splits, paged_decode_attention, store_kv
+from ops.triton_kernels import default_decode_splits, paged_decode_attention, store_kv
 
 from .kv_cache import PagePool
 from .model import Qwen3VL
@@ -78,7 +78,6 @@ class DecodeGraphs:
         """Capture every bucket (largest first, sharing one memory pool)."""
         hkv = self.pool.layers[0].num_kv_heads
         head_dim = self.pool.layers[0].head_dim
-        block_n = 64 if head_dim <= 64 else 32
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         ids, positions = self.inputs[self.IDS], self.inputs[self.POS]
@@ -88,7 +87,8 @@ class DecodeGraphs:
                     self.inputs[self.SLOTS, :b], self.qsl[: b + 1], self.inputs[self.LENS, :b], self.tables[:b],
                     1, self.max_seq_len,
                 )
-                ctx = _GraphDecodeStep(self.pool, meta, decode_splits(b, hkv, self.max_seq_len, block_n))
+                splits = default_decode_splits(b, hkv, self.max_seq_len, head_dim)
+                ctx = _GraphDecodeStep(self.pool, meta, splits)
                 for _ in range(2):  # compile the Triton kernels and warm the allocator outside capture
                     self.model(ids[:b], positions[:, :b], ctx)
                 graph = torch.cuda.CUDAGraph()
