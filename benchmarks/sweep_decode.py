@@ -80,9 +80,9 @@ def main() -> int:
             q, cache, meta = setup(batch, ctx, kv)
             kv_bytes = 2 * batch * ctx * 8 * 128 * (1 if kv != "auto" else 2)
             best, best_of = None, {}
-            modes = ("bits", "cvt", "triton") if kv != "auto" else ("triton",)
-            for dq, bn, warps, stages, waves, rows in itertools.product(modes, (64, 128), (4, 8), (1, 2, 3), (4, 8),
-                                                                        (16, 64)):
+            modes = ("bits", "cvt") if kv != "auto" else ("triton",)
+            for dq, bn, warps, stages, waves, rows in itertools.product(modes, (64, 128, 256), (1, 2, 4), (1, 2),
+                                                                        (4, 8, 16, 32), (16,)):
                 try:
                     splits = tk.decode_splits(batch, 8, ctx, bn, waves=waves)
                     args = dict(num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, rows=rows,
