@@ -80,7 +80,7 @@ def main() -> int:
             q, cache, meta = setup(batch, ctx, kv)
             kv_bytes = 2 * batch * ctx * 8 * 128 * (1 if kv != "auto" else 2)
             best, best_of = None, {}
-            modes = ("bits", "cvt") if kv != "auto" else ("triton",)
+            modes = ("asm", "triton") if kv != "auto" else ("triton",)
             for dq, bn, warps, stages, waves, rows in itertools.product(modes, (64, 128, 256), (1, 2, 4), (1, 2),
                                                                         (4, 8, 16, 32), (16,)):
                 try:

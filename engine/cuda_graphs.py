@@ -77,7 +77,6 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket (largest first, sharing one memory pool)."""
         hkv = self.pool.layers[0].num_kv_heads
-        head_dim = self.pool.layers[0].head_dim
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         ids, positions = self.inputs[self.IDS], self.inputs[self.POS]
@@ -87,7 +86,7 @@ class DecodeGraphs:
                     self.inputs[self.SLOTS, :b], self.qsl[: b + 1], self.inputs[self.LENS, :b], self.tables[:b],
                     1, self.max_seq_len,
                 )
-                splits = default_decode_splits(b, hkv, self.max_seq_len, head_dim)
+                splits = default_decode_splits(b, hkv, self.max_seq_len, self.pool.layers[0].is_fp8)
                 ctx = _GraphDecodeStep(self.pool, meta, splits)
                 for _ in range(2):  # compile the Triton kernels and warm the allocator outside capture
                     self.model(ids[:b], positions[:, :b], ctx)

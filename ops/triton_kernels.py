@@ -122,72 +122,40 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
 # --------------------------------------------------------------------------------------------------
 
 
-#: E4M3 -> float16 by moving bits, four values per 32-bit word: each byte goes to the high byte of a
-#: 16-bit half (``prmt``), and its exponent and mantissa move one bit down below the sign. The 4-bit
-#: exponent then reads with float16's bias of 15 instead of E4M3's 7, so the result is the value times
-#: 2**-8 (exact, subnormals included; E4M3's NaN code is not kept, and the pool never holds it).
-_E4M3_TO_F16_BITS_ASM = tl.constexpr("""{
-    .reg .b32 z, a, b, c, e;
-    mov.b32 z, 0;
-    prmt.b32 a, $2, z, 0x1404;
-    prmt.b32 b, $2, z, 0x3424;
-    shr.b32 c, a, 1;
-    shr.b32 e, b, 1;
-    and.b32 c, c, 0x3F803F80;
-    and.b32 e, e, 0x3F803F80;
-    and.b32 a, a, 0x80008000;
-    and.b32 b, b, 0x80008000;
-    or.b32 $0, a, c;
-    or.b32 $1, b, e;
-}""")
-
-#: E4M3 -> float16 through the hardware converter, two values per instruction (exact values).
-_E4M3_TO_F16_CVT_ASM = tl.constexpr("""{
+#: E4M3 -> float16 through the hardware converter, two values per instruction.
+_E4M3_TO_F16_ASM = tl.constexpr("""{
     .reg .b16 lo, hi;
     mov.b32 {lo, hi}, $2;
     cvt.rn.f16x2.e4m3x2 $0, lo;
     cvt.rn.f16x2.e4m3x2 $1, hi;
 }""")
 
-#: How the attention kernels widen FP8 pages to float16 on CUDA, chosen by
-#: benchmarks/sweep_decode.py on the H200 (docs/PERFORMANCE.md):
-#:
-#: - ``"bits"``: integer moves (``_E4M3_TO_F16_BITS_ASM``), the scale factors absorb the 2**-8;
-#: - ``"cvt"``: the hardware converter;
-#: - ``"triton"``: Triton's own cast.
-#:
-#: The first two are inline assembly that Triton may not move: its own cast gets sunk past the tile's
-#: trip through shared memory, which then reads the 8-bit tile byte by byte. Under the interpreter
-#: (CPU tensors) and for float32 queries it is always Triton's cast.
-FP8_DEQUANT = "bits"
-_DEQUANT_MODES = {"triton": 0, "cvt": 1, "bits": 2}
-#: What ``"bits"`` leaves out of the widened values (the kernels multiply it back into the scales).
-BITS_FACTOR = tl.constexpr(256.0)
+#: How the attention kernels widen FP8 pages to float16 on CUDA: ``"asm"`` (``_E4M3_TO_F16_ASM``) or
+#: ``"triton"`` (Triton's own cast). The assembly is the same instruction Triton emits, but Triton may
+#: not move it: its own cast gets sunk past the tile's trip through shared memory, which then reads the
+#: 8-bit tile byte by byte. Measured on the H200 (docs/PERFORMANCE.md): asm 3-10 % faster. Under the
+#: interpreter (CPU tensors) and for float32 queries it is always Triton's cast.
+FP8_DEQUANT = "asm"
+_DEQUANT_MODES = ("triton", "asm")
 
 
-def _dequant_mode(q: torch.Tensor, cache: KVLayerCache, how: str) -> int:
-    """The kernels' ``DQ`` constant for widening ``cache``'s FP8 pages next to float16 ``q``.
+def _dequant_mode(q: torch.Tensor, cache: KVLayerCache, how: str) -> bool:
+    """The kernels' ``ASM`` constant: widen ``cache``'s FP8 pages next to float16 ``q`` by assembly.
 
     Raises:
-        ValueError: ``how`` is not one of ``"bits"``, ``"cvt"``, ``"triton"``.
+        ValueError: ``how`` is not one of ``"asm"``, ``"triton"``.
     """
     if how not in _DEQUANT_MODES:
-        raise ValueError(f"FP8 dequant must be one of {sorted(_DEQUANT_MODES)}, not {how!r}")
-    if not (cache.is_fp8 and q.is_cuda and q.dtype != torch.float32):
-        return 0
-    return _DEQUANT_MODES[how]
+        raise ValueError(f"FP8 dequant must be one of {_DEQUANT_MODES}, not {how!r}")
+    return how == "asm" and cache.is_fp8 and q.is_cuda and q.dtype != torch.float32
 
 
 @triton.jit
-def _widen_fp8(x, DQ: tl.constexpr):
-    """E4M3 tile -> float16 tile; with ``DQ == 2`` the values come out times 2**-8. Not pure for
-    Triton, so that the widening stays where it is written, before the shared-memory staging."""
-    if DQ == 2:
-        return tl.inline_asm_elementwise(_E4M3_TO_F16_BITS_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=False,
-                                         pack=4)
-    else:
-        return tl.inline_asm_elementwise(_E4M3_TO_F16_CVT_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=False,
-                                         pack=4)
+def _widen_fp8(x):
+    """E4M3 tile -> float16 tile. Not pure for Triton, so that the widening stays where it is written,
+    before the shared-memory staging."""
+    return tl.inline_asm_elementwise(_E4M3_TO_F16_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=False,
+                                     pack=4)
 
 
 @triton.jit
@@ -195,19 +163,19 @@ def _attend_block(
     q, m_i, l_i, acc, limit, n0, hi, table_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     num_kv_heads, kvh, sm_scale, d, dm,
     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-    DQ: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """One online-softmax step over keys ``n0 .. n0 + BLOCK_N - 1`` (below ``hi``) of one sequence's
     pages: row ``r`` of ``q`` sees keys up to ``limit[r]``. Returns the updated (max, sum, acc).
-    ``DQ``: how FP8 pages are widened (see :data:`FP8_DEQUANT`; 0 is Triton's cast to ``q``'s dtype)."""
+    ``ASM``: FP8 pages are widened by :func:`_widen_fp8` (else by Triton's cast to ``q``'s dtype)."""
     kpos = n0 + tl.arange(0, BLOCK_N)
     kok = kpos < hi
     page = tl.load(table_ptr + kpos // PAGE, mask=kok, other=0).to(tl.int64)
     row = (page * num_kv_heads + kvh) * PAGE + kpos % PAGE  # head-major pages: runs of PAGE rows
     off = row[:, None] * D + d[None, :]
-    if DQ > 0:
-        k = _widen_fp8(tl.load(kc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0), DQ)
-        v = _widen_fp8(tl.load(vc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0), DQ)
+    if ASM:
+        k = _widen_fp8(tl.load(kc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0))
+        v = _widen_fp8(tl.load(vc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0))
     else:
         k = tl.load(kc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
         v = tl.load(vc_ptr + off, mask=kok[:, None] & dm[None, :], other=0.0).to(q.dtype)
@@ -216,10 +184,7 @@ def _attend_block(
     else:
         s = tl.dot(q, tl.trans(k))
     if FP8:
-        ks = tl.load(ks_ptr + row, mask=kok, other=0.0)
-        if DQ == 2:
-            ks = ks * BITS_FACTOR
-        s = s * ks[None, :]
+        s = s * tl.load(ks_ptr + row, mask=kok, other=0.0)[None, :]
     visible = (kpos[None, :] <= limit[:, None]) & kok[None, :]
     s = tl.where(visible, s * sm_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -239,8 +204,6 @@ def _attend_block(
     else:
         pv = tl.dot(p.to(q.dtype), v)
     if FP8:
-        if DQ == 2:
-            v_max = v_max * BITS_FACTOR
         pv = pv * v_max
     return m_new, l_i, acc + pv
 
@@ -274,7 +237,7 @@ def _paged_attention_kernel(
     FP8: tl.constexpr,
     IEEE: tl.constexpr,
     F16: tl.constexpr,
-    DQ: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -308,7 +271,7 @@ def _paged_attention_kernel(
     for n0 in range(0, hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, limit, n0, hi, bt_ptr + seq * stride_bt, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-            num_kv_heads, kvh, sm_scale, d, dm, D, PAGE, BLOCK_N, FP8, IEEE, DQ,
+            num_kv_heads, kvh, sm_scale, d, dm, D, PAGE, BLOCK_N, FP8, IEEE, ASM,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -387,7 +350,7 @@ def paged_attention(q: torch.Tensor, cache: KVLayerCache, meta: AttentionMetadat
         FP8=cache.is_fp8,
         IEEE=q.dtype == torch.float32,
         F16=cache.is_fp8 and q.dtype != torch.float32,
-        DQ=_dequant_mode(q, cache, FP8_DEQUANT),
+        ASM=_dequant_mode(q, cache, FP8_DEQUANT),
     )
     return out
 
@@ -423,7 +386,7 @@ def _decode_split_kernel(
     FP8: tl.constexpr,
     IEEE: tl.constexpr,
     F16: tl.constexpr,
-    DQ: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -450,7 +413,7 @@ def _decode_split_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, limit, n0, hi, bt_ptr + b * stride_bt, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-            num_kv_heads, kvh, sm_scale, d, dm, D, PAGE, BLOCK_N, FP8, IEEE, DQ,
+            num_kv_heads, kvh, sm_scale, d, dm, D, PAGE, BLOCK_N, FP8, IEEE, ASM,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
@@ -488,12 +451,19 @@ def _decode_merge_kernel(
     tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
-#: Launch settings of the decode kernel (chosen by benchmarks/sweep_decode.py on the H200; see
-#: docs/PERFORMANCE.md). ``block_n`` None picks by head size; ``waves`` sets the context split;
-#: ``rows`` pads the GQA group's query rows of a program (16: register-operand MMA; 64: Hopper's
-#: warpgroup MMA, which reads its operands from shared memory, so FP8 tiles are converted before
-#: they are staged instead of being read back byte by byte).
-DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "waves": 4, "rows": 16}
+#: Launch settings of the decode kernel per page format (chosen by benchmarks/sweep_decode.py on the
+#: H200, batch 8 x 16k context; see docs/PERFORMANCE.md). ``waves`` sets the context split; ``rows``
+#: pads the GQA group's query rows of a program (16: register-operand MMA; 64: Hopper's warpgroup MMA).
+#: FP8 runs best as many one-warp programs: no cross-warp softmax reductions per key block.
+DECODE_CONFIG = {
+    "fp8": {"block_n": 64, "num_warps": 1, "num_stages": 1, "waves": 16, "rows": 16},
+    "bf16": {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "rows": 16},
+}
+
+
+def decode_config(fp8: bool) -> dict:
+    """:data:`DECODE_CONFIG`'s settings for FP8 pages or 16/32-bit pages."""
+    return DECODE_CONFIG["fp8" if fp8 else "bf16"]
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, sm_count: int = 132,
@@ -504,14 +474,11 @@ def decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int,
     return max(1, min(want, math.ceil(max(1, max_seq_len) / block_n)))
 
 
-def default_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int) -> int:
-    """:func:`decode_splits` under :data:`DECODE_CONFIG` (what :func:`paged_decode_attention` uses when
+def default_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, fp8: bool) -> int:
+    """:func:`decode_splits` under :func:`decode_config` (what :func:`paged_decode_attention` uses when
     ``num_splits`` is not given; CUDA graphs fix it at capture for their largest ``max_seq_len``)."""
-    return decode_splits(batch, num_kv_heads, max_seq_len, _decode_block_n(head_dim), waves=DECODE_CONFIG["waves"])
-
-
-def _decode_block_n(head_dim: int) -> int:
-    return DECODE_CONFIG["block_n"] or (64 if head_dim <= 64 else 32)
+    cfg = decode_config(fp8)
+    return decode_splits(batch, num_kv_heads, max_seq_len, cfg["block_n"], waves=cfg["waves"])
 
 
 def paged_decode_attention(
@@ -533,8 +500,8 @@ def paged_decode_attention(
             the device (``max_seq_len`` only to choose ``num_splits``). A sequence of length 0
             (a padding row) gives zeros.
         num_splits: context chunks per sequence (fixed for CUDA-graph capture); None chooses by
-            :func:`decode_splits`.
-        block_n, num_warps, num_stages, rows: launch settings; None takes :data:`DECODE_CONFIG`.
+            :func:`default_decode_splits`.
+        block_n, num_warps, num_stages, rows: launch settings; None takes :func:`decode_config`'s.
         dequant: how FP8 pages are widened (see :data:`FP8_DEQUANT`, the default).
 
     Raises:
@@ -546,9 +513,9 @@ def paged_decode_attention(
     b, hq, d = q.shape
     hkv = cache.num_kv_heads
     g = hq // hkv
-    cfg = DECODE_CONFIG
-    block_n = block_n or _decode_block_n(d)
-    splits = num_splits or default_decode_splits(b, hkv, meta.max_seq_len, d)
+    cfg = decode_config(cache.is_fp8)
+    block_n = block_n or cfg["block_n"]
+    splits = num_splits or default_decode_splits(b, hkv, meta.max_seq_len, cache.is_fp8)
     part_o = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
     ks = cache.k_scale if cache.is_fp8 else cache.k_cache
@@ -579,7 +546,7 @@ def paged_decode_attention(
         FP8=cache.is_fp8,
         IEEE=q.dtype == torch.float32,
         F16=cache.is_fp8 and q.dtype != torch.float32,
-        DQ=_dequant_mode(q, cache, dequant or FP8_DEQUANT),
+        ASM=_dequant_mode(q, cache, dequant or FP8_DEQUANT),
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )

@@ -101,54 +101,6 @@ def test_decode_attention_matches_reference(device, kv, dtype, case):
         torch.testing.assert_close(got.float(), expected.float(), **_tol(dtype))
 
 
-def _run_ptx(asm: str, word: int) -> list[int]:
-    """Execute the integer PTX of a widening routine on one 32-bit word; returns ($0, $1).
-    Knows only what the routine uses: mov / prmt / shr / and / or on .b32 registers."""
-    regs = {"$2": word}
-
-    def val(x):
-        return regs[x] if x in regs else int(x, 0)
-
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}." or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        dst, *src = [a.strip() for a in args.split(",")]
-        a = [val(x) for x in src]
-        if op == "mov.b32":
-            regs[dst] = a[0]
-        elif op == "prmt.b32":
-            pool = a[0] | (a[1] << 32)
-            regs[dst] = sum(((pool >> (8 * ((a[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
-        elif op == "shr.b32":
-            regs[dst] = a[0] >> a[1]
-        elif op == "and.b32":
-            regs[dst] = a[0] & a[1]
-        elif op == "or.b32":
-            regs[dst] = a[0] | a[1]
-        else:
-            raise AssertionError(f"unexpected instruction {op}")
-    return [regs["$0"], regs["$1"]]
-
-
-def test_fp8_bit_widening_gives_every_e4m3_code_times_2_pow_minus_8():
-    """The inline-assembly widening (GPU only) replayed instruction by instruction: four codes per
-    word come out as float16 of their E4M3 value / 256, in order; only the two NaN codes differ."""
-    codes = torch.arange(256, dtype=torch.int64)
-    got = []
-    for w in range(64):
-        word = sum(int(codes[4 * w + i]) << (8 * i) for i in range(4))
-        lo, hi = _run_ptx(tk._E4M3_TO_F16_BITS_ASM.value, word)
-        got += [lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16]
-    widened = torch.tensor(got, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    exact = codes.to(torch.uint8).view(torch.float8_e4m3fn).float() / tk.BITS_FACTOR.value
-    finite = ~exact.isnan()
-    assert int(finite.sum()) == 254
-    torch.testing.assert_close(widened.float()[finite], exact[finite], atol=0, rtol=0)
-    assert tk.BITS_FACTOR.value == 256
-
-
 @pytest.mark.skipif(not CUDA, reason="inline assembly runs on the GPU only")
 @pytest.mark.parametrize("case", GPU_CASES[:6])
 def test_fp8_widening_modes_match_reference(case):
@@ -157,7 +109,7 @@ def test_fp8_widening_modes_match_reference(case):
     cache, meta, g = _layout("cuda", "fp8_e4m3", hkv, d, page, qlens, clens, torch.bfloat16)
     q = torch.randn(sum(qlens), hkv * gqa, d, generator=g).to("cuda", torch.bfloat16)
     expected = ref.paged_attention(q, cache, meta)
-    for mode in ("bits", "cvt", "triton"):
+    for mode in ("asm", "triton"):
         saved, tk.FP8_DEQUANT = tk.FP8_DEQUANT, mode
         try:
             got = tk.paged_attention(q, cache, meta)
@@ -168,7 +120,7 @@ def test_fp8_widening_modes_match_reference(case):
     cache, meta, g = _layout("cuda", "fp8_e4m3", hkv, d, page, [1] * len(lens), [n - 1 for n in lens], torch.bfloat16)
     q = torch.randn(len(lens), hkv * gqa, d, generator=g).to("cuda", torch.bfloat16)
     expected = ref.paged_decode_attention(q, cache, meta)
-    for mode in ("bits", "cvt", "triton"):
+    for mode in ("asm", "triton"):
         for rows in (16, 64):
             got = tk.paged_decode_attention(q, cache, meta, rows=rows, dequant=mode)
             torch.testing.assert_close(got.float(), expected.float(), **_tol(torch.bfloat16))
