@@ -152,6 +152,10 @@ def test_one_token_has_no_decode_rate(engine):
         ([{"role": "user", "content": [{"type": "image"}]}], "part"),
         ([{"role": "user", "content": ["just a string part"]}], "part"),
         ([{"role": "user", "content": "ok"}, {"role": "user", "content": None}], "message 1"),
+        # typed vision markers would be read as image slots (special-token injection)
+        ([{"role": "user", "content": "Is <|image_pad|> here?"}], "vision marker <|image_pad|>"),
+        ([{"role": "system", "content": "x<|vision_start|>"}, {"role": "user", "content": "hi"}], "message 0"),
+        ([{"role": "user", "content": [{"type": "text", "text": "a <|video_pad|>"}]}], "vision marker"),
     ],
 )
 def test_malformed_messages_raise(engine, messages, hint):

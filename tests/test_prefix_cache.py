@@ -165,6 +165,24 @@ def hf_greedy(hf, messages, engine) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def test_cached_images_give_the_processors_tokens(make, photos, hf):
+    """Asking again about cached images splices the image pads between separately tokenised text
+    pieces; the ids equal the processor's own for several photos of different sizes and a question
+    whose text would tokenise differently if the pieces ran into each other."""
+    _, processor = hf
+    engine = make(**EXACT)
+    images = [photos["astronaut"], photos["coffee"].resize((120, 64)), photos["astronaut"].resize((48, 200))]
+    size = {"shortest_edge": processor.image_processor.size["shortest_edge"], "longest_edge": MAX_PIXELS}
+    for question in ("What is in the pictures?", "  Compare them:\n1) colours; 2) shapes ... ok?  ", "Ünïcödé ✓ 😀"):
+        messages = media_first_messages(images, question)
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        expected = processor(text=[text], images=images, size=size, return_tensors="pt")["input_ids"][0].tolist()
+        hits = engine.prompts.cache_hits
+        assert engine.prompts.build(messages).input_ids == expected
+        assert engine.prompts.build(messages).input_ids == expected
+        assert engine.prompts.cache_hits >= hits + len(images)  # the second build used the cached pixels
+
+
 def test_dense_hit_equals_cold_run_and_transformers(make, photos, hf):
     cached = make(**EXACT, compaction=None, conversation_reuse=False)
     cold = make(**EXACT, prefix_cache=False)

@@ -239,3 +239,11 @@ def test_fused_kernels_match_references(device, dtype, monkeypatch):
              (got_act, ref_act), (got_vis, ref_vis))
     for got, expected in pairs:
         torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+def test_default_decode_splits_are_capped_for_long_graph_contexts():
+    """A graph sized for 40k tokens at batch 1 must not launch hundreds of mostly empty chunks."""
+    assert tk.default_decode_splits(1, 8, 40960, fp8=True) == tk.MAX_DECODE_SPLITS
+    assert tk.default_decode_splits(1, 8, 40960, fp8=False) == tk.MAX_DECODE_SPLITS
+    assert tk.default_decode_splits(1, 8, 100, fp8=True) == 2  # never chunks shorter than a key block
+    assert tk.default_decode_splits(32, 8, 40960, fp8=False) == 3  # 4 waves of 132 programs over 256 pairs
