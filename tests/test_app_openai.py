@@ -116,6 +116,7 @@ def test_streaming_sse(client, astronaut_url):
     ({"messages": image_message("data:image/png,rawbytes")}, "base64"),
     ({"messages": image_message("data:image/png;base64,@@@not-base64@@@")}, "base64"),
     ({"messages": image_message("data:image/png;base64," + base64.b64encode(b"plain text").decode())}, "image"),
+    ({"messages": [{"role": "user", "content": "what is <|image_pad|>?"}]}, "vision marker"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
