@@ -92,13 +92,31 @@ def _video_sha256(frames, fps: float) -> str:
 
 #: Qwen3-VL's vision markers: typed into a text part they would be read as image slots.
 IMAGE_PAD = "<|image_pad|>"
-VISION_MARKERS = (IMAGE_PAD, "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+VIDEO_PAD = "<|video_pad|>"
+VISION_MARKERS = (IMAGE_PAD, VIDEO_PAD, "<|vision_start|>", "<|vision_end|>")
+#: Written into message text after each "<|", so that typed special-token names (``<|image_pad|>``,
+#: ``<|im_end|>``, ...) stay plain text: read as tokens they would open image slots or end turns.
+#: Neutralised rather than refused, so that a question about them, or an earlier answer quoting
+#: them, does not block the conversation.
+MARKER_BREAK = "\u200b"  # zero-width space
 
 
-def _check_no_vision_markers(text: str, n: int) -> None:
-    for marker in VISION_MARKERS:
-        if marker in text:
-            raise InvalidRequestError(f"message {n}: text may not contain the vision marker {marker}")
+def _neutralise_markers(text: str) -> str:
+    return text.replace("<|", "<" + MARKER_BREAK + "|")
+
+
+def _check_marker_counts(text: str, num_images: int, num_videos: int) -> None:
+    """The rendered prompt holds exactly the chat template's vision markers, one set per image and
+    video part (text split between parts as ``"<"`` + ``"|image_pad|>"`` could still join into one).
+
+    Raises:
+        InvalidRequestError: any other count.
+    """
+    expected = {IMAGE_PAD: num_images, VIDEO_PAD: num_videos, VISION_MARKERS[2]: num_images + num_videos,
+                VISION_MARKERS[3]: num_images + num_videos}
+    for marker, count in expected.items():
+        if text.count(marker) != count:
+            raise InvalidRequestError(f"the message text forms the vision marker {marker}; remove it from the text")
 
 
 def _normalise(messages) -> tuple[list[dict], list, list[tuple[list, float]]]:
@@ -118,8 +136,7 @@ def _normalise(messages) -> tuple[list[dict], list, list[tuple[list, float]]]:
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
-                _check_no_vision_markers(part["text"], n)
-                parts.append({"type": "text", "text": part["text"]})
+                parts.append({"type": "text", "text": _neutralise_markers(part["text"])})
             elif kind == "image" and "image" in part:
                 images.append(part["image"])
                 parts.append({"type": "image"})
@@ -188,8 +205,8 @@ class PromptBuilder:
         """
         template, raw_images, raw_videos = _normalise(messages)
         text = self.processor.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
-        keys = list(_HASHERS.map(self._source_key, raw_images)) if len(raw_images) > 1 else \
-            [self._source_key(src) for src in raw_images]
+        _check_marker_counts(text, len(raw_images), len(raw_videos))
+        keys = self._source_keys(raw_images)
         with self._lock:
             cached = [self._processed.get(k) if k else None for k in keys]
             if not raw_videos and all(cached):
@@ -199,6 +216,16 @@ class PromptBuilder:
         if raw_videos or not all(cached):
             return self._build_with_processor(text, raw_images, raw_videos, keys)
         return self._build_from_cache(text, cached)
+
+    def _source_keys(self, sources: list) -> list[str | None]:
+        """:meth:`_source_key` of every image, side by side; an object given twice is read once (a
+        lazily decoded PIL image must not be decoded by two threads at once)."""
+        distinct = list({id(src): src for src in sources}.values())
+        if len(distinct) > 1:
+            keys = dict(zip(map(id, distinct), _HASHERS.map(self._source_key, distinct), strict=True))
+        else:
+            keys = {id(src): self._source_key(src) for src in distinct}
+        return [keys[id(src)] for src in sources]
 
     def _source_key(self, src) -> str | None:
         """SHA-256 of an image source's bytes (files, bytes; for PIL images their mode, size and
@@ -228,9 +255,7 @@ class PromptBuilder:
         The text between image pads is tokenised piece by piece and the pad ids are spliced in: the
         tokenizer splits at special tokens before anything else, so this equals tokenising the
         expanded text, without running it over ~200 pads per photo."""
-        pieces = text.split(IMAGE_PAD)
-        if len(pieces) != len(images) + 1:
-            raise InvalidRequestError(f"the prompt has {len(pieces) - 1} image placeholders for {len(images)} images")
+        pieces = text.split(IMAGE_PAD)  # one more than images: build() checked the markers
         encoded = self.processor.tokenizer(pieces, add_special_tokens=False)["input_ids"]
         merge2 = self.merge_size**2
         input_ids = list(encoded[0])

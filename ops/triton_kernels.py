@@ -147,7 +147,8 @@ def _dequant_mode(q: torch.Tensor, cache: KVLayerCache, how: str) -> bool:
     """
     if how not in _DEQUANT_MODES:
         raise ValueError(f"FP8 dequant must be one of {_DEQUANT_MODES}, not {how!r}")
-    return how == "asm" and cache.is_fp8 and q.is_cuda and q.dtype != torch.float32
+    nvidia = q.is_cuda and torch.version.hip is None  # PTX; FP8 pages already need sm_89 or newer
+    return how == "asm" and cache.is_fp8 and nvidia and q.dtype != torch.float32
 
 
 @triton.jit
@@ -453,7 +454,8 @@ def _decode_merge_kernel(
 
 #: Launch settings of the decode kernel per page format (chosen by benchmarks/sweep_decode.py on the
 #: H200, batch 8 x 16k context; see docs/PERFORMANCE.md). ``waves`` sets the context split; ``rows``
-#: pads the GQA group's query rows of a program (16: register-operand MMA; 64: Hopper's warpgroup MMA).
+#: pads the GQA group's query rows of a program (16: register-operand MMA; 64: Hopper's warpgroup MMA,
+#: which takes at least 4 warps: a smaller ``num_warps`` is raised to 4 with it).
 #: FP8 runs best as many one-warp programs: no cross-warp softmax reductions per key block.
 DECODE_CONFIG = {
     "fp8": {"block_n": 64, "num_warps": 1, "num_stages": 1, "waves": 16, "rows": 16},
@@ -523,6 +525,10 @@ def paged_decode_attention(
     g = hq // hkv
     cfg = decode_config(cache.is_fp8)
     block_n = block_n or cfg["block_n"]
+    gp = max(rows or cfg["rows"], triton.next_power_of_2(g))
+    warps = num_warps or cfg["num_warps"]
+    if gp >= 64:
+        warps = max(warps, 4)
     splits = num_splits or default_decode_splits(b, hkv, meta.max_seq_len, cache.is_fp8)
     part_o = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
@@ -546,7 +552,7 @@ def paged_decode_attention(
         meta.softmax_scale(d),
         splits,
         G=g,
-        GP=max(rows or cfg["rows"], triton.next_power_of_2(g)),
+        GP=gp,
         D=d,
         BLOCK_D=bd,
         PAGE=cache.page_size,
@@ -555,7 +561,7 @@ def paged_decode_attention(
         IEEE=q.dtype == torch.float32,
         F16=cache.is_fp8 and q.dtype != torch.float32,
         ASM=_dequant_mode(q, cache, dequant or FP8_DEQUANT),
-        num_warps=num_warps or cfg["num_warps"],
+        num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
     )
     out = torch.empty_like(q)
@@ -580,25 +586,29 @@ def paged_decode_attention(
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, idx_ptr, dst_ptr, row_elems, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)  # i * row_elems passes 2**31 for a long prefix over all layers
+def _gather_rows_kernel(src_ptr, idx_ptr, dst_ptr, n, row_elems, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    row = tl.load(idx_ptr + i).to(tl.int64)
-    m = c < row_elems
-    tl.store(dst_ptr + i * row_elems + c, tl.load(src_ptr + row * row_elems + c, mask=m), mask=m)
+    row = tl.load(idx_ptr + i, mask=i < n, other=0).to(tl.int64)
+    m = (i < n)[:, None] & (c < row_elems)[None, :]
+    val = tl.load(src_ptr + row[:, None] * row_elems + c[None, :], mask=m)
+    tl.store(dst_ptr + i[:, None] * row_elems + c[None, :], val, mask=m)
 
 
 @triton.jit
-def _scatter_rows_kernel(src_ptr, idx_ptr, dst_ptr, row_elems, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
+def _scatter_rows_kernel(src_ptr, idx_ptr, dst_ptr, n, row_elems, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    row = tl.load(idx_ptr + i).to(tl.int64)
-    m = c < row_elems
-    tl.store(dst_ptr + row * row_elems + c, tl.load(src_ptr + i * row_elems + c, mask=m), mask=m)
+    row = tl.load(idx_ptr + i, mask=i < n, other=0).to(tl.int64)
+    m = (i < n)[:, None] & (c < row_elems)[None, :]
+    val = tl.load(src_ptr + i[:, None] * row_elems + c[None, :], mask=m)
+    tl.store(dst_ptr + row[:, None] * row_elems + c[None, :], val, mask=m)
 
 
 def _move_rows(table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``table[dst] = table[src]`` over its first dim, via a gathered copy (overlap-safe)."""
+    """``table[dst] = table[src]`` over its first dim, via a gathered copy (overlap-safe). A program
+    moves a tile of ~2k elements: many short rows (one head's 128 FP8 bytes, or one 4-byte scale, in
+    head-major pages) or part of a long one."""
     n = src.numel()
     if n == 0:
         return
@@ -606,11 +616,12 @@ def _move_rows(table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
     if flat.dtype == torch.float8_e4m3fn:
         flat = flat.view(torch.uint8)
     elems = flat.shape[1]
-    block = min(1024, triton.next_power_of_2(elems))
+    block = min(2048, triton.next_power_of_2(elems))
+    rows = min(2048 // block, triton.next_power_of_2(n))
     tmp = torch.empty((n, elems), dtype=flat.dtype, device=flat.device)
-    grid = (n, triton.cdiv(elems, block))
-    _gather_rows_kernel[grid](flat, src, tmp, elems, BLOCK=block)
-    _scatter_rows_kernel[grid](tmp, dst, flat, elems, BLOCK=block)
+    grid = (triton.cdiv(n, rows), triton.cdiv(elems, block))
+    _gather_rows_kernel[grid](flat, src, tmp, n, elems, ROWS=rows, BLOCK=block)
+    _scatter_rows_kernel[grid](tmp, dst, flat, n, elems, ROWS=rows, BLOCK=block)
 
 
 def move_slots(cache: KVLayerCache, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

@@ -167,8 +167,8 @@ def hf_greedy(hf, messages, engine) -> list[int]:
 
 def test_cached_images_give_the_processors_tokens(make, photos, hf):
     """Asking again about cached images splices the image pads between separately tokenised text
-    pieces; the ids equal the processor's own for several photos of different sizes and a question
-    whose text would tokenise differently if the pieces ran into each other."""
+    pieces; the ids equal the processor's own for several photos of different sizes and questions
+    with runs of whitespace, punctuation and non-ASCII text."""
     _, processor = hf
     engine = make(**EXACT)
     images = [photos["astronaut"], photos["coffee"].resize((120, 64)), photos["astronaut"].resize((48, 200))]
