@@ -84,7 +84,7 @@ def main() -> int:
             for dq, bn, warps, stages, waves, rows in itertools.product(modes, (64, 128, 256), (1, 2, 4), (1, 2),
                                                                         (4, 8, 16, 32), (16,)):
                 try:
-                    splits = tk.decode_splits(batch, 8, ctx, bn, waves=waves)
+                    splits = min(tk.MAX_DECODE_SPLITS, tk.decode_splits(batch, 8, ctx, bn, waves=waves))
                     args = dict(num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages, rows=rows,
                                 dequant=dq)
                     ms = graph_time(lambda a=args, x=(q, cache, meta): tk.paged_decode_attention(*x, **a))

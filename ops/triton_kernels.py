@@ -133,7 +133,7 @@ _E4M3_TO_F16_ASM = tl.constexpr("""{
 #: How the attention kernels widen FP8 pages to float16 on CUDA: ``"asm"`` (``_E4M3_TO_F16_ASM``) or
 #: ``"triton"`` (Triton's own cast). The assembly is the same instruction Triton emits, but Triton may
 #: not move it: its own cast gets sunk past the tile's trip through shared memory, which then reads the
-#: 8-bit tile byte by byte. Measured on the H200 (docs/PERFORMANCE.md): asm 3-10 % faster. Under the
+#: 8-bit tile byte by byte. Measured on the H200 (docs/PERFORMANCE.md): asm 3-4 % faster. Under the
 #: interpreter (CPU tensors) and for float32 queries it is always Triton's cast.
 FP8_DEQUANT = "asm"
 _DEQUANT_MODES = ("triton", "asm")
