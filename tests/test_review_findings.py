@@ -225,6 +225,28 @@ def test_cached_tokens_never_exceed_the_prompt_after_preemption(make, photos, to
     assert_pool_settled(eng)
 
 
+def run_behind_an_older_request(eng, messages, sampling, evict_when=None):
+    """Submit ``messages`` while an older 70-token request runs, in a pool too small for both, so
+    that the older one preempts it. If ``evict_when(req)`` holds (checked under the engine's lock)
+    while it waits after preemption, the prefix cache is cleared right then. Returns its Completion."""
+    with close_on_failure(eng):
+        older = eng.submit([{"role": "user", "content": "Count."}], SamplingParams(max_tokens=70, ignore_eos=True))
+        poll(lambda: older.status is Status.RUNNING, what="the older request to run")
+        req = eng.submit(messages, sampling, cache_salt="s")
+        if evict_when is not None:
+            def waiting_and_evicted():
+                with eng._cv:
+                    if req.status is Status.WAITING and req.telemetry.preempted and evict_when(req):
+                        eng.prefix_cache.clear()  # the entry goes while the request waits for pages
+                        return True
+                return False
+
+            poll(waiting_and_evicted, what="the preempted request to wait (and its entry to be evicted)")
+        done = wait_done(req)
+        wait_done(older)
+    return done
+
+
 @pytest.mark.parametrize("evict_while_waiting", [False, True])
 def test_miss_preempted_after_caching_its_prefix_stays_a_miss(make, photos, token_bytes, evict_while_waiting):
     """A miss computes and caches its prefix, is preempted by an older request, and on
@@ -235,21 +257,8 @@ def test_miss_preempted_after_caching_its_prefix_stays_a_miss(make, photos, toke
     eng = make(**opts)
     messages = media_first_messages([photos["astronaut"]], "What?")
     sampling = SamplingParams(max_tokens=30, ignore_eos=True)
-    with close_on_failure(eng):
-        older = eng.submit([{"role": "user", "content": "Count."}], SamplingParams(max_tokens=70, ignore_eos=True))
-        poll(lambda: older.status is Status.RUNNING, what="the older request to run")
-        req = eng.submit(messages, sampling, cache_salt="s")
-        if evict_while_waiting:
-            def waiting_on_its_own_prefix():
-                with eng._cv:
-                    if req.status is Status.WAITING and req.telemetry.preempted and req.match is not None:
-                        eng.prefix_cache.clear()  # the entry goes while the request waits for pages
-                        return True
-                return False
-
-            poll(waiting_on_its_own_prefix, what="the preempted request to wait with its prefix matched")
-        done = wait_done(req)
-        wait_done(older)
+    on_its_own_prefix = (lambda req: req.match is not None) if evict_while_waiting else None
+    done = run_behind_an_older_request(eng, messages, sampling, evict_when=on_its_own_prefix)
     tel = done.telemetry
     assert tel.preempted >= 1, "no preemption: the test lost its point"
     assert tel.prefix_cache == "miss" and tel.cached_tokens == 0 and tel.conversation_reuse_tokens == 0
@@ -268,21 +277,7 @@ def test_hit_preempted_whose_entry_is_evicted_while_waiting_recomputes_cold(make
     assert run(eng, media_first_messages([img], Q1)).telemetry.prefix_cache == "miss"
     messages = media_first_messages([img], "What?")
     sampling = SamplingParams(max_tokens=30, ignore_eos=True)
-    with close_on_failure(eng):
-        older = eng.submit([{"role": "user", "content": "Count."}], SamplingParams(max_tokens=70, ignore_eos=True))
-        poll(lambda: older.status is Status.RUNNING, what="the older request to run")
-        req = eng.submit(messages, sampling, cache_salt="s")
-
-        def preempted_and_waiting():
-            with eng._cv:
-                if req.status is Status.WAITING and req.telemetry.preempted:
-                    eng.prefix_cache.clear()
-                    return True
-            return False
-
-        poll(preempted_and_waiting, what="the hit to be preempted")
-        done = wait_done(req)
-        wait_done(older)
+    done = run_behind_an_older_request(eng, messages, sampling, evict_when=lambda req: True)
     tel = done.telemetry
     assert tel.prefix_cache == "hit" and tel.preempted >= 1
     assert tel.cached_tokens == eng.prompts.build(messages).prefix_len
