@@ -166,6 +166,7 @@ class Engine:
             image_options=options.image_options(),
             min_pixels=options.min_pixels,
             max_pixels=options.max_pixels,
+            pixel_dtype=model.dtype,
         )
         if options.cache_scope not in ("session", "global"):
             raise InvalidRequestError(f"cache_scope must be 'session' or 'global', got {options.cache_scope!r}")
