@@ -69,7 +69,8 @@ class EngineOptions:
         conversation_reuse: also keep a finished turn's KV so the next turn of the same chat
             prefills only its new question.
         vision_cache_bytes: bound of the per-session vision-feature cache.
-        cuda_graphs: on CUDA, replay captured graphs for decode steps (see :mod:`engine.cuda_graphs`).
+        cuda_graphs: on CUDA, replay captured graphs for decode steps (see :mod:`engine.cuda_graphs`)
+            and for the vision encoder on image sizes seen before (see :mod:`engine.vision_graphs`).
         graph_max_tokens: text-only steps of up to this many new tokens (and at least
             ``max_num_seqs``) replay the graphs too, so the question after a cached prefix is
             prefilled without the host in the way.
@@ -188,6 +189,7 @@ class Engine:
             self.prefix_cache,
         )
         self.runner = ModelRunner(model, self.pool, self._encode_request, self._capture_graphs())
+        self.vision_encoder = self._vision_encoder()
         self._cv = threading.Condition()
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
@@ -213,6 +215,14 @@ class Engine:
         )
         graphs.capture()
         return graphs
+
+    def _vision_encoder(self):
+        """``(pixels, grids) -> VisionFeatures``: through CUDA graphs where decode uses them."""
+        if self.runner.graphs is None:
+            return self.model.encode_vision
+        from .vision_graphs import VisionGraphs
+
+        return VisionGraphs(self.model)
 
     def _namespace(self, folder: Path) -> str:
         """Everything besides the images that changes a prompt's tokens or pixels."""
@@ -431,7 +441,7 @@ class Engine:
         self._thread.join()
         # drop every reference to the model, the KV pool and the captured graphs so their memory goes
         self.pool = self.runner = self.model = self.scheduler = self.prefix_cache = None
-        self.vision_cache = None
+        self.vision_cache = self.vision_encoder = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -451,7 +461,7 @@ class Engine:
         missing = [j for j, f in enumerate(found) if f is None]
         if missing:
             pixels = torch.cat([prompt.image_pixels[indices[j]] for j in missing])
-            fresh = self.model.encode_vision(pixels, [prompt.image_grids[indices[j]] for j in missing])
+            fresh = self.vision_encoder(pixels, [prompt.image_grids[indices[j]] for j in missing])
             offset = 0
             for j in missing:
                 n = prompt.image_pixels[indices[j]].shape[0] // merge2
@@ -716,7 +726,7 @@ class Engine:
             if kind == "video":
                 start = sum(patches[:i])
                 pixels = prompt.pixel_values_videos[start : start + patches[i]]
-                out[("video", i)] = self.model.encode_vision(pixels, [prompt.video_grids[i]])
+                out[("video", i)] = self.vision_encoder(pixels, [prompt.video_grids[i]])
                 ran = True
         return out, ran
 

@@ -311,7 +311,11 @@ class PromptBuilder:
         the images of a batch one by one, so the patches are the same); cached images are reused
         and an object given twice is processed once. Raises as :func:`engine.images.open_image`."""
         distinct = {id(src): (src, key) for src, key in zip(sources, keys, strict=True)}
-        done = dict(zip(distinct, _IMAGE_WORKERS.map(lambda item: self._process_image(*item), distinct.values())))
+        items = list(distinct.values())
+        if len(items) > 1:
+            done = dict(zip(distinct, _IMAGE_WORKERS.map(lambda item: self._process_image(*item), items), strict=True))
+        else:
+            done = {k: self._process_image(*item) for k, item in distinct.items()}
         return [done[id(src)] for src in sources]
 
     def _process_image(self, src, key: str | None) -> ProcessedImage:

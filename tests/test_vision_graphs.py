@@ -1,0 +1,132 @@
+"""The vision encoder's CUDA graphs (engine/vision_graphs.py).
+
+On the CPU the capture is replaced by an eager stand-in, so what is tested there is the policy:
+a combination of image sizes runs eagerly when first seen, is captured when seen again, replays
+after that; the least recently used graph is dropped; combinations too large never capture. The
+GPU tests (skipped without CUDA) check real graphs against the eager encoder, and an engine's
+answers through them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TEST_DEVICE
+from PIL import Image
+
+from engine import SamplingParams, media_first_messages
+from engine.vision_graphs import VisionGraphs
+
+
+class EagerStandIn(VisionGraphs):
+    """Captures nothing: a "graph" is the grids it was made for, "replay" runs the encoder."""
+
+    def _capture(self, key, pixels):
+        self._graphs[key] = key
+        self.captures += 1
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return self.model.encode_vision(pixels, list(key))
+
+    def _replay(self, entry, pixels):
+        self.replays += 1
+        return self.model.encode_vision(pixels, list(entry))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_engine_factory):
+    return tiny_engine_factory().model
+
+
+@pytest.fixture(scope="module")
+def photo_inputs(tiny_engine_factory, media_path):
+    """``{name: (pixels, grids)}`` for one photo at three sizes (three grids)."""
+    engine = tiny_engine_factory(max_pixels=128 * 128)
+    out = {}
+    with Image.open(media_path("astronaut.png")) as im:
+        for name, size in (("square", (96, 96)), ("wide", (128, 64)), ("tall", (64, 128))):
+            prompt = engine.prompts.build(media_first_messages([im.convert("RGB").resize(size)], "?"))
+            out[name] = (prompt.pixel_values, prompt.image_grids)
+    return out
+
+
+def assert_same(a, b, atol=0.0):
+    torch.testing.assert_close(a.embeds, b.embeds, rtol=0, atol=atol)
+    for x, y in zip(a.deepstack, b.deepstack, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=atol)
+
+
+def test_first_sighting_is_eager_second_captures_third_replays(model, photo_inputs):
+    graphs = EagerStandIn(model)
+    pixels, grids = photo_inputs["square"]
+    ref = model.encode_vision(pixels, grids)
+    counts = []
+    for _ in range(4):
+        assert_same(graphs(pixels, grids), ref)
+        counts.append((graphs.captures, graphs.replays))
+    assert counts == [(0, 0), (1, 0), (1, 1), (1, 2)]
+
+
+def test_least_recently_used_graph_is_dropped(model, photo_inputs):
+    graphs = EagerStandIn(model, max_graphs=2)
+    for name in ("square", "wide", "square", "wide"):  # both captured
+        graphs(*photo_inputs[name])
+    graphs(*photo_inputs["square"])  # replayed: "wide" is now the least recently used
+    graphs(*photo_inputs["tall"])
+    graphs(*photo_inputs["tall"])  # a third capture drops "wide"
+    assert graphs.captures == 3 and list(graphs._graphs) == [tuple(photo_inputs[n][1]) for n in ("square", "tall")]
+    replays = graphs.replays
+    graphs(*photo_inputs["wide"])  # seen before: captured again, not replayed
+    assert (graphs.captures, graphs.replays) == (4, replays)
+
+
+def test_combinations_over_the_patch_bound_always_run_eagerly(model, photo_inputs):
+    pixels, grids = photo_inputs["square"]
+    graphs = EagerStandIn(model, max_patches=pixels.shape[0] - 1)
+    for _ in range(3):
+        assert_same(graphs(pixels, grids), model.encode_vision(pixels, grids))
+    assert (graphs.captures, graphs.replays) == (0, 0)
+
+
+def test_engines_on_cpu_encode_eagerly(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    if engine.device.type != "cuda":
+        assert engine.vision_encoder == engine.model.encode_vision
+
+
+needs_gpu = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA graphs need the engines on a GPU")
+
+
+@needs_gpu
+def test_graph_replay_equals_the_eager_encoder(tiny_engine_factory, photo_inputs):
+    engine = tiny_engine_factory()
+    graphs = engine.vision_encoder
+    assert isinstance(graphs, VisionGraphs)
+    pixels, grids = photo_inputs["wide"]
+    ref = engine.model.encode_vision(pixels, grids)
+    eager, captured, replayed = (graphs(pixels, grids) for _ in range(3))
+    assert (graphs.captures, graphs.replays) == (1, 1)
+    for out in (eager, captured, replayed):
+        assert_same(out, ref, atol=1e-5)
+    # other pixels with the same grid replay the same graph; earlier results are not overwritten
+    other = pixels.flip(0).contiguous()
+    assert_same(graphs(other, grids), engine.model.encode_vision(other, grids), atol=1e-5)
+    assert graphs.replays == 2
+    assert_same(replayed, ref, atol=1e-5)
+
+
+@needs_gpu
+def test_answers_through_the_vision_graphs_equal_eager_ones(tiny_engine_factory, media_path):
+    """Three sessions (salts: the vision-feature cache is not shared) ask about the same two photos:
+    the first encodes eagerly, the second captures, the third replays. Each answer equals that of
+    an engine without graphs."""
+    with Image.open(media_path("coffee.png")) as a, Image.open(media_path("chelsea.png")) as b:
+        photos = [a.convert("RGB").resize((96, 64)), b.convert("RGB").resize((64, 96))]
+    messages = media_first_messages(photos, "What is in the photos?")
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    with_graphs = tiny_engine_factory(prefix_cache=False)
+    without = tiny_engine_factory(prefix_cache=False, cuda_graphs=False)
+    expected = without.generate(messages, sampling, cache_salt="s").token_ids
+    answers = [with_graphs.generate(messages, sampling, cache_salt=f"s{i}").token_ids for i in range(3)]
+    assert answers == [expected] * 3
+    assert (with_graphs.vision_encoder.captures, with_graphs.vision_encoder.replays) == (1, 1)
