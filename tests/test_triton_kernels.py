@@ -89,6 +89,22 @@ def test_paged_attention_matches_reference(device, kv, dtype, case):
     torch.testing.assert_close(got.float(), expected.float(), **_tol(dtype))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("settings", [dict(rows=128, block_n=64, num_warps=8, num_stages=2),
+                                      dict(rows=64, block_n=32, num_warps=4, num_stages=3)])
+def test_prefill_launch_settings_agree(device, kv, settings):
+    """The settings the prefill sweep tries give the reference's result (several query blocks of
+    one prompt over cached context, a second prompt cold)."""
+    gqa, hkv, d = 4, 2, 32
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    cache, meta, g = _layout(device, kv, hkv, d, 16, (45, 70), (19, 0), dtype)
+    q = torch.randn(115, hkv * gqa, d, generator=g).to(device, dtype)
+    expected = ref.paged_attention(q, cache, meta)
+    got = tk.paged_attention(q, cache, meta, **settings)
+    torch.testing.assert_close(got.float(), expected.float(), **_tol(dtype))
+
+
 @pytest.mark.parametrize("device,kv,dtype,case", _params())
 def test_decode_attention_matches_reference(device, kv, dtype, case):
     gqa, hkv, d, page, qlens, clens = case
