@@ -171,8 +171,9 @@ def bench_ttft(engine, hf, n_images: int, tflops: float) -> dict:
         for j in range(3)
     ]
     enc = engine.vision_encoder
-    log(f"   cold vision ms {[round(t.vision_ms, 1) for t in cold]}, prefill ms {[round(t.prefill_ms, 1) for t in cold]}; "
-        f"vision graphs captured {getattr(enc, 'captures', '-')}, replayed {getattr(enc, 'replays', '-')}")
+    log(f"   cold vision ms {[round(t.vision_ms, 1) for t in cold]}, "
+        f"prefill ms {[round(t.prefill_ms, 1) for t in cold]}; vision graphs captured "
+        f"{getattr(enc, 'captures', '-')}, replayed {getattr(enc, 'replays', '-')}")
     prompt = engine.prompts.build(media_first_messages(ims, QUESTION))
     walls = []
     for _ in range(3):

@@ -49,27 +49,32 @@ def main() -> int:
     shapes = [tuple(map(int, x.split("x"))) for x in sys.argv[1:]] or [(1, 1662), (1, 4096)]
     for batch, tokens in shapes:
         for kv in ("fp8_e4m3", "auto"):
-            q, cache, meta = setup(batch, tokens, kv)
-            flops = batch * 4 * tokens * tokens / 2 * q.shape[2] * q.shape[1]
-            ref = tk.paged_attention(q, cache, meta)
-            base = graph_time(lambda: tk.paged_attention(q, cache, meta))
-            print(f"\n{batch} x {tokens} new tokens, {kv} pages: default {tk.PREFILL_CONFIG['fp8' if cache.is_fp8 else 'bf16']} "
-                  f"{base * 1e3:.1f} us ({flops / base / 1e9:.0f} TFLOP/s)", flush=True)
-            results = []
-            for combo in itertools.product(*SETTINGS.values()):
-                kw = dict(zip(SETTINGS, combo, strict=True))
-                try:
-                    out = tk.paged_attention(q, cache, meta, **kw)
-                    err = (out.float() - ref.float()).abs().max().item()
-                    ms = graph_time(lambda kw=kw: tk.paged_attention(q, cache, meta, **kw))
-                except Exception as exc:  # a setting that does not fit (shared memory, registers)
-                    print(f"  {kw}: failed ({type(exc).__name__})", flush=True)
-                    continue
-                results.append((ms, kw, err))
-                print(f"  {kw}: {ms * 1e3:.1f} us ({flops / ms / 1e9:.0f} TFLOP/s), max diff {err:.2e}", flush=True)
-            best = min(results, key=lambda r: r[0])
-            print(f"best: {best[1]} {best[0] * 1e3:.1f} us = {base / best[0]:.2f}x the default")
+            sweep_case(batch, tokens, kv)
     return 0
+
+
+def sweep_case(batch: int, tokens: int, kv: str) -> None:
+    q, cache, meta = setup(batch, tokens, kv)
+    flops = batch * 4 * tokens * tokens / 2 * q.shape[2] * q.shape[1]
+    ref = tk.paged_attention(q, cache, meta)
+    base = graph_time(lambda: tk.paged_attention(q, cache, meta))
+    default = tk.PREFILL_CONFIG["fp8" if cache.is_fp8 else "bf16"]
+    print(f"\n{batch} x {tokens} new tokens, {kv} pages: default {default} "
+          f"{base * 1e3:.1f} us ({flops / base / 1e9:.0f} TFLOP/s)", flush=True)
+    results = []
+    for combo in itertools.product(*SETTINGS.values()):
+        kw = dict(zip(SETTINGS, combo, strict=True))
+        try:
+            out = tk.paged_attention(q, cache, meta, **kw)
+            err = (out.float() - ref.float()).abs().max().item()
+            ms = graph_time(lambda kw=kw: tk.paged_attention(q, cache, meta, **kw))
+        except Exception as exc:  # a setting that does not fit (shared memory, registers)
+            print(f"  {kw}: failed ({type(exc).__name__})", flush=True)
+            continue
+        results.append((ms, kw, err))
+        print(f"  {kw}: {ms * 1e3:.1f} us ({flops / ms / 1e9:.0f} TFLOP/s), max diff {err:.2e}", flush=True)
+    best = min(results, key=lambda r: r[0])
+    print(f"best: {best[1]} {best[0] * 1e3:.1f} us = {base / best[0]:.2f}x the default")
 
 
 if __name__ == "__main__":
