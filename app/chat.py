@@ -332,7 +332,9 @@ class ChatService:
         if options.history:
             history = [(t.question, t.answer) for t in self.store.list_turns(session.id)
                        if t.finished_at is not None and not t.error and t.answer]
-        images = [self.store.image_path(sha) for sha in session.image_shas]
+        # the store is content-addressed: passing each file's digest spares the engine reading
+        # and hashing every image again for each question (it checks the digest when it processes)
+        images = [{"image": self.store.image_path(sha), "sha256": sha} for sha in session.image_shas]
         if session.title == DEFAULT_TITLE and not self.store.list_turns(session.id):
             title = " ".join(question.split())
             title = title if len(title) <= TITLE_FROM_QUESTION_CHARS else title[: TITLE_FROM_QUESTION_CHARS - 1] + "…"
@@ -340,7 +342,7 @@ class ChatService:
         turn = self.store.add_turn(session.id, question)
         with self._lock:
             self._active_turns.add(turn.id)
-        if any(p is None for p in images):
+        if any(p["image"] is None for p in images):
             return ActiveTurn(self, session, turn, error="An image of this chat is missing on the server.")
         try:
             sampling = options.sampling()

@@ -6,9 +6,13 @@ Messages use the transformers chat format::
      {"role": "user", "content": [{"type": "image", "image": <PIL.Image | path | bytes>},
                                   {"type": "text", "text": "What is this?"}]}]
 
-plus ``{"type": "video", "video": [frame, frame, ...], "fps": 2.0}`` parts. Images are opened by
-:mod:`engine.images` (our safety rules); the chat template, tokenizer and pixel processing are
-the checkpoint's own transformers processor.
+plus ``{"type": "video", "video": [frame, frame, ...], "fps": 2.0}`` parts. An image part whose
+source is a file or bytes may carry ``"sha256"``, the hex SHA-256 of those bytes, when the caller
+already knows it (the app's store is content-addressed): a question about images processed before
+then neither reads nor hashes them. The digest is checked against the bytes whenever the image is
+processed, so a wrong one is refused and never enters the processed-image cache. Images are
+opened by :mod:`engine.images` (our safety rules); the chat template, tokenizer and pixel
+processing are the checkpoint's own transformers processor.
 """
 
 from __future__ import annotations
@@ -120,11 +124,28 @@ def _check_marker_counts(text: str, num_images: int, num_videos: int) -> None:
             raise InvalidRequestError(f"the message text forms the vision marker {marker}; remove it from the text")
 
 
-def _normalise(messages) -> tuple[list[dict], list, list[tuple[list, float]]]:
-    """Validate messages; return template messages, opened images and video frame lists."""
+def _image_claim(part: dict, n: int) -> str | None:
+    """The part's ``sha256`` (lowercase hex), None without one.
+
+    Raises:
+        InvalidRequestError: not 64 hex digits, or the source is not a file or bytes.
+    """
+    claim = part.get("sha256")
+    if claim is None:
+        return None
+    if not (isinstance(claim, str) and len(claim) == 64 and all(c in "0123456789abcdef" for c in claim.lower())):
+        raise InvalidRequestError(f"message {n}: an image part's sha256 must be 64 hexadecimal digits")
+    if not isinstance(part["image"], (str, Path, bytes, bytearray, memoryview)):
+        raise InvalidRequestError(f"message {n}: sha256 is for images given as a file path or bytes")
+    return claim.lower()
+
+
+def _normalise(messages) -> tuple[list[dict], list, list[str | None], list[tuple[list, float]]]:
+    """Validate messages; return template messages, image sources, their claimed digests (None
+    where not given) and video frame lists."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts")
-    template, images, videos = [], [], []
+    template, images, claims, videos = [], [], [], []
     for n, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES or "content" not in msg:
             raise InvalidRequestError(f"message {n} must be a dict with role in {ROLES} and content")
@@ -139,6 +160,7 @@ def _normalise(messages) -> tuple[list[dict], list, list[tuple[list, float]]]:
             if kind == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": _neutralise_markers(part["text"])})
             elif kind == "image" and "image" in part:
+                claims.append(_image_claim(part, n))
                 images.append(part["image"])
                 parts.append({"type": "image"})
             elif kind == "video" and isinstance(part.get("video"), (list, tuple)) and part["video"]:
@@ -149,7 +171,7 @@ def _normalise(messages) -> tuple[list[dict], list, list[tuple[list, float]]]:
                     f"message {n}: unsupported content part {part!r:.80}; use text, image or video parts"
                 )
         template.append({"role": msg["role"], "content": parts})
-    return template, images, videos
+    return template, images, claims, videos
 
 
 @dataclass(frozen=True)
@@ -209,10 +231,10 @@ class PromptBuilder:
             InvalidRequestError: malformed messages.
             InvalidImageError: an image or video frame cannot be used.
         """
-        template, raw_images, raw_videos = _normalise(messages)
+        template, raw_images, claims, raw_videos = _normalise(messages)
         text = self.processor.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
         _check_marker_counts(text, len(raw_images), len(raw_videos))
-        keys = self._source_keys(raw_images)
+        keys = self._source_keys(raw_images, claims)
         with self._lock:
             cached = [self._processed.get(k) if k else None for k in keys]
             if not raw_videos and all(cached):
@@ -220,18 +242,26 @@ class PromptBuilder:
                     self._processed.move_to_end(k)
                 self.cache_hits += len(keys)
         if raw_videos or not all(cached):
-            return self._build_with_processor(text, raw_images, raw_videos, keys)
+            return self._build_with_processor(text, raw_images, raw_videos, keys, claims)
         return self._build_from_cache(text, cached)
 
-    def _source_keys(self, sources: list) -> list[str | None]:
-        """:meth:`_source_key` of every image, side by side; an object given twice is read once (a
-        lazily decoded PIL image must not be decoded by two threads at once)."""
-        distinct = list({id(src): src for src in sources}.values())
+    def _source_keys(self, sources: list, claims: list[str | None]) -> list[str | None]:
+        """Each image's cache key: its claimed digest, else :meth:`_source_key` (side by side; an
+        object given twice is read once: a lazily decoded PIL image must not be decoded by two
+        threads at once)."""
+        distinct = list({id(src): src for src, claim in zip(sources, claims, strict=True) if claim is None}.values())
         if len(distinct) > 1:
             keys = dict(zip(map(id, distinct), _IMAGE_WORKERS.map(self._source_key, distinct), strict=True))
         else:
             keys = {id(src): self._source_key(src) for src in distinct}
-        return [keys[id(src)] for src in sources]
+        return [claim or keys[id(src)] for src, claim in zip(sources, claims, strict=True)]
+
+    def _check_claim(self, src, claim: str) -> None:
+        """Raises InvalidRequestError when ``src``'s bytes do not hash to ``claim`` (an unreadable
+        source passes here and gets :func:`engine.images.open_image`'s error)."""
+        actual = self._source_key(src)
+        if actual is not None and actual != claim:
+            raise InvalidRequestError("an image's sha256 does not match its bytes; send the image without it")
 
     def _source_key(self, src) -> str | None:
         """SHA-256 of an image source's bytes (files, bytes; for PIL images their mode, size and
@@ -270,9 +300,12 @@ class PromptBuilder:
             input_ids += rest
         return self._prompt(input_ids, images, [], None, [])
 
-    def _build_with_processor(self, text: str, raw_images, raw_videos, keys) -> Prompt:
+    def _build_with_processor(self, text: str, raw_images, raw_videos, keys, claims) -> Prompt:
         if not raw_videos:
-            return self._build_from_cache(text, self._process_images(raw_images, keys))
+            return self._build_from_cache(text, self._process_images(raw_images, keys, claims))
+        for src, claim in zip(raw_images, claims, strict=True):
+            if claim is not None:
+                self._check_claim(src, claim)
         images = [open_image(src, self.image_options) for src in raw_images]
         videos = [([open_image(f, self.image_options) for f in frames], fps) for frames, fps in raw_videos]
         kwargs = {"return_tensors": "pt"}
@@ -306,23 +339,31 @@ class PromptBuilder:
             [_video_sha256(frames, fps) for frames, fps in videos],
         )
 
-    def _process_images(self, sources: list, keys: list[str | None]) -> list[ProcessedImage]:
+    def _process_images(self, sources: list, keys: list[str | None], claims: list[str | None]) -> list[ProcessedImage]:
         """Each image opened, processed and hashed on its own, side by side (the processor treats
         the images of a batch one by one, so the patches are the same); cached images are reused
-        and an object given twice is processed once. Raises as :func:`engine.images.open_image`."""
-        distinct = {id(src): (src, key) for src, key in zip(sources, keys, strict=True)}
+        and an object given twice is processed once.
+
+        Raises:
+            InvalidImageError: as :func:`engine.images.open_image`.
+            InvalidRequestError: a claimed digest does not match the image's bytes.
+        """
+        parts = list(zip(sources, keys, claims, strict=True))
+        distinct = {(id(src), claim): (src, key, claim) for src, key, claim in parts}
         items = list(distinct.values())
         if len(items) > 1:
             done = dict(zip(distinct, _IMAGE_WORKERS.map(lambda item: self._process_image(*item), items), strict=True))
         else:
             done = {k: self._process_image(*item) for k, item in distinct.items()}
-        return [done[id(src)] for src in sources]
+        return [done[(id(src), claim)] for src, _, claim in parts]
 
-    def _process_image(self, src, key: str | None) -> ProcessedImage:
+    def _process_image(self, src, key: str | None, claim: str | None) -> ProcessedImage:
         with self._lock:
             cached = self._processed.get(key) if key else None
         if cached is not None:
             return cached
+        if claim is not None:
+            self._check_claim(src, claim)
         image = open_image(src, self.image_options)
         out = self.processor.image_processor(images=[image], size=self.size, return_tensors="pt")
         grid = tuple(out["image_grid_thw"][0].tolist())
@@ -379,7 +420,8 @@ def media_first_messages(images, question: str, history=None, *, system: str | N
     so the conversation extends the same prefix.
 
     Args:
-        images: image sources (PIL images, paths or bytes), in order.
+        images: image sources (PIL images, paths or bytes) in order, or image parts without their
+            type (``{"image": path, "sha256": digest}``) to pass a known digest along.
         question: the question to answer now.
         history: earlier ``(question, answer)`` pairs, oldest first.
         system: an optional system message (placed before the images).
@@ -387,7 +429,8 @@ def media_first_messages(images, question: str, history=None, *, system: str | N
     history = list(history or [])
     questions = [q for q, _ in history] + [question]
     first = [part for i, img in enumerate(images, 1)
-             for part in ({"type": "text", "text": f"Image {i}: "}, {"type": "image", "image": img},
+             for part in ({"type": "text", "text": f"Image {i}: "},
+                          {"type": "image", **img} if isinstance(img, dict) else {"type": "image", "image": img},
                           {"type": "text", "text": "\n"})]
     first.append({"type": "text", "text": f"Question: {questions[0]}"})
     messages = [{"role": "system", "content": system}] if system else []

@@ -14,6 +14,8 @@ that a later compaction of the KV cache can move storage without touching positi
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +102,13 @@ def find_visual_spans(
     return spans
 
 
+@functools.lru_cache(maxsize=64)
+def _grid_offsets(grid_h: int, grid_w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of each merged patch of a ``grid_h x grid_w`` grid in raster order, int64
+    ``[grid_h * grid_w]`` each (cached: photos of one size repeat; read, never written)."""
+    return torch.arange(grid_h).repeat_interleave(grid_w), torch.arange(grid_w).repeat(grid_h)
+
+
 def mrope_positions(num_tokens: int, spans: list[VisualSpan]) -> tuple[torch.Tensor, int]:
     """3-D M-RoPE position ids of a prompt and its rope delta.
 
@@ -119,8 +128,7 @@ def mrope_positions(num_tokens: int, spans: list[VisualSpan]) -> tuple[torch.Ten
         text_len = span.start - cursor
         pos[:, cursor : span.start] = torch.arange(next_pos, next_pos + text_len)
         next_pos += text_len
-        rows = torch.arange(span.grid_h).repeat_interleave(span.grid_w)
-        cols = torch.arange(span.grid_w).repeat(span.grid_h)
+        rows, cols = _grid_offsets(span.grid_h, span.grid_w)
         pos[0, span.start : span.end] = next_pos
         pos[1, span.start : span.end] = next_pos + rows
         pos[2, span.start : span.end] = next_pos + cols

@@ -180,6 +180,24 @@ def test_questions_about_images_miss_then_hit(chat, pictures):
     assert 0 < stats["pages"]["compact"] <= stats["pages"]["dense"]
 
 
+def test_later_questions_do_not_read_the_stored_images_again(chat, store, pictures):
+    """The app passes each stored file's digest (the store is content-addressed), so the engine
+    takes the processed images by digest instead of reading and hashing every file per question:
+    shown by overwriting the stored file after the first question."""
+    session, _ = chat.add_images(None, OWNER, [(pictures[1].name, pictures[1])])
+    _, first = run(chat.ask(session.id, OWNER, "What is this?", FAST))
+    assert first.status == "done"
+    path = store.image_path(session.image_shas[0])
+    original = path.read_bytes()
+    path.chmod(0o600)
+    path.write_bytes(b"not an image, and not read")
+    try:
+        _, second = run(chat.ask(session.id, OWNER, "And now?", FAST))
+    finally:
+        path.write_bytes(original)
+    assert second.status == "done" and second.prefix == "hit"
+
+
 def test_streaming_yields_growing_text(chat):
     views, final = run(chat.ask(None, OWNER, "Say something long", ChatOptions(max_tokens=12)))
     texts = [v.answer for v in views]

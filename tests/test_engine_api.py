@@ -25,6 +25,7 @@ from engine import (
     InvalidRequestError,
     PrismError,
     SamplingParams,
+    media_first_messages,
 )
 
 IMAGE_PAD_ID = 151655
@@ -206,6 +207,59 @@ def test_one_lazy_pil_image_given_several_times_is_read_once(engine):
     alone = engine.prompts.build(ask(lazy(), "Same?"))
     assert len(set(prompt.image_hashes)) == 1 and prompt.image_hashes[0] == alone.image_hashes[0]
     torch.testing.assert_close(prompt.image_pixels[2], alone.image_pixels[0], rtol=0, atol=0)
+
+
+def noise_png(tmp_path, name: str, seed: int) -> pathlib.Path:
+    torch.manual_seed(seed)
+    pixels = (torch.rand(60, 80, 3) * 255).to(torch.uint8).numpy()
+    path = tmp_path / name
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def digest(path: pathlib.Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_known_digest_spares_reading_images_processed_before(engine, tmp_path):
+    """What the app sends: file paths with the SHA-256 of their bytes. The first question
+    processes the files and checks the digests; later ones take the processed images by digest
+    without opening the files (shown by replacing a file's bytes, which a content-addressed store
+    never does). The prompt equals the one built without digests."""
+    a, b = noise_png(tmp_path, "a.png", 1), noise_png(tmp_path, "b.png", 2)
+    parts = [{"image": a, "sha256": digest(a)}, {"image": b, "sha256": digest(b).upper()}]
+    plain = engine.prompts.build(media_first_messages([a, b], "Same?"))
+    first = engine.prompts.build(media_first_messages(parts, "Same?"))
+    assert first.input_ids == plain.input_ids and first.image_hashes == plain.image_hashes
+    noise_png(tmp_path, "a.png", 3)  # the file now holds other bytes
+    again = engine.prompts.build(media_first_messages(parts, "Different?"))
+    assert again.image_hashes == plain.image_hashes
+    without = engine.prompts.build(media_first_messages([a, b], "Different?"))
+    assert without.image_hashes[0] != plain.image_hashes[0]  # read without the digest: the new bytes
+
+
+def test_a_wrong_digest_is_refused_and_not_cached(engine, tmp_path):
+    a, b = noise_png(tmp_path, "a.png", 4), noise_png(tmp_path, "b.png", 5)
+    lie = [{"image": a, "sha256": digest(b)}]
+    for _ in range(2):  # refused each time: nothing was cached under the wrong digest
+        with pytest.raises(InvalidRequestError, match="sha256 does not match"):
+            engine.generate(media_first_messages(lie, "What?"), GREEDY8)
+    truth = engine.prompts.build(media_first_messages([b], "What?"))
+    assert engine.prompts.build(media_first_messages([{"image": b, "sha256": digest(b)}], "What?")).image_hashes \
+        == truth.image_hashes
+
+
+@pytest.mark.parametrize(("part", "hint"), [
+    ({"image": b"x", "sha256": "abc"}, "64 hexadecimal"),
+    ({"image": b"x", "sha256": "g" * 64}, "64 hexadecimal"),
+    ({"image": b"x", "sha256": 123}, "64 hexadecimal"),
+    ({"image": Image.new("RGB", (8, 8)), "sha256": "0" * 64}, "file path or bytes"),
+])
+def test_malformed_digests_raise(engine, part, hint):
+    with pytest.raises(InvalidRequestError, match=hint):
+        engine.prompts.build(media_first_messages([part], "What?"))
 
 
 def test_broken_images_raise_and_the_engine_goes_on(engine, media_path):
