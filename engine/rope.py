@@ -15,7 +15,6 @@ that a later compaction of the KV cache can move storage without touching positi
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch
