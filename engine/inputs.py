@@ -256,12 +256,31 @@ class PromptBuilder:
             keys = {id(src): self._source_key(src) for src in distinct}
         return [claim or keys[id(src)] for src, claim in zip(sources, claims, strict=True)]
 
-    def _check_claim(self, src, claim: str) -> None:
-        """Raises InvalidRequestError when ``src``'s bytes do not hash to ``claim`` (an unreadable
-        source passes here and gets :func:`engine.images.open_image`'s error)."""
-        actual = self._source_key(src)
-        if actual is not None and actual != claim:
+    def _verified(self, src, claim: str | None):
+        """What to open for ``src``: with a claimed digest, its bytes read once and checked, so the
+        pixels cached under the digest are those of the bytes that were hashed (a file changed in
+        between cannot slip in). An unreadable or oversized file is returned as given, for
+        :func:`engine.images.open_image` to refuse with its message.
+
+        Raises:
+            InvalidRequestError: the bytes do not hash to ``claim``.
+        """
+        if claim is None:
+            return src
+        data = src
+        if isinstance(src, (str, Path)):
+            try:
+                path = Path(src)
+                if path.stat().st_size > self.image_options.max_bytes:
+                    return src
+                data = path.read_bytes()
+            except OSError:
+                return src
+        else:
+            data = bytes(src)  # a bytearray or memoryview could change under us
+        if bytes_sha256(data) != claim:
             raise InvalidRequestError("an image's sha256 does not match its bytes; send the image without it")
+        return data
 
     def _source_key(self, src) -> str | None:
         """SHA-256 of an image source's bytes (files, bytes; for PIL images their mode, size and
@@ -303,10 +322,10 @@ class PromptBuilder:
     def _build_with_processor(self, text: str, raw_images, raw_videos, keys, claims) -> Prompt:
         if not raw_videos:
             return self._build_from_cache(text, self._process_images(raw_images, keys, claims))
-        for src, claim in zip(raw_images, claims, strict=True):
-            if claim is not None:
-                self._check_claim(src, claim)
-        images = [open_image(src, self.image_options) for src in raw_images]
+        images = [
+            open_image(self._verified(src, claim), self.image_options)
+            for src, claim in zip(raw_images, claims, strict=True)
+        ]
         videos = [([open_image(f, self.image_options) for f in frames], fps) for frames, fps in raw_videos]
         kwargs = {"return_tensors": "pt"}
         if images:
@@ -362,9 +381,7 @@ class PromptBuilder:
             cached = self._processed.get(key) if key else None
         if cached is not None:
             return cached
-        if claim is not None:
-            self._check_claim(src, claim)
-        image = open_image(src, self.image_options)
+        image = open_image(self._verified(src, claim), self.image_options)
         out = self.processor.image_processor(images=[image], size=self.size, return_tensors="pt")
         grid = tuple(out["image_grid_thw"][0].tolist())
         item = ProcessedImage(image_sha256(image), grid, self._keep(out["pixel_values"]))

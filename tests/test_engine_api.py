@@ -251,6 +251,24 @@ def test_a_wrong_digest_is_refused_and_not_cached(engine, tmp_path):
         == truth.image_hashes
 
 
+def test_digests_beside_a_video_and_for_a_missing_file(engine, tmp_path):
+    """With a video in the request the processor takes every image at once; digests are checked
+    there too. A digest does not hide a missing file's own error."""
+    a, b = noise_png(tmp_path, "a.png", 6), noise_png(tmp_path, "b.png", 7)
+    frames = [Image.new("RGB", (64, 64), (i * 40, 0, 0)) for i in range(2)]
+
+    def with_video(part):
+        return [{"role": "user", "content": [{"type": "image", **part}, {"type": "video", "video": frames},
+                                             {"type": "text", "text": "What?"}]}]
+
+    with pytest.raises(InvalidRequestError, match="sha256 does not match"):
+        engine.prompts.build(with_video({"image": a, "sha256": digest(b)}))
+    good = engine.prompts.build(with_video({"image": a, "sha256": digest(a)}))
+    assert good.image_hashes == engine.prompts.build(with_video({"image": a})).image_hashes
+    with pytest.raises(InvalidImageError, match="could not read"):
+        engine.prompts.build(media_first_messages([{"image": tmp_path / "gone.png", "sha256": "0" * 64}], "?"))
+
+
 @pytest.mark.parametrize(("part", "hint"), [
     ({"image": b"x", "sha256": "abc"}, "64 hexadecimal"),
     ({"image": b"x", "sha256": "g" * 64}, "64 hexadecimal"),
