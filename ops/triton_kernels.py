@@ -299,13 +299,14 @@ def _query_blocks(meta: AttentionMetadata, block_m: int, device) -> tuple[torch.
     return out
 
 
-#: Prefill launch settings per page format for steps with more than 16 new tokens of a sequence:
-#: ``rows`` query rows a program (tokens x the GQA group), keys a block (by head_dim), warps,
-#: pipeline stages. Shorter steps use 16 rows. From ``benchmarks/sweep_prefill.py`` on the H200
-#: (1,662 new tokens, 8B shape: FP8 302 -> 282 us, bf16 149 -> 144 us; docs/PERFORMANCE.md, v6).
+#: Prefill launch settings: ``rows`` query rows a program (tokens x the GQA group), keys a block
+#: (by head_dim), warps, pipeline stages. Steps with more than 16 new tokens of a sequence use their
+#: page format's, from ``benchmarks/sweep_prefill.py`` on the H200 (1,662 new tokens, 8B shape:
+#: FP8 302 -> 282 us, bf16 149 -> 144 us; docs/PERFORMANCE.md, v6); shorter steps keep "short".
 PREFILL_CONFIG = {
     "fp8": {"rows": 64, "block_n": {64: 64, 128: 64}, "num_warps": 4, "num_stages": 2},
     "bf16": {"rows": 64, "block_n": {64: 64, 128: 32}, "num_warps": 4, "num_stages": 2},
+    "short": {"rows": 16, "block_n": {64: 64, 128: 32}, "num_warps": 4, "num_stages": 3},
 }
 
 
@@ -319,8 +320,7 @@ def paged_attention(q: torch.Tensor, cache: KVLayerCache, meta: AttentionMetadat
         cache: the layer's pool.
         meta: the step's metadata.
         rows, block_n, num_warps, num_stages: launch settings; None takes :data:`PREFILL_CONFIG`'s
-            for the page format (for sweeps; every setting gives the same result up to summation
-            order).
+            for the step (for sweeps; every setting gives the same result up to summation order).
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype; rows of padding tokens are left zero.
@@ -331,8 +331,8 @@ def paged_attention(q: torch.Tensor, cache: KVLayerCache, meta: AttentionMetadat
     out = torch.zeros_like(q)
     if t == 0:
         return out
-    cfg = PREFILL_CONFIG["fp8" if cache.is_fp8 else "bf16"]
-    rows = rows or (16 if meta.max_query_len <= 16 else cfg["rows"])
+    cfg = PREFILL_CONFIG["short" if meta.max_query_len <= 16 else "fp8" if cache.is_fp8 else "bf16"]
+    rows = rows or cfg["rows"]
     block_m = max(1, rows // g)
     block_n = block_n or cfg["block_n"].get(d, 64 if d <= 64 else 32)
     seqs, starts = _query_blocks(meta, block_m, q.device)
