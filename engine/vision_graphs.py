@@ -15,6 +15,7 @@ concurrently); the least recently used is dropped beyond ``max_graphs``.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from .model import Qwen3VL
 from .vision import VisionFeatures
 
 Grids = tuple[tuple[int, int, int], ...]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,7 +43,9 @@ class VisionGraphs:
         model: the model, on CUDA.
         max_graphs: most graphs kept (least recently used dropped).
         max_patches: combinations with more patches always run eagerly (bounds the graphs'
-            activation memory: about 25 KB per patch at the 8B shape in bfloat16).
+            activation memory, roughly 25 KB per patch at the 8B shape in bfloat16).
+
+    A combination whose capture fails is logged and encoded eagerly from then on.
     """
 
     def __init__(self, model: Qwen3VL, max_graphs: int = 8, max_patches: int = 16384):
@@ -49,6 +53,7 @@ class VisionGraphs:
         self.max_graphs, self.max_patches = max_graphs, max_patches
         self._graphs: OrderedDict[Grids, _Captured] = OrderedDict()
         self._seen: OrderedDict[Grids, None] = OrderedDict()
+        self._eager_only: set[Grids] = set()
         self._mempool = None
         self.captures = self.replays = 0
 
@@ -60,10 +65,16 @@ class VisionGraphs:
         if entry is not None:
             self._graphs.move_to_end(key)
             return self._replay(entry, pixels)
-        if key not in self._seen or pixels.shape[0] > self.max_patches:
+        if key not in self._seen or key in self._eager_only or pixels.shape[0] > self.max_patches:
             self._remember(key)
             return self.model.encode_vision(pixels, list(key))
-        return self._capture(key, pixels)
+        try:
+            return self._capture(key, pixels)
+        except Exception:  # a speed-up only: answer eagerly, and do not try this combination again
+            log.warning("vision encoder: CUDA-graph capture failed for grids %s; encoding them eagerly", key,
+                        exc_info=True)
+            self._eager_only.add(key)
+            return self.model.encode_vision(pixels, list(key))
 
     def _remember(self, key: Grids) -> None:
         self._seen[key] = None

@@ -88,6 +88,23 @@ def test_combinations_over_the_patch_bound_always_run_eagerly(model, photo_input
     assert (graphs.captures, graphs.replays) == (0, 0)
 
 
+def test_a_failed_capture_answers_eagerly_and_is_not_retried(model, photo_inputs, caplog):
+    class FailingCapture(EagerStandIn):
+        attempts = 0
+
+        def _capture(self, key, pixels):
+            self.attempts += 1
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = FailingCapture(model)
+    pixels, grids = photo_inputs["tall"]
+    ref = model.encode_vision(pixels, grids)
+    for _ in range(4):
+        assert_same(graphs(pixels, grids), ref)
+    assert graphs.attempts == 1 and (graphs.captures, graphs.replays) == (0, 0)
+    assert "capture failed" in caplog.text
+
+
 def test_engines_on_cpu_encode_eagerly(tiny_engine_factory):
     engine = tiny_engine_factory()
     if engine.device.type != "cuda":
