@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import Completion, PrismError, SamplingParams, media_first_messages
+from engine import Completion, ImageDigestMismatchError, PrismError, SamplingParams, media_first_messages
 from sessions import InvalidImageError, LimitExceeded, NotFound, PermissionDenied, Session, SessionStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -347,6 +347,8 @@ class ChatService:
         try:
             sampling = options.sampling()
             req = engine.submit(build_messages(images, question, history), sampling, cache_salt=session.cache_salt)
+        except ImageDigestMismatchError:  # the stored file no longer holds the bytes it is named by
+            return ActiveTurn(self, session, turn, error="An image of this chat is damaged on the server.")
         except PrismError as exc:
             return ActiveTurn(self, session, turn, error=str(exc))
         with self._lock:

@@ -8,6 +8,7 @@ from .engine import Engine, EngineOptions
 from .errors import (
     CheckpointError,
     EngineOverloadedError,
+    ImageDigestMismatchError,
     InvalidImageError,
     InvalidRequestError,
     PrismError,
@@ -23,6 +24,7 @@ __all__ = [
     "Engine",
     "EngineOptions",
     "EngineOverloadedError",
+    "ImageDigestMismatchError",
     "RequestTooLargeError",
     "InvalidImageError",
     "InvalidRequestError",

@@ -27,6 +27,10 @@ class InvalidRequestError(PrismError, ValueError):
     """A request is malformed (bad message format, bad sampling parameters)."""
 
 
+class ImageDigestMismatchError(InvalidRequestError):
+    """An image part's ``sha256`` is not the SHA-256 of its bytes."""
+
+
 class EngineOverloadedError(PrismError):
     """The engine's waiting queue is full; retry later."""
 

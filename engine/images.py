@@ -152,7 +152,7 @@ def open_image(source: ImageSource, options: ImageOptions | None = None) -> Imag
     _warn_if_truncated_images_allowed()
     if isinstance(source, Image.Image):
         return _decode(source, options)
-    data = _read_source(source, options)
+    data = read_image_bytes(source, options)
     if not data:
         raise InvalidImageError("The image file is empty. Check the file and upload it again.")
     try:
@@ -192,8 +192,15 @@ def bytes_sha256(data: bytes | bytearray | memoryview) -> str:
 # Reading the source
 
 
-def _read_source(source: object, options: ImageOptions) -> bytes:
-    """Return the encoded bytes of a non-PIL source, enforcing ``max_bytes``."""
+def read_image_bytes(source: object, options: ImageOptions | None = None) -> bytes:
+    """The encoded bytes of a non-PIL image source (bytes-like, path or binary file object), read
+    once and at most ``options.max_bytes`` of them.
+
+    Raises:
+        InvalidImageError: the file is over ``max_bytes`` or cannot be read.
+        TypeError: a source of another type.
+    """
+    options = ImageOptions() if options is None else options
     limit = options.max_bytes
     if isinstance(source, (bytes, bytearray, memoryview)):
         size = source.nbytes if isinstance(source, memoryview) else len(source)

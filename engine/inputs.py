@@ -10,7 +10,9 @@ plus ``{"type": "video", "video": [frame, frame, ...], "fps": 2.0}`` parts. An i
 source is a file or bytes may carry ``"sha256"``, the hex SHA-256 of those bytes, when the caller
 already knows it (the app's store is content-addressed): a question about images processed before
 then neither reads nor hashes them. The digest is checked against the bytes whenever the image is
-processed, so a wrong one is refused and never enters the processed-image cache. Images are
+processed, so a wrong one is refused and never enters the processed-image cache; but for an image
+processed before it is taken on trust, so pass digests from your own records only, never from a
+client (whoever knows a digest could otherwise ask about that image without having it). Images are
 opened by :mod:`engine.images` (our safety rules); the chat template, tokenizer and pixel
 processing are the checkpoint's own transformers processor.
 """
@@ -18,20 +20,22 @@ processing are the checkpoint's own transformers processor.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from PIL import Image as PILImage
 
-from .errors import InvalidRequestError
-from .images import ImageOptions, bytes_sha256, image_sha256, open_image
+from .errors import ImageDigestMismatchError, InvalidImageError, InvalidRequestError
+from .images import ImageOptions, bytes_sha256, image_sha256, open_image, read_image_bytes
 from .rope import VisualSpan, find_visual_spans, mrope_positions
 
 ROLES = ("system", "user", "assistant")
+#: Image sources that are encoded bytes: read once, hashed, and decoded from what was read.
+_BYTE_SOURCES = (str, os.PathLike, bytes, bytearray, memoryview)
 DEFAULT_VIDEO_FPS = 2.0
 #: Hashes and processes a request's images side by side: SHA-256, Pillow's resampling and numpy's
 #: array work release the GIL. On a prefix hit hashing is the largest part of the host's work
@@ -135,7 +139,7 @@ def _image_claim(part: dict, n: int) -> str | None:
         return None
     if not (isinstance(claim, str) and len(claim) == 64 and all(c in "0123456789abcdef" for c in claim.lower())):
         raise InvalidRequestError(f"message {n}: an image part's sha256 must be 64 hexadecimal digits")
-    if not isinstance(part["image"], (str, Path, bytes, bytearray, memoryview)):
+    if not isinstance(part["image"], _BYTE_SOURCES):
         raise InvalidRequestError(f"message {n}: sha256 is for images given as a file path or bytes")
     return claim.lower()
 
@@ -256,31 +260,23 @@ class PromptBuilder:
             keys = {id(src): self._source_key(src) for src in distinct}
         return [claim or keys[id(src)] for src, claim in zip(sources, claims, strict=True)]
 
-    def _verified(self, src, claim: str | None):
-        """What to open for ``src``: with a claimed digest, its bytes read once and checked, so the
-        pixels cached under the digest are those of the bytes that were hashed (a file changed in
-        between cannot slip in). An unreadable or oversized file is returned as given, for
-        :func:`engine.images.open_image` to refuse with its message.
+    def _open(self, src, key: str | None, claim: str | None) -> tuple[PILImage.Image, str | None]:
+        """``src`` opened, and the key to cache its processed pixels under. A file or bytes is read
+        once (bounded) and the key is the digest of exactly the bytes decoded, so a file changed
+        since its key was taken cannot put other pixels under that key.
 
         Raises:
-            InvalidRequestError: the bytes do not hash to ``claim``.
+            InvalidImageError: as :func:`engine.images.open_image`.
+            ImageDigestMismatchError: the bytes do not hash to the claimed digest.
         """
-        if claim is None:
-            return src
-        data = src
-        if isinstance(src, (str, Path)):
-            try:
-                path = Path(src)
-                if path.stat().st_size > self.image_options.max_bytes:
-                    return src
-                data = path.read_bytes()
-            except OSError:
-                return src
-        else:
-            data = bytes(src)  # a bytearray or memoryview could change under us
-        if bytes_sha256(data) != claim:
-            raise InvalidRequestError("an image's sha256 does not match its bytes; send the image without it")
-        return data
+        if isinstance(src, _BYTE_SOURCES):
+            src = read_image_bytes(src, self.image_options)
+            key = bytes_sha256(src)
+            if claim is not None and key != claim:
+                raise ImageDigestMismatchError(
+                    "an image's sha256 does not match its bytes; send the image without it"
+                )
+        return open_image(src, self.image_options), key
 
     def _source_key(self, src) -> str | None:
         """SHA-256 of an image source's bytes (files, bytes; for PIL images their mode, size and
@@ -293,14 +289,11 @@ class PromptBuilder:
                 return "pil:" + bytes_sha256(head + src.tobytes())
             except Exception:
                 return None
-        if isinstance(src, (str, Path)):
+        if isinstance(src, (str, os.PathLike)):
             try:
-                path = Path(src)
-                if path.stat().st_size > self.image_options.max_bytes:
-                    return None  # let open_image refuse it with its message
-                return bytes_sha256(path.read_bytes())
-            except OSError:
-                return None
+                return bytes_sha256(read_image_bytes(src, self.image_options))
+            except InvalidImageError:
+                return None  # opening it again gives the user the message
         return None
 
     def _build_from_cache(self, text: str, images: list[ProcessedImage]) -> Prompt:
@@ -322,10 +315,8 @@ class PromptBuilder:
     def _build_with_processor(self, text: str, raw_images, raw_videos, keys, claims) -> Prompt:
         if not raw_videos:
             return self._build_from_cache(text, self._process_images(raw_images, keys, claims))
-        images = [
-            open_image(self._verified(src, claim), self.image_options)
-            for src, claim in zip(raw_images, claims, strict=True)
-        ]
+        opened = [self._open(src, key, claim) for src, key, claim in zip(raw_images, keys, claims, strict=True)]
+        images, keys = [im for im, _ in opened], [key for _, key in opened]
         videos = [([open_image(f, self.image_options) for f in frames], fps) for frames, fps in raw_videos]
         kwargs = {"return_tensors": "pt"}
         if images:
@@ -379,9 +370,12 @@ class PromptBuilder:
     def _process_image(self, src, key: str | None, claim: str | None) -> ProcessedImage:
         with self._lock:
             cached = self._processed.get(key) if key else None
+            if cached is not None:
+                self._processed.move_to_end(key)
+                self.cache_hits += 1
         if cached is not None:
             return cached
-        image = open_image(self._verified(src, claim), self.image_options)
+        image, key = self._open(src, key, claim)
         out = self.processor.image_processor(images=[image], size=self.size, return_tensors="pt")
         grid = tuple(out["image_grid_thw"][0].tolist())
         item = ProcessedImage(image_sha256(image), grid, self._keep(out["pixel_values"]))
@@ -447,7 +441,7 @@ def media_first_messages(images, question: str, history=None, *, system: str | N
     questions = [q for q, _ in history] + [question]
     first = [part for i, img in enumerate(images, 1)
              for part in ({"type": "text", "text": f"Image {i}: "},
-                          {"type": "image", **img} if isinstance(img, dict) else {"type": "image", "image": img},
+                          {**img, "type": "image"} if isinstance(img, dict) else {"type": "image", "image": img},
                           {"type": "text", "text": "\n"})]
     first.append({"type": "text", "text": f"Question: {questions[0]}"})
     messages = [{"role": "system", "content": system}] if system else []

@@ -16,6 +16,7 @@ concurrently); the least recently used is dropped beyond ``max_graphs``.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -45,7 +46,8 @@ class VisionGraphs:
         max_patches: combinations with more patches always run eagerly (bounds the graphs'
             activation memory, roughly 25 KB per patch at the 8B shape in bfloat16).
 
-    A combination whose capture fails is logged and encoded eagerly from then on.
+    A combination whose capture fails is logged and encoded eagerly from then on (after running
+    out of memory: captured again once it has been seen twice more).
     """
 
     def __init__(self, model: Qwen3VL, max_graphs: int = 8, max_patches: int = 16384):
@@ -54,13 +56,19 @@ class VisionGraphs:
         self._graphs: OrderedDict[Grids, _Captured] = OrderedDict()
         self._seen: OrderedDict[Grids, None] = OrderedDict()
         self._eager_only: set[Grids] = set()
+        self._lock = threading.Lock()
+        self._stream: torch.cuda.Stream | None = None  # one capture stream: its freed blocks are reused
         self._mempool = None
         self.captures = self.replays = 0
 
     def __call__(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> VisionFeatures:
         """Vision features of ``pixels [num_patches, C*T*P*P]`` (any device and float dtype) with
-        patch grids ``grids``; the same as ``model.encode_vision``, in fresh tensors."""
-        key: Grids = tuple(tuple(int(x) for x in g) for g in grids)
+        patch grids ``grids``; the same as ``model.encode_vision``, in fresh tensors. Safe to call
+        from several threads (calls run one at a time: a graph has one set of buffers)."""
+        with self._lock:
+            return self._encode(pixels, tuple(tuple(int(x) for x in g) for g in grids))
+
+    def _encode(self, pixels: torch.Tensor, key: Grids) -> VisionFeatures:
         entry = self._graphs.get(key)
         if entry is not None:
             self._graphs.move_to_end(key)
@@ -70,6 +78,11 @@ class VisionGraphs:
             return self.model.encode_vision(pixels, list(key))
         try:
             return self._capture(key, pixels)
+        except torch.OutOfMemoryError:  # perhaps only for now: captured again when next seen twice
+            log.warning("vision encoder: out of memory capturing a CUDA graph for grids %s; encoding eagerly", key)
+            self._seen.pop(key, None)
+            torch.cuda.empty_cache()
+            return self.model.encode_vision(pixels, list(key))
         except Exception:  # a speed-up only: answer eagerly, and do not try this combination again
             log.warning("vision encoder: CUDA-graph capture failed for grids %s; encoding them eagerly", key,
                         exc_info=True)
@@ -93,7 +106,9 @@ class VisionGraphs:
     def _capture(self, key: Grids, pixels: torch.Tensor) -> VisionFeatures:
         dev = self.model.device
         static = pixels.to(dev, self.model.dtype).clone()
-        stream = torch.cuda.Stream(dev)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             result = self.model.visual(static, list(key))  # this call's answer, and the warm-up

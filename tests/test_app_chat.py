@@ -198,6 +198,23 @@ def test_later_questions_do_not_read_the_stored_images_again(chat, store, pictur
     assert second.status == "done" and second.prefix == "hit"
 
 
+def test_a_stored_image_damaged_before_its_first_question_is_reported(chat, store):
+    """The engine checks the store's digest when it first reads a file: a file that no longer holds
+    its bytes is reported as damaged, and the chat goes on once it is whole again."""
+    session, _ = chat.add_images(None, OWNER, [("new.png", png_bytes((40, 30), (17, 99, 201)))])
+    path = store.image_path(session.image_shas[0])
+    original = path.read_bytes()
+    path.chmod(0o600)
+    path.write_bytes(original[:-1] + b"x")
+    try:
+        _, view = run(chat.ask(session.id, OWNER, "What is this?", FAST))
+    finally:
+        path.write_bytes(original)
+    assert view.status == "error" and view.line == "An image of this chat is damaged on the server."
+    _, again = run(chat.ask(session.id, OWNER, "What is this?", FAST))  # the file is whole again
+    assert again.status == "done"
+
+
 def test_streaming_yields_growing_text(chat):
     views, final = run(chat.ask(None, OWNER, "Say something long", ChatOptions(max_tokens=12)))
     texts = [v.answer for v in views]

@@ -269,6 +269,26 @@ def test_digests_beside_a_video_and_for_a_missing_file(engine, tmp_path):
         engine.prompts.build(media_first_messages([{"image": tmp_path / "gone.png", "sha256": "0" * 64}], "?"))
 
 
+def test_images_taken_from_the_cache_on_a_miss_stay_recently_used(engine, tmp_path):
+    """A request with one cached and one new image refreshes the cached one: the new image then
+    evicts the least recently used entry, not it."""
+    from engine.inputs import PromptBuilder
+
+    a, b, c = (noise_png(tmp_path, f"{n}.png", 10 + i) for i, n in enumerate("abc"))
+    probe = engine.prompts.build(media_first_messages([a], "?")).image_pixels[0]
+    cfg = engine.config
+    builder = PromptBuilder(engine.processor, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                            merge_size=cfg.vision.spatial_merge_size,
+                            cache_bytes=2 * probe.numel() * probe.element_size(), pixel_dtype=probe.dtype)
+    for images in ([a], [c], [a, b]):
+        builder.build(media_first_messages(images, "?"))
+    hits = builder.cache_hits
+    builder.build(media_first_messages([a], "?"))
+    assert builder.cache_hits == hits + 1  # a stayed; c went
+    builder.build(media_first_messages([c], "?"))
+    assert builder.cache_hits == hits + 1
+
+
 @pytest.mark.parametrize(("part", "hint"), [
     ({"image": b"x", "sha256": "abc"}, "64 hexadecimal"),
     ({"image": b"x", "sha256": "g" * 64}, "64 hexadecimal"),

@@ -105,6 +105,27 @@ def test_a_failed_capture_answers_eagerly_and_is_not_retried(model, photo_inputs
     assert "capture failed" in caplog.text
 
 
+def test_out_of_memory_while_capturing_is_retried_later(model, photo_inputs, caplog):
+    class OutOfMemoryOnce(EagerStandIn):
+        attempts = 0
+
+        def _capture(self, key, pixels):
+            self.attempts += 1
+            if self.attempts == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return super()._capture(key, pixels)
+
+    graphs = OutOfMemoryOnce(model)
+    pixels, grids = photo_inputs["wide"]
+    ref = model.encode_vision(pixels, grids)
+    counts = []
+    for _ in range(5):  # seen, capture runs out of memory, seen again, captured, replayed
+        assert_same(graphs(pixels, grids), ref)
+        counts.append((graphs.attempts, graphs.captures, graphs.replays))
+    assert counts == [(0, 0, 0), (1, 0, 0), (1, 0, 0), (2, 1, 0), (2, 1, 1)]
+    assert "out of memory" in caplog.text
+
+
 def test_engines_on_cpu_encode_eagerly(tiny_engine_factory):
     engine = tiny_engine_factory()
     if engine.device.type != "cuda":
