@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ from .images import ImageOptions, bytes_sha256, image_sha256, open_image, read_i
 from .rope import VisualSpan, find_visual_spans, mrope_positions
 
 ROLES = ("system", "user", "assistant")
+_HEX64 = re.compile("[0-9a-fA-F]{64}")
 #: Image sources that are encoded bytes: read once, hashed, and decoded from what was read.
 _BYTE_SOURCES = (str, os.PathLike, bytes, bytearray, memoryview)
 DEFAULT_VIDEO_FPS = 2.0
@@ -137,7 +139,7 @@ def _image_claim(part: dict, n: int) -> str | None:
     claim = part.get("sha256")
     if claim is None:
         return None
-    if not (isinstance(claim, str) and len(claim) == 64 and all(c in "0123456789abcdef" for c in claim.lower())):
+    if not (isinstance(claim, str) and _HEX64.fullmatch(claim)):
         raise InvalidRequestError(f"message {n}: an image part's sha256 must be 64 hexadecimal digits")
     if not isinstance(part["image"], _BYTE_SOURCES):
         raise InvalidRequestError(f"message {n}: sha256 is for images given as a file path or bytes")
