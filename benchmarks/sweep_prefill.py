@@ -75,6 +75,22 @@ def sweep_case(batch: int, tokens: int, kv: str) -> None:
         print(f"  {kw}: {ms * 1e3:.1f} us ({flops / ms / 1e9:.0f} TFLOP/s), max diff {err:.2e}", flush=True)
     best = min(results, key=lambda r: r[0])
     print(f"best: {best[1]} {best[0] * 1e3:.1f} us = {base / best[0]:.2f}x the default")
+    if cache.is_fp8:
+        widen_once(q, cache, meta, ref, base)
+
+
+def widen_once(q, cache, meta, ref, base: float) -> None:
+    """A prototype of the next step (docs/PERFORMANCE.md, v6): the step's FP8 pages widened once,
+    scales applied, into float16 pages (plain torch ops here), then the 16-bit kernel over them."""
+    def run():
+        k = (cache.k_cache.float() * cache.k_scale[..., None]).half()
+        v = (cache.v_cache.float() * cache.v_scale[..., None]).half()
+        return tk.paged_attention(q.half(), KVLayerCache(k, v), meta)
+
+    err = (run().float() - ref.float()).abs().max().item()
+    ms = graph_time(run)
+    print(f"widened once into float16 pages, then the 16-bit kernel: {ms * 1e3:.1f} us "
+          f"= {base / ms:.2f}x the default, max diff {err:.2e}")
 
 
 if __name__ == "__main__":
