@@ -106,8 +106,6 @@ class DenseKVCache:
         return ctx
 
 
-
-
 class PagedStep:
     """:class:`AttentionContext` over the paged pool for one step of a flat batch.
 

@@ -118,19 +118,22 @@ class Scheduler:
             n = min(n, req.prompt.prefix_len - req.num_computed)  # compaction happens at the boundary
         return n
 
+    def _undo_intake_hit(self, req: Request) -> None:
+        """The request's match is dropped: report it "stale" and take back the hit counted at
+        intake. Review fix: only a match found at intake was counted (and reported) as a hit; a
+        preempted request's own re-lookup (kept while it waited) has nothing to take back."""
+        if not req.telemetry.preempted:
+            req.telemetry.prefix_cache = "stale"
+            self.cache.stats.stale += 1
+            self.cache.stats.hits -= 1
+
     def _admit(self, req: Request) -> bool:
         """Attach the request's cached prefix (if still there) and check its first chunk can get
         pages. Returns False (nothing changed) when it must keep waiting."""
         match = req.match
         if match is not None and not match.entry.alive:
             req.match = match = None
-            # Review fix: only a match found at intake was counted (and reported) as a hit; a
-            # preempted request's own re-lookup (kept while it waited) was relabelled "stale" and
-            # took a hit off the counters that it had never added.
-            if not req.telemetry.preempted:
-                req.telemetry.prefix_cache = "stale"
-                self.cache.stats.stale += 1
-                self.cache.stats.hits -= 1  # counted as a hit at intake
+            self._undo_intake_hit(req)
         if match is None and req.telemetry.preempted and req.prefix_key is not None:
             match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
         if match is not None:
@@ -153,10 +156,7 @@ class Scheduler:
                 # on a request that fits the pool. Compute it cold instead: the entry becomes
                 # evictable.
                 req.match = match = None
-                if not req.telemetry.preempted:  # the match came from intake: undo its hit
-                    req.telemetry.prefix_cache = "stale"
-                    self.cache.stats.stale += 1
-                    self.cache.stats.hits -= 1
+                self._undo_intake_hit(req)
         if match is not None:
             req.block_table = self.cache.acquire(match)
             req.attached = match.entry
