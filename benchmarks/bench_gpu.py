@@ -61,6 +61,19 @@ def cuda_time(fn, repeats=10, warmup=3) -> float:
     return statistics.median(times)
 
 
+def wall_times(fn, repeats: int) -> list[float]:
+    """Host wall-clock milliseconds of each of ``repeats`` calls of ``fn``, up to the GPU finishing
+    it (what a caller waits, host work included)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
 def graph_time(fn, calls: int = 20, repeats: int = 10) -> float:
     """Median milliseconds of one ``fn()`` on the GPU alone: ``calls`` calls captured in one CUDA
     graph and replayed, so the host's launch time (tens of microseconds per Triton launch) is not
@@ -178,14 +191,8 @@ def bench_ttft(engine, hf, n_images: int, tflops: float) -> dict:
         f"prefill ms {[round(t.prefill_ms, 1) for t in cold]}; vision graphs captured "
         f"{getattr(enc, 'captures', '-')}, replayed {getattr(enc, 'replays', '-')}")
     prompt = engine.prompts.build(media_first_messages(ims, QUESTION))
-    walls = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        enc(prompt.pixel_values, prompt.image_grids)
-        torch.cuda.synchronize()
-        walls.append(round((time.perf_counter() - start) * 1e3, 1))
-    log(f"   vision encoder called directly: {walls} ms")
+    walls = wall_times(lambda: enc(prompt.pixel_values, prompt.image_grids), 3)
+    log(f"   vision encoder called directly: {[round(w, 1) for w in walls]} ms")
     floor = vision_lm_flops(engine.model, prompt) / (tflops * 1e12) * 1e3
     out = {
         "images": n_images, "prompt_tokens": len(prompt.input_ids),

@@ -13,7 +13,6 @@ import pathlib
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -22,20 +21,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import shapes  # noqa: E402
-from bench_gpu import QUESTION, cuda_time  # noqa: E402
+from bench_gpu import QUESTION, cuda_time, wall_times  # noqa: E402
 from media import load_photos  # noqa: E402
 
 
 def wall_ms(fn, repeats: int = 7) -> float:
-    """Median host wall-clock milliseconds of ``fn`` up to the GPU finishing it."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    """Median of :func:`bench_gpu.wall_times`."""
+    return statistics.median(wall_times(fn, repeats))
 
 
 def main(argv=None) -> int:
@@ -53,14 +45,8 @@ def main(argv=None) -> int:
         pixels, grids = prompt.pixel_values, prompt.image_grids
         print(f"{args.photos} photos: {pixels.shape[0]} patches, pixels {pixels.dtype} on {pixels.device}")
         graphs = eng.vision_encoder
-        steps = []
-        for _ in range(4):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            graphs(pixels, grids)
-            torch.cuda.synchronize()
-            steps.append(f"{(time.perf_counter() - start) * 1e3:.1f}")
-        print(f"vision_encoder calls 1-4 (eager, capture, replay, replay): {' / '.join(steps)} ms; "
+        steps = wall_times(lambda: graphs(pixels, grids), 4)
+        print(f"vision_encoder calls 1-4 (eager, capture, replay, replay): {' / '.join(f'{x:.1f}' for x in steps)} ms; "
               f"captures {getattr(graphs, 'captures', '-')}, replays {getattr(graphs, 'replays', '-')}")
         print(f"eager encoder, wall: {wall_ms(lambda: eng.model.encode_vision(pixels, grids)):.1f} ms")
         print(f"graph encoder, wall: {wall_ms(lambda: graphs(pixels, grids)):.1f} ms")
