@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ops import dispatch as ops
+from ops.self_attention import causal_self_attention
 
 
 class AttentionContext(Protocol):
@@ -109,17 +110,34 @@ class DenseKVCache:
 class PagedStep:
     """:class:`AttentionContext` over the paged pool for one step of a flat batch.
 
-    Stores the step's K/V through ``meta.slot_mapping`` (quantising to Scaled-FP8 when the pool
-    does) and attends each sequence's queries to its pages (see :func:`ops.reference.paged_attention`;
+    Stores the step's K/V through the slot mappings (quantising to Scaled-FP8 when the pool does)
+    and attends each sequence's queries to its pages (see :func:`ops.reference.paged_attention`;
     decode-only steps use the split-context decode op). Triton on CUDA, references on CPU.
+
+    Sequences with no cached context (a cold prompt's first chunk) may be given apart, as ``fresh``:
+    they lead the flat batch and attend to the step's own K/V in the model dtype
+    (:func:`ops.self_attention.causal_self_attention`), which reads each key once instead of
+    widening its FP8 copy once per query block. Which path a sequence takes depends only on itself,
+    so its result does not depend on what else shares the step.
+
+    Args:
+        pool: the :class:`~engine.kv_cache.PagePool`.
+        meta: metadata of the sequences attended through their pages (rows after ``fresh``'s), or None.
+        fresh: metadata of the leading fresh sequences (``fresh.fresh`` True), or None.
     """
 
-    def __init__(self, pool, meta):
-        self.pool, self.meta = pool, meta
+    def __init__(self, pool, meta, fresh=None):
+        self.pool, self.meta, self.fresh = pool, meta, fresh
 
     def attend(self, layer, q, k, v):
         cache = self.pool.layers[layer]
-        ops.store_kv(k, v, cache, self.meta.slot_mapping)
-        if self.meta.is_decode_only:
-            return ops.paged_decode_attention(q, cache, self.meta)
-        return ops.paged_attention(q, cache, self.meta)
+        f = self.fresh.num_tokens if self.fresh is not None else 0
+        parts = []
+        if self.fresh is not None:
+            ops.store_kv(k[:f], v[:f], cache, self.fresh.slot_mapping)
+            parts.append(causal_self_attention(q[:f], k[:f], v[:f], self.fresh))
+        if self.meta is not None:
+            ops.store_kv(k[f:], v[f:], cache, self.meta.slot_mapping)
+            attend = ops.paged_decode_attention if self.meta.is_decode_only else ops.paged_attention
+            parts.append(attend(q[f:], cache, self.meta))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

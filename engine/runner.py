@@ -47,12 +47,15 @@ class ModelRunner:
         if self.graphs is not None and self._fits_graph(batch):
             return self._run_graph(batch)
         page = self.pool.page_size
-        ids, positions, slots = [], [], []
-        query_lens, seq_lens, tables, logit_rows, samplers = [], [], [], [], []
+        # Sequences with no cached context first: their rows attend to the step's own K/V.
+        items = sorted(batch.items, key=lambda item: item[0].kv_len > 0)
+        ids, positions, logit_rows, samplers = [], [], [], []
         vis_rows, vis_parts = [], []
+        parts: dict[bool, tuple[list, list, list, list]] = {True: ([], [], [], []), False: ([], [], [], [])}
         offset = 0
-        for req, n in batch.items:
+        for req, n in items:
             start, end = req.num_computed, req.num_computed + n
+            query_lens, seq_lens, tables, slots = parts[req.kv_len == 0]
             ids.extend(req.tokens[start:end])
             positions.append(req.positions(start, end))
             slots.extend(req.slot(i, page) for i in range(start, end))
@@ -67,7 +70,9 @@ class ModelRunner:
                 logit_rows.append(offset + n - 1)
                 samplers.append(req)
             offset += n
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, self.device)
+        fresh, cached = (
+            AttentionMetadata.build(*parts[key], self.device) if parts[key][0] else None for key in (True, False)
+        )
         visual = None
         if vis_rows:
             feats = VisionFeatures.concat(vis_parts)
@@ -75,7 +80,7 @@ class ModelRunner:
         logits = self.model(
             torch.tensor(ids, device=self.device),
             torch.cat(positions, dim=1).to(self.device),
-            PagedStep(self.pool, meta),
+            PagedStep(self.pool, cached, fresh),
             visual,
             torch.tensor(logit_rows, device=self.device, dtype=torch.long),
         )

@@ -185,6 +185,9 @@ class AttentionMetadata:
         max_query_len: host int, ``max_b query_len_b``.
         max_seq_len: host int, ``max_b seq_lens[b]``.
         scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
+        fresh: host bool, True when no sequence has cached context (``query_len_b == seq_len_b``
+            for every ``b``): each sequence's keys are exactly the step's own new tokens, so the
+            step may attend to its K/V before they are stored (:func:`ops.reference.causal_self_attention`).
     """
 
     slot_mapping: torch.Tensor
@@ -194,6 +197,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     scale: float | None = None
+    fresh: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -239,7 +243,7 @@ class AttentionMetadata:
 
         Returns:
             Metadata with int64 ``slot_mapping`` and int32 ``query_start_loc`` / ``seq_lens`` /
-            ``block_tables``.
+            ``block_tables``; ``fresh`` when ``query_lens == seq_lens`` (and ``B > 0``).
 
         Raises:
             ValueError: list lengths disagree, a length is negative, ``query_len > seq_len``, or the slot
@@ -274,4 +278,5 @@ class AttentionMetadata:
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             scale=scale,
+            fresh=b > 0 and list(query_lens) == list(seq_lens),
         )

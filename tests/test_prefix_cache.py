@@ -37,9 +37,10 @@ MAX_PIXELS = 256 * 256
 BASE = {"max_pixels": MAX_PIXELS, "kv_cache_bytes": 16 << 20, "debug_checks": True}
 #: Exact settings: K/V pages in float32, so a hit can be compared with dense references.
 EXACT = {**BASE, "kv_cache_dtype": "auto"}
-#: Hit vs cold logits: 1e-5 on the CPU; on CUDA the hit's question runs other kernels (decode-graph
-#: rows, split-context attention) whose float32 sums differ in order, measured up to 1.5e-5.
-LOGITS_ATOL = 1e-5 if TEST_DEVICE == "cpu" else 1e-4
+#: Hit vs cold logits. The cold prompt attends to its own K/V through SDPA, the hit's question to
+#: the pages through the paged reference (on CUDA: decode-graph rows, split-context attention):
+#: float32 sums in other orders, measured up to 1.3e-5 on the CPU, 1.5e-5 on CUDA.
+LOGITS_ATOL = 3e-5 if TEST_DEVICE == "cpu" else 1e-4
 
 Q1 = "What is in this picture?"
 Q2 = "Describe the colours you can see."
