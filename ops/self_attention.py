@@ -13,6 +13,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .metadata import AttentionMetadata
 
@@ -22,6 +23,11 @@ try:  # torch >= 2.10; its GQA flag arrived later, and without it the per-sequen
     _VARLEN_ARGS = set(inspect.signature(_varlen_attn).parameters)
 except ImportError:  # pragma: no cover - depends on the torch version
     _varlen_attn, _VARLEN_ARGS = None, set()
+
+
+#: Not cuDNN's attention: it builds an execution plan for every new sequence length (tens to hundreds
+#: of ms), and nearly every prompt has a new length.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _varlen_usable(q: torch.Tensor, grouped: bool) -> bool:
@@ -37,10 +43,11 @@ def _varlen_usable(q: torch.Tensor, grouped: bool) -> bool:
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence: ``[S, Hq, D]`` x ``[S, Hkv, D]`` -> ``[S, Hq, D]``."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-    )
+    with sdpa_kernel(_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        )
     return out[0].transpose(0, 1)
 
 
