@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ops.dispatch import warm_up as warm_up_kernels
+
 from .compaction import CompactionConfig
 from .detokenize import TextStream
 from .errors import EngineOverloadedError, InvalidRequestError, PrismError, RequestTooLargeError
@@ -189,6 +191,7 @@ class Engine:
             self.prefix_cache,
         )
         self.runner = ModelRunner(model, self.pool, self._encode_request, self._capture_graphs())
+        warm_up_kernels(self.pool.layers[0], cfg.text.num_attention_heads, self.dtype)
         self.vision_encoder = self._vision_encoder()
         self._cv = threading.Condition()
         self._inbox: list[Request] = []

@@ -51,6 +51,25 @@ def paged_decode_attention(q, cache, meta):
     return reference.paged_decode_attention(q, cache, meta)
 
 
+def warm_up(cache, num_heads: int, dtype: torch.dtype) -> None:
+    """Before the first request: compile the Triton kernels eager steps launch
+    (:func:`ops.triton_kernels.warm_up`) and load the fused attention a cold prompt uses
+    (:mod:`ops.self_attention`). A no-op where the references run."""
+    if not use_triton(cache.k_cache):
+        return
+    group = num_heads // cache.num_kv_heads
+    if group & (group - 1) == 0:
+        triton_kernels.warm_up(cache, num_heads, dtype)
+    from .metadata import AttentionMetadata
+    from .self_attention import causal_self_attention
+
+    dev = cache.k_cache.device
+    q = torch.zeros(16, num_heads, cache.head_dim, dtype=dtype, device=dev)
+    kv = torch.zeros(16, cache.num_kv_heads, cache.head_dim, dtype=dtype, device=dev)
+    for lens in ([16], [8, 8]):  # one prompt, and several together
+        causal_self_attention(q, kv, kv, AttentionMetadata.build(lens, lens, [[0]] * len(lens), [-1] * 16, dev))
+
+
 def move_slots(cache, src_slots, dst_slots) -> None:
     """See :func:`ops.reference.move_slots`."""
     _pick("move_slots", cache.k_cache)(cache, src_slots, dst_slots)

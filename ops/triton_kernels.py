@@ -209,7 +209,7 @@ def _attend_block(
     return m_new, l_i, acc + pv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every few steps: one compile
 def _paged_attention_kernel(
     q_ptr,
     o_ptr,
@@ -380,7 +380,7 @@ def paged_attention(q: torch.Tensor, cache: KVLayerCache, meta: AttentionMetadat
 # --------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])  # eager steps vary both: one compile
 def _decode_split_kernel(
     q_ptr,
     part_o_ptr,
@@ -442,7 +442,7 @@ def _decode_split_kernel(
     tl.store(part_lse_ptr + row, lse, mask=gok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_o_ptr,
     part_lse_ptr,
@@ -594,9 +594,29 @@ def paged_decode_attention(
         splits,
         D=d,
         BLOCK_D=bd,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        BLOCK_S=triton.next_power_of_2(max(splits, MAX_DECODE_SPLITS)),  # one compile for every usual split
     )
     return out
+
+
+def warm_up(cache: KVLayerCache, num_heads: int, dtype: torch.dtype) -> None:
+    """Compile the attention kernels that eager steps launch: prefill in its short and long settings
+    and split-context decode (a Triton compile takes ~1-2 s on the H200; without this the first
+    chunked or mixed step would wait for it). Reads page 0 of ``cache``, stores nothing; the outputs
+    are dropped.
+
+    Args:
+        cache: a layer of the pool the engine attends over.
+        num_heads: query heads (a power-of-two multiple of the KV heads).
+        dtype: the model dtype (the queries').
+    """
+    dev = cache.k_cache.device
+    n_long = 32  # more than "short"'s 16 new tokens
+    table = [0] * -(-n_long // cache.page_size)  # one page read over and over: any content will do
+    q = torch.zeros(n_long, num_heads, cache.head_dim, dtype=dtype, device=dev)
+    for n in (8, n_long):
+        paged_attention(q[:n], cache, AttentionMetadata.build([n], [n], [table], [-1] * n, dev))
+    paged_decode_attention(q[:2], cache, AttentionMetadata.build([1, 1], [5, n_long], [table] * 2, [-1, -1], dev))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -396,6 +396,31 @@ def test_context_manager_and_close(tiny_ckpt):
         eng.generate(ask(question="Hi"))
 
 
+def _compiled_variants() -> dict[str, int]:
+    """How many compiled variants each eager-step attention kernel holds (Triton's per-device caches)."""
+    from ops import triton_kernels as tk
+
+    kernels = {"prefill": tk._paged_attention_kernel, "decode": tk._decode_split_kernel,
+               "merge": tk._decode_merge_kernel}
+    return {name: sum(len(c[0]) for c in k.device_caches.values()) for name, k in kernels.items()}
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton kernels run on the GPU")
+def test_kernels_are_compiled_at_start_not_in_a_users_request(tiny_ckpt, media_path):
+    """Chunked prefills beside running decodes launch the prefill kernel in both settings and the
+    eager split-context decode; a user must not wait 1-2 s for Triton to compile them."""
+    with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False, prefix_cache=False,
+                                max_num_batched_tokens=40) as eng:
+        before = _compiled_variants()
+        assert all(before.values()), before
+        stream = eng.stream(ask(question="Count slowly to twenty."), SamplingParams(max_tokens=30, ignore_eos=True))
+        next(stream)  # decoding while the photo's prompt is prefilled 40 tokens a step
+        done = eng.generate(ask(media_path("astronaut.png")), SamplingParams(max_tokens=2, ignore_eos=True))
+        list(stream)
+        assert done.telemetry.prompt_tokens > 3 * 40
+        assert _compiled_variants() == before
+
+
 # --------------------------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------------------------
