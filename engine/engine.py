@@ -76,6 +76,9 @@ class EngineOptions:
         graph_max_tokens: text-only steps of up to this many new tokens (and at least
             ``max_num_seqs``) replay the graphs too, so the question after a cached prefix is
             prefilled without the host in the way.
+        prefill_graphs: with ``cuda_graphs`` on CUDA, a step holding only one cold prompt (or its
+            first chunk) of fewer than 512 tokens replays a graph captured for its token-count
+            bucket (see :mod:`engine.prefill_graphs`).
     """
 
     min_pixels: int | None = None
@@ -103,6 +106,7 @@ class EngineOptions:
     vision_cache_bytes: int = 256 << 20
     cuda_graphs: bool = True
     graph_max_tokens: int = 64
+    prefill_graphs: bool = True
 
     def image_options(self) -> ImageOptions:
         return ImageOptions(
@@ -190,7 +194,8 @@ class Engine:
             SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, options.max_waiting),
             self.prefix_cache,
         )
-        self.runner = ModelRunner(model, self.pool, self._encode_request, self._capture_graphs())
+        self.runner = ModelRunner(model, self.pool, self._encode_request, self._capture_graphs(),
+                                  self._capture_prefill_graphs())
         warm_up_kernels(self.pool.layers[0], cfg.text.num_attention_heads, self.dtype)
         self.vision_encoder = self._vision_encoder()
         self._cv = threading.Condition()
@@ -216,6 +221,15 @@ class Engine:
             self.model, self.pool, max(self.options.max_num_seqs, self.options.graph_max_tokens),
             max_pages_per_seq=-(-self.max_model_len // self.pool.page_size), max_seq_len=self.max_model_len,
         )
+        graphs.capture()
+        return graphs
+
+    def _capture_prefill_graphs(self):
+        if not (self.options.prefill_graphs and self.options.cuda_graphs and self.model.device.type == "cuda"):
+            return None
+        from .prefill_graphs import PrefillGraphs
+
+        graphs = PrefillGraphs(self.model, self.pool)
         graphs.capture()
         return graphs
 

@@ -32,12 +32,13 @@ class ModelRunner:
     recomputation never reruns the encoder.
     """
 
-    def __init__(self, model: Qwen3VL, pool: PagePool, encode_vision, graphs=None):
+    def __init__(self, model: Qwen3VL, pool: PagePool, encode_vision, graphs=None, prefill_graphs=None):
         self.model = model
         self.pool = pool
         self.encode_vision = encode_vision
         self.device = model.device
         self.graphs = graphs  # DecodeGraphs for pure decode steps on CUDA, or None
+        self.prefill_graphs = prefill_graphs  # PrefillGraphs for short cold prompts alone in a step, or None
 
     def execute(self, batch: Batch) -> list[tuple[Request, int]]:
         """Run one step. Returns ``(request, sampled token)`` for requests that produced a token.
@@ -46,6 +47,8 @@ class ModelRunner:
         """
         if self.graphs is not None and self._fits_graph(batch):
             return self._run_graph(batch)
+        if self.prefill_graphs is not None and self._fits_prefill_graph(batch):
+            return self._run_prefill_graph(batch)
         page = self.pool.page_size
         # Sequences with no cached context first: their rows attend to the step's own K/V.
         items = sorted(batch.items, key=lambda item: item[0].kv_len > 0)
@@ -145,6 +148,24 @@ class ModelRunner:
             pick = torch.tensor(logit_rows, dtype=torch.long, device=logits.device)
             logits, greedy = logits[pick], greedy[pick]
         return self._sample(samplers, logits, greedy)
+
+    def _fits_prefill_graph(self, batch: Batch) -> bool:
+        """A step replays a prefill graph when it holds one sequence and no cached context: a cold
+        prompt (or its first chunk) of at most ``prefill_graphs.max_tokens`` tokens, alone."""
+        if len(batch.items) != 1:
+            return False
+        req, n = batch.items[0]
+        return req.kv_len == 0 and self.prefill_graphs.fits(n)
+
+    def _run_prefill_graph(self, batch: Batch) -> list[tuple[Request, int]]:
+        ((req, n),) = batch.items
+        start, end = req.num_computed, req.num_computed + n
+        page = self.pool.page_size
+        rows, features = self._vision(req, start, end)
+        logits = self.prefill_graphs.run(req.tokens[start:end], req.positions(start, end),
+                                         [req.slot(i, page) for i in range(start, end)], rows, features)
+        req.num_computed += n
+        return self._sample([req], logits, None) if end == len(req.tokens) else []
 
     def encode_pending(self, batch: Batch) -> list[tuple[Request, Exception]]:
         """Run the vision encoder, one request at a time, for the images and videos whose tokens
