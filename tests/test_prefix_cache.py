@@ -101,12 +101,14 @@ def recorded_logits(engine):
     """Record the logits of every sampled token while the block runs (run one request at a time:
     then row ``i`` is the distribution generated token ``i`` was chosen from)."""
     recorder = LogitsRecorder(engine.runner.model)
-    engine.runner.model, graphs = recorder, engine.runner.graphs
-    engine.runner.graphs = None  # (CUDA) replayed graphs would bypass the recorder: steps run eagerly
+    runner = engine.runner
+    runner.model, graphs, prefill_graphs = recorder, runner.graphs, runner.prefill_graphs
+    # (CUDA) replayed graphs would bypass the recorder: steps run eagerly
+    runner.graphs = runner.prefill_graphs = None
     try:
         yield recorder.rows
     finally:
-        engine.runner.model, engine.runner.graphs = recorder.model, graphs
+        runner.model, runner.graphs, runner.prefill_graphs = recorder.model, graphs, prefill_graphs
 
 
 def gen_with_logits(engine, messages, salt="s") -> tuple[Completion, torch.Tensor]:
