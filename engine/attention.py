@@ -118,7 +118,8 @@ class PagedStep:
     they lead the flat batch and attend to the step's own K/V in the model dtype
     (:func:`ops.self_attention.causal_self_attention`), which reads each key once instead of
     widening its FP8 copy once per query block. Which path a sequence takes depends only on itself,
-    so its result does not depend on what else shares the step.
+    so on the CPU its result does not depend on what else shares the step (on CUDA, only up to the
+    summation order of the kernels a step launches).
 
     Args:
         pool: the :class:`~engine.kv_cache.PagePool`.

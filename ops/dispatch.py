@@ -9,6 +9,8 @@ import os
 import torch
 
 from . import reference
+from .metadata import AttentionMetadata
+from .self_attention import causal_self_attention
 
 try:  # Triton is optional on CPU-only installs
     from . import triton_kernels
@@ -60,9 +62,6 @@ def warm_up(cache, num_heads: int, dtype: torch.dtype) -> None:
     group = num_heads // cache.num_kv_heads
     if group & (group - 1) == 0:
         triton_kernels.warm_up(cache, num_heads, dtype)
-    from .metadata import AttentionMetadata
-    from .self_attention import causal_self_attention
-
     dev = cache.k_cache.device
     q = torch.zeros(16, num_heads, cache.head_dim, dtype=dtype, device=dev)
     kv = torch.zeros(16, cache.num_kv_heads, cache.head_dim, dtype=dtype, device=dev)
