@@ -115,11 +115,12 @@ class PagedStep:
     decode-only steps use the split-context decode op). Triton on CUDA, references on CPU.
 
     Sequences with no cached context (a cold prompt's first chunk) may be given apart, as ``fresh``:
-    they lead the flat batch and attend to the step's own K/V in the model dtype
+    they lead the flat batch and attend to the step's own K/V
     (:func:`ops.self_attention.causal_self_attention`), which reads each key once instead of
-    widening its FP8 copy once per query block. Which path a sequence takes depends only on itself,
-    so on the CPU its result does not depend on what else shares the step (on CUDA, only up to the
-    summation order of the kernels a step launches).
+    widening its FP8 copy once per query block. The store hands back those K/V as the pages now
+    hold them (FP8-rounded, dequantised), so a fresh sequence attends to the same numbers as it
+    would through its pages: its result does not depend on where its chunks end or on what shares
+    its step, beyond the summation order of the kernels that run.
 
     Args:
         pool: the :class:`~engine.kv_cache.PagePool`.
@@ -135,8 +136,13 @@ class PagedStep:
         f = self.fresh.num_tokens if self.fresh is not None else 0
         parts = []
         if self.fresh is not None:
-            ops.store_kv(k[:f], v[:f], cache, self.fresh.slot_mapping)
-            parts.append(causal_self_attention(q[:f], k[:f], v[:f], self.fresh))
+            kf, vf = k[:f], v[:f]
+            if cache.is_fp8:  # attend to what later chunks, decode steps and prefix hits will read
+                kf, vf = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (kf, vf))
+                ops.store_kv(k[:f], v[:f], cache, self.fresh.slot_mapping, out=(kf, vf))
+            else:
+                ops.store_kv(kf, vf, cache, self.fresh.slot_mapping)
+            parts.append(causal_self_attention(q[:f], kf, vf, self.fresh))
         if self.meta is not None:
             ops.store_kv(k[f:], v[f:], cache, self.meta.slot_mapping)
             attend = ops.paged_decode_attention if self.meta.is_decode_only else ops.paged_attention

@@ -43,7 +43,9 @@ class SchedulerConfig:
 
 @dataclass
 class Batch:
-    """The work of one step: ``(request, number of new tokens)`` pairs, in flat-batch order."""
+    """The work of one step: ``(request, number of new tokens)`` pairs, decodes first, then prefill
+    chunks in admission order (the runner lays out the flat batch: it puts sequences without cached
+    context first)."""
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)

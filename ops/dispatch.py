@@ -32,9 +32,9 @@ def _pick(name: str, t: torch.Tensor):
     return getattr(triton_kernels if use_triton(t) else reference, name)
 
 
-def store_kv(k, v, cache, slot_mapping) -> None:
+def store_kv(k, v, cache, slot_mapping, out=None) -> None:
     """See :func:`ops.reference.store_kv`."""
-    _pick("store_kv", k)(k, v, cache, slot_mapping)
+    _pick("store_kv", k)(k, v, cache, slot_mapping, out)
 
 
 def paged_attention(q, cache, meta):

@@ -187,7 +187,7 @@ class AttentionMetadata:
         scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
         fresh: host bool, True when no sequence has cached context (``query_len_b == seq_len_b``
             for every ``b``): each sequence's keys are exactly the step's own new tokens, so the
-            step may attend to its K/V before they are stored (:func:`ops.reference.causal_self_attention`).
+            step may attend to its own K/V (:func:`ops.self_attention.causal_self_attention`).
     """
 
     slot_mapping: torch.Tensor

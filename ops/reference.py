@@ -98,7 +98,8 @@ def _check_slots(cache: KVLayerCache, slots: torch.Tensor, what: str, allow_padd
     return valid
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping: torch.Tensor,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write the step's new K/V into their slots (in place), quantising in FP8 mode.
 
     Args:
@@ -106,10 +107,34 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
         cache: the layer's pool; in FP8 mode ``k_scale`` / ``v_scale`` are written too, in auto mode the
             values are copied (cast to the cache dtype, bit-exact when the dtypes match).
         slot_mapping: int ``[T]``; slot of each token, ``-1`` = skip that row.
+        out: optional ``(k_out, v_out)``, contiguous ``[T, Hkv, D]``, filled with K and V as the pages
+            now hold them, in ``k_out``'s dtype: FP8 pages dequantised (:func:`dequantize_fp8`, the
+            float32 product rounded once), others the stored values; zeros on rows with slot -1.
+            So attending to ``out`` reads the same numbers as attending to the pages.
 
     Raises:
-        ValueError: shape mismatch, slot out of range, or a slot repeated.
+        ValueError: shape mismatch, slot out of range, a slot repeated, or ``out`` of another shape.
     """
+    if out is not None:
+        if any(o.shape != k.shape or not o.is_contiguous() for o in out):
+            raise ValueError(f"out must be two contiguous tensors of k's shape {tuple(k.shape)}")
+        _store_kv(k, v, cache, slot_mapping)
+        valid = slot_mapping >= 0
+        for o, x in zip(out, (k, v), strict=True):
+            o.zero_()
+            o[valid] = _as_stored(x[valid], cache).to(o.dtype)
+        return
+    _store_kv(k, v, cache, slot_mapping)
+
+
+def _as_stored(x: torch.Tensor, cache: KVLayerCache) -> torch.Tensor:
+    """``x`` ``[N, Hkv, D]`` as the pages hold it: float32."""
+    if cache.is_fp8:
+        return dequantize_fp8(*quantize_fp8(x))
+    return x.to(cache.k_cache.dtype).float()
+
+
+def _store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping: torch.Tensor) -> None:
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[1:] != (cache.num_kv_heads, cache.head_dim):

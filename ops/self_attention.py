@@ -1,10 +1,12 @@
 """Attention of a *fresh* prefill step (no sequence has cached context) to its own K/V.
 
-A cold prompt's first step holds all of its keys in the step itself, in the model dtype. Reading them
-back from the paged pool would widen every FP8 key and value once per query block (tens of times per
-key for a 1.7k-token prompt); attending to the step's own tensors with PyTorch's fused attention
-(FlashAttention-2 on CUDA: Dao, "FlashAttention-2", 2023) reads each once and skips the FP8 rounding.
-The pages are still written (:func:`ops.store_kv`) for the tokens that follow.
+A cold prompt's first step holds all of its keys in the step itself. Reading them back from the
+paged pool would widen every FP8 key and value once per query block (tens of times per key for a
+1.7k-token prompt); attending to the step's tensors with PyTorch's fused attention
+(FlashAttention-2 on CUDA: Dao, "FlashAttention-2", 2023) reads each once. The caller passes the
+K/V as the pages hold them (``ops.store_kv(..., out=...)``: FP8-rounded and dequantised), so the
+result is the paged attention's up to summation order and the rounding of those values to the
+model dtype.
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 
 def _varlen_usable(q: torch.Tensor) -> bool:
+    """FlashAttention's varlen kernel: 16-bit inputs, head_dim <= 256, Ampere or newer."""
     return (
         _varlen_attn is not None
         and q.is_cuda
         and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
         and "scale" in _VARLEN_ARGS
         and ("window_size" in _VARLEN_ARGS or "is_causal" in _VARLEN_ARGS)
     )
@@ -55,8 +60,8 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, met
     """Causal GQA attention of each sequence's new tokens among themselves.
 
     Same result as :func:`ops.reference.paged_attention` after :func:`ops.reference.store_kv` of a
-    fresh step on model-dtype pages (up to summation order); on FP8 pages it differs by the FP8
-    rounding of K/V, which this skips. Query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+    fresh step, when ``k`` / ``v`` are what the pages hold (up to summation order). Query head ``h``
+    reads KV head ``h // (Hq // Hkv)``.
 
     Args:
         q: ``[T, Hq, D]`` queries (after Q-norm and M-RoPE), model dtype.
@@ -85,8 +90,10 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, met
     if _varlen_usable(q):  # several prompts in one launch, no host sync
         cu = meta.query_start_loc.to(torch.int32)
         causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_ARGS else {"is_causal": True}
-        gqa = {"enable_gqa": True} if hq != k.shape[1] and "enable_gqa" in _VARLEN_ARGS else {}
-        return _varlen_attn(q, k, v, cu, cu, meta.max_query_len, meta.max_query_len, scale=scale, **causal, **gqa)
+        extra = {"enable_gqa": True} if hq != k.shape[1] and "enable_gqa" in _VARLEN_ARGS else {}
+        if "num_splits" in _VARLEN_ARGS:  # split-KV would depend on the batch's composition
+            extra["num_splits"] = 1
+        return _varlen_attn(q, k, v, cu, cu, meta.max_query_len, meta.max_query_len, scale=scale, **causal, **extra)
     out = q.new_empty(q.shape)
     starts = meta.query_start_loc.tolist()
     for q0, q1 in zip(starts[:-1], starts[1:], strict=True):

@@ -44,6 +44,8 @@ def _store_kv_kernel(
     ks_ptr,
     vs_ptr,
     slot_ptr,
+    ko_ptr,
+    vo_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -55,10 +57,17 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
     PAGE: tl.constexpr,
+    OUT: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    out = (t * num_kv_heads + h) * D + tl.arange(0, BLOCK_D)  # contiguous [T, Hkv, D] outputs
+    if OUT:
+        if slot < 0:  # a padding row: zeros, so that attending to it can give no NaN
+            zero = tl.zeros([BLOCK_D], tl.float32)
+            tl.store(ko_ptr + out, zero.to(ko_ptr.dtype.element_ty), mask=tl.arange(0, BLOCK_D) < D)
+            tl.store(vo_ptr + out, zero.to(vo_ptr.dtype.element_ty), mask=tl.arange(0, BLOCK_D) < D)
     if slot >= 0:
         row = (slot // PAGE * num_kv_heads + h) * PAGE + slot % PAGE  # head-major pages
         d = tl.arange(0, BLOCK_D)
@@ -70,24 +79,35 @@ def _store_kv_kernel(
             # correctly rounded divisions, as torch's, so scales and payload match the reference bit for bit
             ks = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor), fp8_max)
             vs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor), fp8_max)
-            kq = tl.clamp(tl.math.div_rn(k, ks), -fp8_max, fp8_max)
-            vq = tl.clamp(tl.math.div_rn(v, vs), -fp8_max, fp8_max)
-            tl.store(kc_ptr + dst, kq.to(kc_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
-            tl.store(vc_ptr + dst, vq.to(vc_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
+            f8 = kc_ptr.dtype.element_ty
+            kq = tl.clamp(tl.math.div_rn(k, ks), -fp8_max, fp8_max).to(f8, fp_downcast_rounding="rtne")
+            vq = tl.clamp(tl.math.div_rn(v, vs), -fp8_max, fp8_max).to(f8, fp_downcast_rounding="rtne")
+            tl.store(kc_ptr + dst, kq, mask=m)
+            tl.store(vc_ptr + dst, vq, mask=m)
             tl.store(ks_ptr + row, ks)
             tl.store(vs_ptr + row, vs)
+            if OUT:  # what the pages now hold, dequantised
+                tl.store(ko_ptr + out, (kq.to(tl.float32) * ks).to(ko_ptr.dtype.element_ty), mask=m)
+                tl.store(vo_ptr + out, (vq.to(tl.float32) * vs).to(vo_ptr.dtype.element_ty), mask=m)
         else:
             tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=m)
             tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=m)
+            if OUT:
+                kc = k.to(kc_ptr.dtype.element_ty).to(tl.float32)
+                vc = v.to(vc_ptr.dtype.element_ty).to(tl.float32)
+                tl.store(ko_ptr + out, kc.to(ko_ptr.dtype.element_ty), mask=m)
+                tl.store(vo_ptr + out, vc.to(vo_ptr.dtype.element_ty), mask=m)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping: torch.Tensor,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Triton version of :func:`ops.reference.store_kv` (same arguments; no validation, no host sync).
 
     Args:
         k, v: ``[T, Hkv, D]`` model dtype, last dim contiguous.
         cache: the layer's pool (contiguous pages).
         slot_mapping: int64 ``[T]``; -1 rows are skipped.
+        out: optional contiguous ``[T, Hkv, D]`` tensors that receive K and V as the pages hold them.
     """
     t, hkv, d = k.shape
     if t == 0:
@@ -95,6 +115,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
     fp8 = cache.is_fp8
     ks = cache.k_scale if fp8 else cache.k_cache
     vs = cache.v_scale if fp8 else cache.v_cache
+    ko, vo = out if out is not None else (k, v)
     _store_kv_kernel[(t, hkv)](
         k,
         v,
@@ -103,6 +124,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
         ks,
         vs,
         slot_mapping,
+        ko,
+        vo,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -114,6 +137,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
         BLOCK_D=triton.next_power_of_2(d),
         FP8=fp8,
         PAGE=cache.page_size,
+        OUT=out is not None,
     )
 
 
@@ -600,10 +624,10 @@ def paged_decode_attention(
 
 
 def warm_up(cache: KVLayerCache, num_heads: int, dtype: torch.dtype) -> None:
-    """Compile the attention kernels that eager steps launch: prefill in its short and long settings
-    and split-context decode (a Triton compile takes ~1-2 s on the H200; without this the first
-    chunked or mixed step would wait for it). Reads page 0 of ``cache``, stores nothing; the outputs
-    are dropped.
+    """Compile the kernels that eager steps launch: the store that hands back the stored K/V (a
+    fresh step's), prefill attention in its short and long settings and split-context decode (a
+    Triton compile takes ~1-2 s on the H200; without this the first cold, chunked or mixed step
+    would wait for it). Reads page 0 of ``cache``, stores nothing; the outputs are dropped.
 
     Args:
         cache: a layer of the pool the engine attends over.
@@ -614,6 +638,9 @@ def warm_up(cache: KVLayerCache, num_heads: int, dtype: torch.dtype) -> None:
     n_long = 32  # more than "short"'s 16 new tokens
     table = [0] * -(-n_long // cache.page_size)  # one page read over and over: any content will do
     q = torch.zeros(n_long, num_heads, cache.head_dim, dtype=dtype, device=dev)
+    kv = torch.zeros(2, cache.num_kv_heads, cache.head_dim, dtype=dtype, device=dev)
+    unused = torch.full((2,), -1, dtype=torch.long, device=dev)
+    store_kv(kv, kv, cache, unused, out=(torch.empty_like(kv), torch.empty_like(kv)))  # a fresh step's store
     for n in (8, n_long):
         paged_attention(q[:n], cache, AttentionMetadata.build([n], [n], [table], [-1] * n, dev))
     paged_decode_attention(q[:2], cache, AttentionMetadata.build([1, 1], [5, n_long], [table] * 2, [-1, -1], dev))

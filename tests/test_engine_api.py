@@ -371,15 +371,15 @@ def test_three_threads_match_single_threaded_results(engine, media_path):
     assert not errors, errors
     for one, together in zip(alone, results, strict=True):
         assert together.prompt_token_ids == one.prompt_token_ids
-        assert len(together.token_ids) == len(one.token_ids)
         if TEST_DEVICE == "cpu":
             assert together.token_ids == one.token_ids
             assert together.text == one.text
         else:
-            # On CUDA a decode row shared with other requests runs other kernels (eager split-context
-            # decode beside a prefill, another graph bucket) that sum in another order; random weights'
-            # flat logits can then flip a later token (seen once, at the 4th token). A prompt's own
-            # prefill never depends on its neighbours, so the first token must match.
+            # On CUDA a row shared with other requests runs other kernels (a graph bucket of another
+            # size, eager attention beside a prefill) that sum in another order; random weights' flat
+            # logits can then flip a token (seen once, at the 4th), and a flip may move the stop.
+            # The first token comes from the prompt alone in both runs' first steps or beside the
+            # others; its logits differ by the summation order only, so it must match.
             assert together.token_ids[0] == one.token_ids[0]
 
 

@@ -5,9 +5,8 @@ Two measurements, both on the float32 "test" checkpoint with ~64-token photos:
 * attention outputs: a decoder prefill (plus a few decode steps) where every layer stores its K/V
   in an FP8 pool and in a float32 pool and attends over each (:class:`DualStep`); the stream
   continues on the float32 result, so each layer's error is the KV quantisation's alone;
-* the engine end to end: logits of an FP8-only run are finite; the first greedy token equals the
-  ``kv_cache_dtype="auto"`` engine's (a cold prompt attends to its own K/V, never to its FP8 copy),
-  and the next one, the first to read the FP8 pages, agrees on most prompts.
+* the engine end to end: logits of an FP8-only run are finite, and the first greedy token of the
+  FP8 engine agrees with the ``kv_cache_dtype="auto"`` engine on most prompts.
 
 The bounds are about 1.5-2x the values measured when this test was written (numbers in comments).
 """
@@ -39,11 +38,10 @@ MEAN_ATTN_REL_ERR = 0.06
 #: The same with the bfloat16 model (3 photos). Measured: max 0.0540.
 MAX_ATTN_REL_ERR_BF16 = 0.10
 
-#: Second greedy token (the first decoded over the FP8 pages), FP8 engine vs auto engine, 11 photos.
-#: Measured: 9 of 11 agree (0.82), the others are the auto run's 2nd and 3rd choices (ranks 1, 2).
-#: (When prompts still attended to their FP8 pages, the first token: 7 of 11, ranks 1, 1, 1, 2.)
-#: Random weights give flat logits (std ~3, top-2 gap often < 0.3) while FP8 moves them by ~5-17%
-#: (max |diff| ~0.7-2.4), so flips are expected here; a trained model's peaked logits flip far less.
+#: First greedy token, FP8 engine vs auto engine, 11 photos. Measured: 7 of 11 agree (0.64); where
+#: they differ the FP8 token is the auto run's 2nd or 3rd choice (ranks 1, 1, 1, 2). Random weights
+#: give flat logits (std ~3, top-2 gap often < 0.3) while FP8 moves them by ~5-17% (max |diff|
+#: ~0.7-2.4), so flips are expected here; a trained model's peaked logits flip far less.
 MIN_FIRST_TOKEN_AGREEMENT = 0.5
 MAX_FIRST_TOKEN_RANK = 4
 
@@ -143,28 +141,26 @@ def test_fp8_attention_outputs_stay_close_to_auto(engines, prompts):
     assert mean <= MEAN_ATTN_REL_ERR
 
 
-def test_fp8_logits_are_finite_and_decoded_tokens_agree(engines, prompts):
+def test_fp8_logits_are_finite_and_first_tokens_agree(engines, prompts):
     fp8_engine, auto_engine = engines
     agree, ranks = 0, []
-    two = SamplingParams(max_tokens=2, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, ignore_eos=True)
     for messages in prompts.values():
         prompt = fp8_engine.prompts.build(messages)
         pages = -(-(len(prompt.input_ids) + DECODE_STEPS) // 16)
         fp8_pool, auto_pool = make_pool(fp8_engine, "fp8_e4m3", pages), make_pool(fp8_engine, "auto", pages)
         fp8_logits = run_steps(fp8_engine, prompt, engine_step(fp8_pool))
         assert all(torch.isfinite(x).all() for x in fp8_logits), "NaN / inf in FP8 logits"
-        auto_logits = run_steps(fp8_engine, prompt, engine_step(auto_pool), steps=1)
+        auto_logits = run_steps(fp8_engine, prompt, engine_step(auto_pool), steps=0)[0]
 
-        fp8_tokens = fp8_engine.generate(messages, two).token_ids
-        auto_tokens = auto_engine.generate(messages, two).token_ids
+        fp8_token = fp8_engine.generate(messages, first).token_ids[0]
+        auto_token = auto_engine.generate(messages, first).token_ids[0]
         # the harness runs what the engines run
-        assert fp8_tokens == [int(x.argmax()) for x in fp8_logits[:2]]
-        assert auto_tokens == [int(x.argmax()) for x in auto_logits]
-        assert fp8_tokens[0] == auto_tokens[0], "the prompt's own attention never reads the FP8 pages"
-        agree += fp8_tokens[1] == auto_tokens[1]
-        ranks.append(int((auto_logits[1] > auto_logits[1][fp8_tokens[1]]).sum()))  # 0: the same token
+        assert fp8_token == int(fp8_logits[0].argmax()) and auto_token == int(auto_logits.argmax())
+        agree += fp8_token == auto_token
+        ranks.append(int((auto_logits > auto_logits[fp8_token]).sum()))  # 0: the same token
     rate = agree / len(prompts)
-    print(f"FP8 vs auto second-token agreement: {agree}/{len(prompts)} = {rate:.2f}; "
+    print(f"FP8 vs auto first-token agreement: {agree}/{len(prompts)} = {rate:.2f}; "
           f"rank of the FP8 token among the auto logits: {ranks}")
     assert rate >= MIN_FIRST_TOKEN_AGREEMENT
     assert max(ranks) <= MAX_FIRST_TOKEN_RANK

@@ -284,16 +284,22 @@ def pressure_cases(photos) -> list[list[dict]]:
     return texts[:4] + images[:2] + texts[4:8] + images[2:] + texts[8:]  # 16 requests, images in between
 
 
-def test_preemption_under_a_small_pool_keeps_every_answer(pressure_cases, engine, tiny_engine_factory):
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_preemption_under_a_small_pool_keeps_every_answer(pressure_cases, engine, tiny_engine_factory, kv):
+    """Also with FP8 pages: a recomputed (or differently chunked) prompt's first chunk attends to its
+    K/V as the pages hold them, so it computes the numbers its first run did."""
+    options = {**BASE, "kv_cache_dtype": kv}
+    if kv != "auto":
+        engine = tiny_engine_factory(**options)
     sampling = SamplingParams(max_tokens=48, ignore_eos=True)
     need = [math.ceil((len(engine.prompts.build(m).input_ids) + 48) / 16) for m in pressure_cases]
     pages = round(3.5 * sum(need) / len(need))  # room for ~3-4 of the 16 requests at once
     assert max(need) <= pages < sum(need) / 4
     cfg = engine.config.text
     per_page = PagePool.bytes_per_page(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                                       head_dim=cfg.head_dim, page_size=16, kv_cache_dtype="auto",
+                                       head_dim=cfg.head_dim, page_size=16, kv_cache_dtype=kv,
                                        model_dtype=torch.float32)
-    small = tiny_engine_factory(**BASE, kv_cache_bytes=pages * per_page, debug_checks=True)
+    small = tiny_engine_factory(**options, kv_cache_bytes=pages * per_page, debug_checks=True)
     assert small.stats()["pages_total"] == pages
 
     # unpressured: all 16 at once on the big pool

@@ -186,6 +186,39 @@ def test_store_kv_matches_reference(device, kv, d):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_hands_back_what_the_pages_hold(device, kv, out_dtype):
+    """``out=``: the kernel's K/V as stored (FP8: dequantised, rounded once to the out dtype; zeros
+    on padding rows), equal to the reference's, and equal to dequantising the kernel's own pages."""
+    g = torch.Generator().manual_seed(2)
+    d = 64
+    a = KVLayerCache.allocate(8, 16, 2, d, kv, torch.float32, device)
+    b = KVLayerCache.allocate(8, 16, 2, d, kv, torch.float32, device)
+    k = (torch.randn(21, 2, d, generator=g) * 3).to(device)
+    v = torch.randn(21, 2, d, generator=g).to(device)
+    slots = torch.randperm(128, generator=g)[:21].to(device)
+    slots[4] = -1
+    ka, va = (torch.full((21, 2, d), float("nan"), dtype=out_dtype, device=device) for _ in range(2))
+    kb, vb = (torch.full((21, 2, d), float("nan"), dtype=out_dtype, device=device) for _ in range(2))
+    ref.store_kv(k, v, a, slots, out=(ka, va))
+    tk.store_kv(k, v, b, slots, out=(kb, vb))
+    assert (kb[4] == 0).all() and (vb[4] == 0).all() and torch.isfinite(kb).all()
+    rows = slots >= 0
+    page, off = slots[rows] // 16, slots[rows] % 16
+    for got, cache, x in ((kb, b, "k"), (vb, b, "v")):
+        pages = getattr(cache, f"{x}_cache")[page, :, off]  # [N, Hkv, D]
+        held = ref.dequantize_fp8(pages, getattr(cache, f"{x}_scale")[page, :, off]) if cache.is_fp8 else pages
+        want = held.float().to(out_dtype)
+        if device == "cuda" or out_dtype == torch.float32:  # its own pages, bit for bit
+            assert torch.equal(got[rows], want), x
+        else:  # the interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest): one ulp
+            torch.testing.assert_close(got[rows].float(), want.float(), rtol=2**-7, atol=0)
+    if device == "cuda" or (kv == "auto" and out_dtype == torch.float32):  # the interpreter's casts differ
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_move_slots_and_copy_pages_overlap_safe(device, kv):
     a, _, _ = _layout(device, kv, 2, 16, 4, (10,), (10,), torch.float32)
     b = KVLayerCache(*(t.clone() if t is not None else None for t in (a.k_cache, a.v_cache, a.k_scale, a.v_scale)))
