@@ -118,9 +118,10 @@ class PagedStep:
     they lead the flat batch and attend to the step's own K/V
     (:func:`ops.self_attention.causal_self_attention`), which reads each key once instead of
     widening its FP8 copy once per query block. The store hands back those K/V as the pages now
-    hold them (FP8-rounded, dequantised), so a fresh sequence attends to the same numbers as it
-    would through its pages: its result does not depend on where its chunks end or on what shares
-    its step, beyond the summation order of the kernels that run.
+    hold them (FP8-rounded, dequantised), so a fresh sequence attends to the numbers it would read
+    through its pages. Its result then does not depend on where its chunks end or on what shares its
+    step, beyond the summation order of the kernels that run and, in a 16-bit model, the rounding of
+    the dequantised values to the model dtype (exact on the CPU in float32).
 
     Args:
         pool: the :class:`~engine.kv_cache.PagePool`.

@@ -150,9 +150,14 @@ class PrefillGraphs:
         host[self.VIS, :v] = visual_rows
         host[self.VIS, v:] = b - 1  # padded visual rows all land on the last padding row
         host[self.LOGIT, 0] = n - 1
-        self.inputs[:, :b].copy_(host, non_blocking=True)
+        self.inputs.copy_(self._staging, non_blocking=True)  # whole: a strided slice would skip the pin
         if self._sent is not None:
             self._sent.record()
+        # The padded visual rows all add into the last padding row: zeros, so that no earlier
+        # prompt's features pile up there into an inf that attention's 0 * inf would spread.
+        self.embeds[v:b].zero_()
+        for buf in self.deepstack:
+            buf[v:b].zero_()
         if features is not None:
             self.embeds[:v].copy_(features.embeds)
             for buf, tap in zip(self.deepstack, features.deepstack, strict=True):

@@ -108,8 +108,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
         cache: the layer's pool (contiguous pages).
         slot_mapping: int64 ``[T]``; -1 rows are skipped.
         out: optional contiguous ``[T, Hkv, D]`` tensors that receive K and V as the pages hold them.
+
+    Raises:
+        ValueError: ``out`` not two contiguous tensors of ``k``'s shape.
     """
     t, hkv, d = k.shape
+    if out is not None and any(o.shape != k.shape or not o.is_contiguous() for o in out):
+        raise ValueError(f"out must be two contiguous tensors of k's shape {tuple(k.shape)}")
     if t == 0:
         return
     fp8 = cache.is_fp8

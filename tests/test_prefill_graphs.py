@@ -27,7 +27,8 @@ TEXT = [{"role": "user", "content": "Write one line about rain, with a cloud in 
 
 @pytest.fixture(scope="module")
 def engine(tiny_engine_factory):
-    return tiny_engine_factory(prefix_cache=False, kv_cache_dtype="auto")
+    """Eager prefills everywhere (on CUDA too): the reference the padded buffers are checked against."""
+    return tiny_engine_factory(prefix_cache=False, kv_cache_dtype="auto", prefill_graphs=False)
 
 
 def nan_pool(engine, pages: int) -> PagePool:
@@ -69,6 +70,29 @@ def test_padded_forward_equals_the_eager_prefill_and_stores_only_the_prompt(engi
         others = torch.ones(k.shape[0], dtype=torch.bool)
         others[stored] = False
         assert k[others].isnan().all(), "a padding row stored its K/V"
+
+
+def test_an_earlier_prompts_features_never_reach_a_later_one(engine, media_path):
+    """The buffers keep the last prompt's visual features; the padded rows of the next prompt all add
+    into one padding row, which must stay finite (a real row gives it weight 0, and 0 * inf is NaN).
+    Stand-in for a 16-bit overflow: the buffers hold inf before a text-only prompt."""
+    pool = nan_pool(engine, 40)
+    graphs = PrefillGraphs(engine.model, pool)
+    photo = engine.prompts.build(photo_question(media_path))
+    n = len(photo.input_ids)
+    graphs.run(photo.input_ids, photo.positions, list(range(n)), photo.visual_rows(), engine.vision_features(photo))
+    graphs.embeds.fill_(float("inf"))
+    for tap in graphs.deepstack:
+        tap.fill_(float("inf"))
+    text = engine.prompts.build(TEXT)
+    m = len(text.input_ids)
+    logits = graphs.run(text.input_ids, text.positions, list(range(m)), torch.empty(0, dtype=torch.long), None)
+    assert torch.isfinite(logits).all()
+    dev = engine.device
+    meta = AttentionMetadata.build([m], [m], [list(range(-(-m // 16)))], list(range(m)), dev)
+    eager = engine.model(torch.tensor(text.input_ids, device=dev), text.positions.to(dev),
+                         PagedStep(nan_pool(engine, 40), None, meta), None, torch.tensor([m - 1], device=dev))
+    torch.testing.assert_close(logits, eager, rtol=0, atol=1e-4)
 
 
 def test_refuses_a_prompt_without_a_bucket_or_with_mismatched_features(engine, media_path):
