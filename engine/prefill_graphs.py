@@ -7,8 +7,9 @@ is run instead by replaying a graph captured for the next larger bucket of token
 
 The prompt fills the first ``n`` rows of fixed input buffers; rows ``n .. b - 1`` are padding.
 Padding cannot reach the prompt: its K/V slots are -1 (never stored), and it comes after every real
-row in causal attention (:mod:`ops.self_attention`), so no real row attends to it. The visual
-features are padded to the bucket too, with their rows pointing at the last padding row (each
+row in causal attention (:mod:`ops.self_attention`), so no real row attends to it. Its keys and
+values must still be finite, because masked keys enter the sum with weight 0 and 0 * inf is NaN.
+The visual features are padded with zeros, their rows pointing at the last padding row (each
 bucket is larger than every prompt it serves, so that row exists).
 """
 

@@ -101,7 +101,8 @@ def _store_kv_kernel(
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping: torch.Tensor,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Triton version of :func:`ops.reference.store_kv` (same arguments; no validation, no host sync).
+    """Triton version of :func:`ops.reference.store_kv` (same arguments; no host sync, and of the
+    arguments only ``out`` is checked).
 
     Args:
         k, v: ``[T, Hkv, D]`` model dtype, last dim contiguous.
