@@ -67,6 +67,15 @@ def test_from_pretrained_accepts_a_string_path(tiny_ckpt):
         assert eng.generate(ask(question="Hi"), SamplingParams(max_tokens=1)).token_ids
 
 
+def test_step_budget_defaults_per_device(tiny_ckpt):
+    """8,192 tokens a step on CUDA (an 8-photo prompt in one step), 1,024 on the CPU; an explicit
+    value wins."""
+    with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False) as eng:
+        assert eng.scheduler.config.max_num_batched_tokens == (8192 if TEST_DEVICE == "cuda" else 1024)
+    with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False, max_num_batched_tokens=256) as eng:
+        assert eng.scheduler.config.max_num_batched_tokens == 256
+
+
 def test_unknown_option_raises(tiny_ckpt):
     with pytest.raises(InvalidRequestError, match="no_such_option"):
         Engine.from_pretrained(tiny_ckpt, device="cpu", no_such_option=1)
