@@ -115,26 +115,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
     Raises:
         ValueError: shape mismatch, slot out of range, a slot repeated, or ``out`` of another shape.
     """
-    if out is not None:
-        if any(o.shape != k.shape or not o.is_contiguous() for o in out):
-            raise ValueError(f"out must be two contiguous tensors of k's shape {tuple(k.shape)}")
-        _store_kv(k, v, cache, slot_mapping)
-        valid = slot_mapping >= 0
-        for o, x in zip(out, (k, v), strict=True):
-            o.zero_()
-            o[valid] = _as_stored(x[valid], cache).to(o.dtype)
-        return
-    _store_kv(k, v, cache, slot_mapping)
-
-
-def _as_stored(x: torch.Tensor, cache: KVLayerCache) -> torch.Tensor:
-    """``x`` ``[N, Hkv, D]`` as the pages hold it: float32."""
-    if cache.is_fp8:
-        return dequantize_fp8(*quantize_fp8(x))
-    return x.to(cache.k_cache.dtype).float()
-
-
-def _store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping: torch.Tensor) -> None:
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[1:] != (cache.num_kv_heads, cache.head_dim):
@@ -144,10 +124,10 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mappin
         )
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected ({k.shape[0]},)")
+    if out is not None and any(o.shape != k.shape or not o.is_contiguous() for o in out):
+        raise ValueError(f"out must be two contiguous tensors of k's shape {tuple(k.shape)}")
     valid = _check_slots(cache, slot_mapping, "slot_mapping", allow_padding=True)
     slots = slot_mapping[valid].long()
-    if slots.numel() == 0:
-        return
     page, off = slots // cache.page_size, slots % cache.page_size
     k, v = k[valid], v[valid]
     if cache.is_fp8:
@@ -158,9 +138,15 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mappin
         _raw(cache.v_cache)[page, :, off] = _raw(vq)
         cache.k_scale[page, :, off] = ks
         cache.v_scale[page, :, off] = vs
+        held = (kq, ks), (vq, vs)
     else:
         cache.k_cache[page, :, off] = k.to(cache.k_cache.dtype)
         cache.v_cache[page, :, off] = v.to(cache.v_cache.dtype)
+        held = k.to(cache.k_cache.dtype), v.to(cache.v_cache.dtype)
+    if out is not None:
+        for o, h in zip(out, held, strict=True):
+            o.zero_()
+            o[valid] = (dequantize_fp8(*h) if cache.is_fp8 else h.float()).to(o.dtype)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
