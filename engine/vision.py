@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from ops.fused import rope_float32
+from ops.self_attention import SDPA_BACKENDS_WITHOUT_PLANS
 
 from .config import VisionConfig
 from .layers import activation
@@ -119,9 +120,6 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
 
-_VISION_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -197,11 +195,9 @@ class VisionEncoder(nn.Module):
         seg_lens = [h * w for t, h, w in grids for _ in range(t)]
         taps = {layer: j for j, layer in enumerate(cfg.deepstack_visual_indexes)}
         deepstack: list[torch.Tensor] = [None] * len(taps)  # type: ignore[list-item]
-        # Not cuDNN's attention: it builds an execution plan for every new sequence length (tens to
-        # hundreds of ms), and every new image size is one: the likely cause of the ~10x TTFT the
-        # H200 serving benchmark showed for photos of new sizes (docs/PERFORMANCE.md; not yet
-        # re-measured). Flash / memory-efficient kernels need no plan.
-        with sdpa_kernel(_VISION_SDPA_BACKENDS):
+        # Not cuDNN's attention, whose plan per new length (every new image size) was the likely
+        # cause of the ~10x TTFT the H200 serving benchmark showed for photos of new sizes.
+        with sdpa_kernel(SDPA_BACKENDS_WITHOUT_PLANS):
             for layer, block in enumerate(self.blocks):
                 x = block(x, cos, sin, seg_lens)
                 if layer in taps:

@@ -28,9 +28,10 @@ except ImportError:  # pragma: no cover - depends on the torch version
     _varlen_attn, _VARLEN_ARGS = None, set()
 
 
-#: Not cuDNN's attention: it builds an execution plan for every new sequence length (tens to hundreds
-#: of ms), and nearly every prompt has a new length.
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: PyTorch's fused attention backends that need no per-shape set-up, for ``sdpa_kernel``. Not cuDNN's
+#: attention: it builds an execution plan for every new sequence length (43-85 ms each on the H200,
+#: docs/PERFORMANCE.md v7), and nearly every prompt, and every new image size, has a new length.
+SDPA_BACKENDS_WITHOUT_PLANS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _varlen_usable(q: torch.Tensor) -> bool:
@@ -48,7 +49,7 @@ def _varlen_usable(q: torch.Tensor) -> bool:
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence: ``[S, Hq, D]`` x ``[S, Hkv, D]`` -> ``[S, Hq, D]``."""
-    with sdpa_kernel(_SDPA_BACKENDS):
+    with sdpa_kernel(SDPA_BACKENDS_WITHOUT_PLANS):
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
