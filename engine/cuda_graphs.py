@@ -16,6 +16,7 @@ import torch
 from ops import AttentionMetadata
 from ops.triton_kernels import default_decode_splits, paged_decode_attention, store_kv
 
+from .graph_capture import capture_per_size
 from .kv_cache import PagePool
 from .model import Qwen3VL
 
@@ -72,31 +73,23 @@ class DecodeGraphs:
         self._sent = torch.cuda.Event() if pin else None  # the staging buffers may be reused after it
         self.max_seq_len = max_seq_len
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self._mempool = None
 
     def capture(self) -> None:
         """Capture every bucket (largest first, sharing one memory pool)."""
         hkv = self.pool.layers[0].num_kv_heads
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream(self.model.device))
         ids, positions = self.inputs[self.IDS], self.inputs[self.POS]
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for b in reversed(self.buckets):
-                meta = AttentionMetadata(
-                    self.inputs[self.SLOTS, :b], self.qsl[: b + 1], self.inputs[self.LENS, :b], self.tables[:b],
-                    1, self.max_seq_len,
-                )
-                splits = default_decode_splits(b, hkv, self.max_seq_len, self.pool.layers[0].is_fp8)
-                ctx = _GraphDecodeStep(self.pool, meta, splits)
-                for _ in range(2):  # compile the Triton kernels and warm the allocator outside capture
-                    self.model(ids[:b], positions[:, :b], ctx)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._mempool, stream=stream):
-                    logits = self.model(ids[:b], positions[:, :b], ctx)
-                    greedy = logits.argmax(dim=-1)
-                self._mempool = graph.pool()
-                self._graphs[b] = (graph, logits, greedy)
-        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+
+        def step(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+            meta = AttentionMetadata(
+                self.inputs[self.SLOTS, :b], self.qsl[: b + 1], self.inputs[self.LENS, :b], self.tables[:b],
+                1, self.max_seq_len,
+            )
+            splits = default_decode_splits(b, hkv, self.max_seq_len, self.pool.layers[0].is_fp8)
+            logits = self.model(ids[:b], positions[:, :b], _GraphDecodeStep(self.pool, meta, splits))
+            return logits, logits.argmax(dim=-1)
+
+        captured = capture_per_size(self.model.device, self.buckets, step)
+        self._graphs = {b: (graph, logits, greedy) for b, (graph, (logits, greedy)) in captured.items()}
 
     @property
     def max_batch(self) -> int:

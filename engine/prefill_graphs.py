@@ -20,6 +20,7 @@ import torch
 from ops import AttentionMetadata
 
 from .attention import PagedStep
+from .graph_capture import capture_per_size
 from .kv_cache import PagePool
 from .model import Qwen3VL
 from .text import VisualInjection
@@ -98,20 +99,7 @@ class PrefillGraphs:
         forwards store nothing (all slots are -1)."""
         self.inputs[self.SLOTS] = -1
         self.inputs[self.VIS] = 0
-        dev = self.model.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        mempool = None
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for b in reversed(self.buckets):
-                for _ in range(2):  # compile the kernels and warm the allocator outside capture
-                    self._forward(b)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    logits = self._forward(b)
-                mempool = graph.pool()
-                self._graphs[b] = (graph, logits)
-        torch.cuda.current_stream(dev).wait_stream(stream)
+        self._graphs = capture_per_size(self.model.device, self.buckets, self._forward)
 
     def run(self, ids: list[int], positions: torch.Tensor, slots: list[int], visual_rows: torch.Tensor,
             features: VisionFeatures | None) -> torch.Tensor:
