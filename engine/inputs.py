@@ -45,6 +45,11 @@ DEFAULT_VIDEO_FPS = 2.0
 _IMAGE_WORKERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prism-images")
 
 
+def _side_by_side(fn, items: list) -> list:
+    """``[fn(x) for x in items]``, in the image worker pool when there are several."""
+    return list(_IMAGE_WORKERS.map(fn, items)) if len(items) > 1 else [fn(x) for x in items]
+
+
 @dataclass
 class Prompt:
     """A tokenised prompt with its pixels and logical positions.
@@ -256,10 +261,7 @@ class PromptBuilder:
         object given twice is read once: a lazily decoded PIL image must not be decoded by two
         threads at once)."""
         distinct = list({id(src): src for src, claim in zip(sources, claims, strict=True) if claim is None}.values())
-        if len(distinct) > 1:
-            keys = dict(zip(map(id, distinct), _IMAGE_WORKERS.map(self._source_key, distinct), strict=True))
-        else:
-            keys = {id(src): self._source_key(src) for src in distinct}
+        keys = dict(zip(map(id, distinct), _side_by_side(self._source_key, distinct), strict=True))
         return [claim or keys[id(src)] for src, claim in zip(sources, claims, strict=True)]
 
     def _open(self, src, key: str | None, claim: str | None) -> tuple[PILImage.Image, str | None]:
@@ -362,11 +364,8 @@ class PromptBuilder:
         """
         parts = list(zip(sources, keys, claims, strict=True))
         distinct = {(id(src), claim): (src, key, claim) for src, key, claim in parts}
-        items = list(distinct.values())
-        if len(items) > 1:
-            done = dict(zip(distinct, _IMAGE_WORKERS.map(lambda item: self._process_image(*item), items), strict=True))
-        else:
-            done = {k: self._process_image(*item) for k, item in distinct.items()}
+        done = dict(zip(distinct, _side_by_side(lambda item: self._process_image(*item), list(distinct.values())),
+                        strict=True))
         return [done[(id(src), claim)] for src, _, claim in parts]
 
     def _process_image(self, src, key: str | None, claim: str | None) -> ProcessedImage:
