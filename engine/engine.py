@@ -217,12 +217,17 @@ class Engine:
             return self.options.max_num_batched_tokens
         return 8192 if self.model.device.type == "cuda" else 1024
 
-    def _capture_graphs(self):
+    def _graphs_possible(self) -> bool:
+        """CUDA graphs are on and can be captured: on CUDA, with the Triton kernels (the references
+        read values back to the host, which a capture cannot hold)."""
         if not (self.options.cuda_graphs and self.model.device.type == "cuda"):
-            return None
+            return False
         from ops.dispatch import triton_kernels
 
-        if triton_kernels is None:
+        return triton_kernels is not None
+
+    def _capture_graphs(self):
+        if not self._graphs_possible():
             return None
         from .cuda_graphs import DecodeGraphs
 
@@ -234,11 +239,7 @@ class Engine:
         return graphs
 
     def _capture_prefill_graphs(self):
-        if not (self.options.prefill_graphs and self.options.cuda_graphs and self.model.device.type == "cuda"):
-            return None
-        from ops.dispatch import triton_kernels
-
-        if triton_kernels is None:  # the references read values back to the host: not capturable
+        if not (self.options.prefill_graphs and self._graphs_possible()):
             return None
         from .prefill_graphs import PrefillGraphs
 
