@@ -2,7 +2,7 @@
 # One GPU session: kernel tests, correctness smoke, benchmarks. Run on the GPU machine from the repo root;
 # results go to $OUT (or ./gpu-results). Carry .whl (dashscope, platformdirs wheels) along.
 # Steps (STEPS="..."): tests (every engine test with its engines on CUDA; the web app's tests need
-# gradio & co. and are left out), kernels, fused, smoke, sweep, sdpa, profile, bench, model, serving.
+# gradio & co. and are left out), kernels, fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving.
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -21,6 +21,7 @@ for step in ${STEPS:-kernels smoke bench}; do
              -n ${TEST_WORKERS:-6} --dist loadfile --ignore=tests/test_app_chat.py --ignore=tests/test_app_openai.py \
              --ignore=tests/test_app_routes.py --ignore=tests/test_sessions.py --ignore=tests/test_e2e_browser.py \
              -o console_output_style=count 2>&1 | tee "$OUT/tests_full.txt" | tail -40 | tee "$OUT/tests.txt" ;;
+    gemv) timeout 400 python3 benchmarks/sweep_gemv.py 2>&1 | grep -v Warning | tee "$OUT/sweep_gemv.txt" | grep -v "^  " ;;
     sdpa) timeout 200 python3 benchmarks/sweep_sdpa.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/sweep_sdpa.txt" ;;
     sweep) timeout 300 python3 benchmarks/sweep_decode.py 8x16384 1x1700 2>&1 | grep -v Warning | tail -20 | tee "$OUT/sweep.txt" ;;
     model) timeout 300 python3 benchmarks/bench_model.py --shape 8b --device cuda --out "$OUT/bench_model.json" 2>&1 \

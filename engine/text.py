@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ops.fused import add_rms_norm, qk_norm_rope, silu_mul
+from ops.linear import add_rms_norm_linear, linear, silu_mul_linear
 
 from .attention import AttentionContext
 from .config import TextConfig
@@ -63,18 +64,25 @@ class Attention(nn.Module):
         self.qkv = nn.Parameter(fused, requires_grad=False)
 
     def forward(self, x, cos, sin, layer: int, ctx: AttentionContext):
+        if self.qkv is not None:
+            return self.attend_projected(linear(x, self.qkv), cos, sin, layer, ctx)
         t = x.shape[0]
         eps = self.q_norm.eps
-        if self.qkv is not None:  # query and key heads are adjacent: one norm + rotary launch
-            heads = F.linear(x, self.qkv).view(t, self.heads + 2 * self.kv_heads, self.head_dim)
-            qk = qk_norm_rope(heads[:, : self.heads + self.kv_heads], self.q_norm.weight, cos, sin, eps,
-                              k_weight=self.k_norm.weight, q_heads=self.heads)
-            q, k, v = qk[:, : self.heads], qk[:, self.heads :], heads[:, self.heads + self.kv_heads :]
-        else:
-            q = qk_norm_rope(self.q_proj(x).view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin, eps)
-            k = qk_norm_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin, eps)
-            v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q = qk_norm_rope(self.q_proj(x).view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin, eps)
+        k = qk_norm_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin, eps)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         return self.o_proj(ctx.attend(layer, q, k, v).reshape(t, -1))
+
+    def attend_projected(self, qkv, cos, sin, layer: int, ctx: AttentionContext):
+        """The layer from its fused QKV product ``qkv [T, (heads + 2 * kv_heads) * head_dim]`` on:
+        Q/K norm and rotary embedding in one launch (query and key heads are adjacent), attention,
+        and the output projection."""
+        t = qkv.shape[0]
+        heads = qkv.view(t, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk = qk_norm_rope(heads[:, : self.heads + self.kv_heads], self.q_norm.weight, cos, sin, self.q_norm.eps,
+                          k_weight=self.k_norm.weight, q_heads=self.heads)
+        q, k, v = qk[:, : self.heads], qk[:, self.heads :], heads[:, self.heads + self.kv_heads :]
+        return linear(ctx.attend(layer, q, k, v).reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -101,12 +109,17 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up is not None:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_from_gate_up(linear(x, self.gate_up))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(gate, up) if self.act is F.silu else self.act(gate) * up)
+
+    def down_from_gate_up(self, gate_up):
+        """The down projection of ``act(gate) * up`` from ``gate_up = [gate | up]`` ``[T, 2I]``
+        (the SwiGLU gate in the product's prologue where the GEMV takes it)."""
         if self.act is F.silu:
-            return self.down_proj(silu_mul(gate, up))
-        return self.down_proj(self.act(gate) * up)
+            return silu_mul_linear(gate_up, self.down_proj.weight)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return linear(self.act(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -124,10 +137,15 @@ class DecoderLayer(nn.Module):
         layer, where ``x`` is the stream) and returns the same pair; the hidden state is
         ``x + residual``. The additions happen in the same order as ``h + f(norm(h))``.
         """
-        normed, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn_norm, mlp_norm = self.input_layernorm, self.post_attention_layernorm
+        if self.self_attn.qkv is not None and self.mlp.gate_up is not None:  # each norm in its product's prologue
+            qkv, residual = add_rms_norm_linear(x, residual, attn_norm.weight, attn_norm.eps, self.self_attn.qkv)
+            attn = self.self_attn.attend_projected(qkv, cos, sin, layer, ctx)
+            gate_up, residual = add_rms_norm_linear(attn, residual, mlp_norm.weight, mlp_norm.eps, self.mlp.gate_up)
+            return self.mlp.down_from_gate_up(gate_up), residual
+        normed, residual = add_rms_norm(x, residual, attn_norm.weight, attn_norm.eps)
         attn = self.self_attn(normed, cos, sin, layer, ctx)
-        normed, residual = add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
-                                        self.post_attention_layernorm.eps)
+        normed, residual = add_rms_norm(attn, residual, mlp_norm.weight, mlp_norm.eps)
         return self.mlp(normed), residual
 
 
@@ -187,5 +205,6 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
-        return F.linear(hidden, self.weight).float()
+        """``[N, hidden]`` -> float32 logits ``[N, vocab]`` (rounded to the model dtype first, as
+        the reference computes them)."""
+        return linear(hidden, self.weight, out_dtype=torch.float32)
