@@ -117,9 +117,9 @@ class MLP(nn.Module):
         """The down projection of ``act(gate) * up`` from ``gate_up = [gate | up]`` ``[T, 2I]``
         (the SwiGLU gate in the product's prologue where the GEMV takes it)."""
         if self.act is F.silu:
-            return silu_mul_linear(gate_up, self.down_proj.weight)
+            return silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
         gate, up = gate_up.chunk(2, dim=-1)
-        return linear(self.act(gate) * up, self.down_proj.weight)
+        return linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):

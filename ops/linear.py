@@ -226,27 +226,28 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     Returns:
         ``(y [M, N], x + residual [M, K])``.
     """
-    contiguous = x.is_contiguous() and (residual is None or residual.is_contiguous())
-    settings = _plan(_ADD_RMS_NORM, x, weight) if contiguous else None
+    same_layout = x.is_contiguous() and norm_weight.is_contiguous() and norm_weight.shape == (x.shape[-1],) and (
+        residual is None or (residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype))
+    settings = _plan(_ADD_RMS_NORM, x, weight) if same_layout else None
     if settings is None:
         normed, s = add_rms_norm(x, residual, norm_weight, eps)
         return linear(normed, weight), s
     return _launch(_ADD_RMS_NORM, x, weight, settings, residual=residual, norm_weight=norm_weight, eps=eps)
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear(silu_mul(gate, up), weight)`` for ``gate_up = [gate | up]``, with the SwiGLU gate
     (Shazeer 2020, arXiv:2002.05202) in the GEMV's prologue.
 
     Args:
         gate_up: ``[M, 2I]`` (the fused gate/up product), last dim contiguous.
-        weight: ``[N, I]``.
+        weight: ``[N, I]``; bias: ``[N]`` or None (with a bias the unfused ops run).
 
     Returns:
         ``[M, N]``.
     """
-    settings = _plan(_SILU_MUL, gate_up, weight)
+    settings = _plan(_SILU_MUL, gate_up, weight, bias)
     if settings is None:
         gate, up = gate_up.chunk(2, dim=-1)
-        return linear(silu_mul(gate, up), weight)
+        return linear(silu_mul(gate, up), weight, bias)
     return _launch(_SILU_MUL, gate_up, weight, settings)[0]

@@ -3,8 +3,9 @@
 
 Without a GPU the kernel runs in Triton's interpreter on CPU tensors (conftest sets
 ``TRITON_INTERPRET=1``; ``PRISM_OPS=triton`` sends CPU tensors to the kernels). The interpreter
-multiplies 16-bit tiles wrongly in ``tl.dot`` (checked below), so on the CPU the several-row path
-is compared in float32 and bfloat16 only at one row; on the GPU every path runs in bfloat16 too.
+multiplies bfloat16 tiles wrongly in ``tl.dot`` (checked below), so on the CPU the several-row
+path runs in float32 and float16, and bfloat16 only at one row; on the GPU every path runs in all
+three.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ pytest.importorskip("triton")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _inputs(rows, n, k, dtype, seed=0):
@@ -47,7 +48,9 @@ def _references(x, residual, gate_up, norm_w, weight, monkeypatch):
 def _close(got, expected, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-5)
-    else:  # one bfloat16 rounding of the result apart (summation order), plus the interpreter's truncation
+    elif dtype == torch.float16:  # at most one float16 rounding apart (summation order)
+        torch.testing.assert_close(got.float(), expected.float(), atol=1e-4, rtol=1e-3)
+    else:  # one bfloat16 rounding of the result apart, plus the interpreter's truncation
         scale = expected.float().abs().max().item()
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2 * scale, rtol=2e-2)
 
@@ -57,15 +60,15 @@ def _close(got, expected, dtype):
 @pytest.mark.parametrize("n, k", [(40, 96), (64, 256)])
 def test_each_prologue_matches_the_unfused_ops(rows, n, k, dtype, monkeypatch):
     """Forced through the GEMV (odd sizes mask the edges), each prologue gives the unfused result."""
-    if dtype != torch.float32 and rows > 1 and not CUDA:
-        pytest.skip("the interpreter's 16-bit tl.dot is wrong (test_interpreter_dot_is_wrong_in_16_bit)")
+    if dtype == torch.bfloat16 and rows > 1 and not CUDA:
+        pytest.skip("the interpreter's bfloat16 tl.dot is wrong (test_interpreter_dot_is_wrong_in_bfloat16)")
     x, residual, gate_up, norm_w, weight = _inputs(rows, n, k, dtype)
     ref = _references(x, residual, gate_up, norm_w, weight, monkeypatch)
     settings = (16, 64, 4, 2)
     _close(lin._launch(lin._PLAIN, x, weight, settings)[0], ref["linear"], dtype)
     y, s = lin._launch(lin._ADD_RMS_NORM, x, weight, settings, residual=residual, norm_weight=norm_w, eps=1e-6)
     _close(y, ref["norm"], dtype)
-    if CUDA:  # compiled, the residual add rounds exactly as torch's (the interpreter truncates)
+    if CUDA or dtype != torch.bfloat16:  # the interpreter truncates bfloat16 casts
         assert torch.equal(s, ref["sum"])
     _close(s, ref["sum"], dtype)
     y, s = lin._launch(lin._ADD_RMS_NORM, x, weight, settings, norm_weight=norm_w, eps=1e-6)
@@ -91,13 +94,38 @@ def test_public_functions_match_the_unfused_ops(rows, dtype, monkeypatch):
     _close(lin.silu_mul_linear(gate_up, weight), ref["silu"], dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if CUDA else []))
+@pytest.mark.parametrize("rows", [1, 3])
+def test_prologues_round_as_the_separate_kernels(rows, dtype, monkeypatch):
+    """With a one-hot weight each output is one prologue value times 1, so the GEMV's output is the
+    prologue's rounded value itself: bit-equal to the separate kernel's output. (The interpreter
+    truncates bfloat16 casts, so bfloat16 runs on the GPU only.)"""
+    n, k = 48, 96
+    x, residual, gate_up, norm_w, _ = _inputs(rows, n, k, dtype, seed=2)
+    one_hot = torch.zeros(n, k, dtype=dtype, device=DEVICE)
+    one_hot[torch.arange(n), torch.arange(n) * 2] = 1
+    monkeypatch.setenv("PRISM_OPS", "reference")
+    normed = fused.add_rms_norm(x, residual, norm_w, 1e-6)[0]
+    act = fused.silu_mul(*gate_up.chunk(2, dim=-1))
+    monkeypatch.setenv("PRISM_OPS", "triton")
+    settings = (16, 64, 4, 2)
+    y = lin._launch(lin._ADD_RMS_NORM, x, one_hot, settings, residual=residual, norm_weight=norm_w, eps=1e-6)[0]
+    assert torch.equal(y, normed[:, ::2][:, :n])
+    assert torch.equal(lin._launch(lin._SILU_MUL, gate_up, one_hot, settings)[0], act[:, ::2][:, :n])
+
+
 def test_bias_and_cpu_tensors_take_the_unfused_path(monkeypatch):
-    x, _, _, _, weight = _inputs(1, 8, 16, torch.float32)
+    x, _, gate_up, _, weight = _inputs(1, 8, 16, torch.float32)
     bias = torch.randn(8).to(DEVICE)
+    monkeypatch.setenv("PRISM_OPS", "triton")  # CPU tensors too would take the GEMV
+    assert lin._plan(lin._PLAIN, x, weight) is not None
     assert lin._plan(lin._PLAIN, x, weight, bias) is None
     torch.testing.assert_close(lin.linear(x, weight, bias), F.linear(x, weight, bias))
-    monkeypatch.setenv("PRISM_OPS", "reference")
-    assert lin._plan(lin._PLAIN, x, weight) is None
+    act = fused.silu_mul(*gate_up.chunk(2, dim=-1))
+    torch.testing.assert_close(lin.silu_mul_linear(gate_up, weight, bias), F.linear(act, weight, bias))
+    if not CUDA:
+        monkeypatch.setenv("PRISM_OPS", "auto")
+        assert lin._plan(lin._PLAIN, x, weight) is None
 
 
 def test_settings_follow_the_measurements():
@@ -114,8 +142,8 @@ def test_settings_follow_the_measurements():
 
 
 @pytest.mark.skipif(CUDA, reason="documents the Triton interpreter's behaviour on the CPU")
-def test_interpreter_dot_is_wrong_in_16_bit():
-    """Why the CPU tests keep several-row products in float32: if this starts failing, the
+def test_interpreter_dot_is_wrong_in_bfloat16():
+    """Why the CPU tests keep several-row products out of bfloat16: if this starts failing, the
     interpreter was fixed and the bfloat16 cases above can run on the CPU too."""
     x = torch.randn(16, 64).bfloat16()
     w = torch.randn(32, 64).bfloat16()
@@ -135,3 +163,7 @@ def test_gpu_decode_shapes(rows, monkeypatch):
         _close(y, ref["norm"], torch.bfloat16)
         assert torch.equal(s, ref["sum"])
         _close(lin.silu_mul_linear(gate_up, weight), ref["silu"], torch.bfloat16)
+    x, _, _, _, head = _inputs(rows, 151936, 4096, torch.bfloat16, seed=3)  # the LM head, float32 logits
+    logits = lin.linear(x, head, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    _close(logits, F.linear(x, head), torch.bfloat16)
