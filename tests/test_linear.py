@@ -98,8 +98,10 @@ def test_public_functions_match_the_unfused_ops(rows, dtype, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 3])
 def test_prologues_round_as_the_separate_kernels(rows, dtype, monkeypatch):
     """With a one-hot weight each output is one prologue value times 1, so the GEMV's output is the
-    prologue's rounded value itself: bit-equal to the separate kernel's output. (The interpreter
-    truncates bfloat16 casts, so bfloat16 runs on the GPU only.)"""
+    prologue's rounded value itself: equal to the separate kernel's output. Skipping a rounding
+    changes a quarter to a third of them by one step of the dtype; a compiled kernel's fast
+    ``exp``/``rsqrt`` and the norm's summation order may change a few, so at most 2% may differ,
+    by one step. (The interpreter truncates bfloat16 casts, so bfloat16 runs on the GPU only.)"""
     n, k = 48, 96
     x, residual, gate_up, norm_w, _ = _inputs(rows, n, k, dtype, seed=2)
     one_hot = torch.zeros(n, k, dtype=dtype, device=DEVICE)
@@ -110,8 +112,14 @@ def test_prologues_round_as_the_separate_kernels(rows, dtype, monkeypatch):
     monkeypatch.setenv("PRISM_OPS", "triton")
     settings = (16, 64, 4, 2)
     y = lin._launch(lin._ADD_RMS_NORM, x, one_hot, settings, residual=residual, norm_weight=norm_w, eps=1e-6)[0]
-    assert torch.equal(y, normed[:, ::2][:, :n])
-    assert torch.equal(lin._launch(lin._SILU_MUL, gate_up, one_hot, settings)[0], act[:, ::2][:, :n])
+    _rounded_alike(y, normed[:, ::2][:, :n])
+    _rounded_alike(lin._launch(lin._SILU_MUL, gate_up, one_hot, settings)[0], act[:, ::2][:, :n])
+
+
+def _rounded_alike(got, expected):
+    assert (got != expected).float().mean().item() <= 0.02
+    step = torch.finfo(expected.dtype).eps  # one step of the dtype, relative
+    torch.testing.assert_close(got.float(), expected.float(), rtol=step, atol=1e-6)
 
 
 def test_bias_and_cpu_tensors_take_the_unfused_path(monkeypatch):
