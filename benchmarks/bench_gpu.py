@@ -1,14 +1,16 @@
 """Prism on the GPU beside transformers and the hardware floors, in one run (run by hand).
 
     python benchmarks/bench_gpu.py --out results.json          # 8B and 2B shapes, H200
-    python benchmarks/bench_gpu.py --shapes 8b --out results.json   # what docs/PERFORMANCE.md reports
+    python benchmarks/bench_gpu.py --shapes 8b --out results.json   # 8B only (v4-v7 reported this)
 
 Random weights at Qwen3-VL-8B and -2B shapes (benchmarks/shapes.py), bfloat16 weights, FP8 KV.
 Measured side by side in the same process:
 
 * ceilings: device-to-device copy bandwidth and the bf16 matrix-product rate, measured first;
-* decode TPOT at batch 1, 8 and 32 with ~1.7k-token contexts: ours (CUDA graphs), transformers
-  ``generate``, and the floor = (LM weight bytes + KV bytes read per step) / copy bandwidth;
+* decode TPOT at batch 1, 8 and 32 with ~1.7k-token contexts: ours (CUDA graphs; the median
+  period of steady decode steps, see :func:`record_steps`, and each request's own TPOT beside it),
+  transformers ``generate``, and the floor = (LM weight bytes + KV bytes read per step) / copy
+  bandwidth;
 * TTFT cold for one and eight 448x448 photos: ours (telemetry, from submission; median of five
   sessions after a warm-up request on the same image sizes), transformers (processor + forward),
   and the compute floor = forward FLOPs / matrix rate;
