@@ -18,7 +18,7 @@ for step in ${STEPS:-kernels smoke bench}; do
     fused) timeout 120 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -k "fused or store or move" 2>&1 | tail -5 | tee "$OUT/fused.txt" ;;
     profile) timeout 300 python3 benchmarks/profile_decode.py 2>&1 | grep -v Warning | tail -80 | tee "$OUT/profile.txt" ;;
     tests) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PRISM_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests -q -p no:cacheprovider \
-             -n ${TEST_WORKERS:-6} --dist loadfile --ignore=tests/test_app_chat.py --ignore=tests/test_app_openai.py \
+             -n ${TEST_WORKERS:-6} --dist load --ignore=tests/test_app_chat.py --ignore=tests/test_app_openai.py \
              --ignore=tests/test_app_routes.py --ignore=tests/test_sessions.py --ignore=tests/test_e2e_browser.py \
              -o console_output_style=count 2>&1 | tee "$OUT/tests_full.txt" | tail -40 | tee "$OUT/tests.txt" ;;
     gemv) timeout 400 python3 benchmarks/sweep_gemv.py 2>&1 | grep -v Warning | tee "$OUT/sweep_gemv.txt" | grep -v "^  " ;;

@@ -19,10 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import use_triton
+from .pdl import launch_args
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_sync
 except Exception:  # pragma: no cover
     triton = None
 
@@ -64,7 +67,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n, eps, HAS_RES: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_sync(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < n
@@ -80,7 +84,8 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(x_ptr, w_ptr, wk_ptr, cos_ptr, sin_ptr, y_ptr, heads, q_heads, stride_t, stride_h,
-                             eps, D: tl.constexpr):
+                             eps, D: tl.constexpr, PDL: tl.constexpr):
+        pdl_sync(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         half: tl.constexpr = D // 2
@@ -168,7 +173,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     s = x if residual is None else torch.empty_like(x)
     if t:
         _add_rms_norm_kernel[(t,)](x, residual if residual is not None else x, weight, y, s, n, eps,
-                                   HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n))
+                                   HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), **launch_args(x))
     return y, s
 
 
@@ -196,7 +201,7 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     y = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
     if t:
         _qk_norm_rope_kernel[(t, heads)](x, weight, k_weight, cos.contiguous(), sin.contiguous(), y, heads, q_heads,
-                                         x.stride(0), x.stride(1), eps, D=d)
+                                         x.stride(0), x.stride(1), eps, D=d, **launch_args(x))
     return y
 
 

@@ -25,10 +25,13 @@ import torch.nn.functional as F
 
 from .dispatch import use_triton
 from .fused import add_rms_norm, silu_mul
+from .pdl import launch_args
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_sync
 except Exception:  # pragma: no cover - Triton is optional on CPU-only installs
     triton = None
 
@@ -71,7 +74,8 @@ if triton is not None:
     def _gemv_kernel(x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_rm, stride_ym, eps,
                      PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, USE_DOT: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, PDL: tl.constexpr):
+        pdl_sync(PDL)
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -188,7 +192,7 @@ def _launch(prologue, x, weight, settings, *, residual=None, norm_weight=None, e
         x, r, norm_weight if norm_weight is not None else x, s, weight, y, m, n, k, x.stride(0), r.stride(0),
         y.stride(0), eps, PROLOGUE=prologue, HAS_RES=has_res, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN=n % block_n == 0 and k % block_k == 0, USE_DOT=m > 1,
-        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages, **launch_args(x),
     )
     return y, s
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .metadata import AttentionMetadata, KVLayerCache
+from .pdl import launch_args, pdl_sync
 from .reference import AMAX_FLOOR, FP8_MAX
 
 # --------------------------------------------------------------------------------------------------
@@ -58,7 +59,9 @@ def _store_kv_kernel(
     FP8: tl.constexpr,
     PAGE: tl.constexpr,
     OUT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_sync(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -144,6 +147,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
         FP8=fp8,
         PAGE=cache.page_size,
         OUT=out is not None,
+        **launch_args(k),
     )
 
 
@@ -437,7 +441,9 @@ def _decode_split_kernel(
     IEEE: tl.constexpr,
     F16: tl.constexpr,
     ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_sync(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -484,7 +490,9 @@ def _decode_merge_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_sync(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -612,6 +620,7 @@ def paged_decode_attention(
         ASM=_dequant_mode(q, cache, dequant or FP8_DEQUANT),
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
+        **launch_args(q),
     )
     out = torch.empty_like(q)
     _decode_merge_kernel[(b, hq)](
@@ -625,6 +634,7 @@ def paged_decode_attention(
         D=d,
         BLOCK_D=bd,
         BLOCK_S=triton.next_power_of_2(max(splits, MAX_DECODE_SPLITS)),  # one compile for every usual split
+        **launch_args(q),
     )
     return out
 
