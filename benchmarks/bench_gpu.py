@@ -373,7 +373,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ceil = ceilings()
     log("ceilings", ceil)
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil, "shapes": []}
+    from ops import pdl
+
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceil,
+               "pdl": pdl.enabled(torch.zeros(1, device="cuda")), "shapes": []}
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             results["shapes"].append(run_shape(shape, args, ceil, pathlib.Path(tmp)))

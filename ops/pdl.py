@@ -1,4 +1,10 @@
-"""Programmatic dependent launch (PDL) for the decode step's Triton kernels.
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step.
+
+The kernels that take it: the GEMV (:mod:`ops.linear`), add + RMSNorm and Q/K norm + rotary
+(:mod:`ops.fused`), the KV store and the split decode attention with its merge
+(:mod:`ops.triton_kernels`). Kernels that run between cuBLAS products or outside decode (the
+SwiGLU gate where the GEMV does not take it, the vision rotary, prefill attention, slot moves)
+launch plainly: PDL only pays between two kernels that both take part.
 
 A decode step at batch 1 (8B shape) is ~330 short kernels in a row, each depending on the one
 before. Without PDL a kernel's programs are scheduled only once the previous kernel has fully
@@ -55,11 +61,18 @@ def _device_can_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def _interpreting() -> bool:
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is not None and hasattr(runtime, "interpret"):
+        return bool(runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels on tensor ``t``'s device launch with PDL (see the module docstring)."""
-    if triton is None or not t.is_cuda or os.environ.get("PRISM_PDL", "1") == "0":
+    if triton is None or not t.is_cuda or os.environ.get("PRISM_PDL") == "0":
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1" or not _triton_can_launch_pdl():
+    if not _triton_can_launch_pdl() or _interpreting():
         return False
     return _device_can_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

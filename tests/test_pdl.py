@@ -1,5 +1,7 @@
-"""Programmatic dependent launch (ops/pdl.py): when it is on, and that the decode kernels chained
-with it, eagerly and inside a CUDA graph, give bit for bit what they give without it."""
+"""Programmatic dependent launch (ops/pdl.py): where it is on; that a kernel launched with it
+really starts before the previous kernel ends (eagerly and in a CUDA graph) and still reads that
+kernel's output; and that the decode kernels chained with it give bit for bit what they give with
+plain launches."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from ops import AttentionMetadata, KVLayerCache, pdl
 
 CUDA = torch.cuda.is_available()
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] >= 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="PDL needs a GPU of compute capability 9.0 or later")
 
 
 def test_off_for_cpu_tensors():
@@ -18,14 +21,105 @@ def test_off_for_cpu_tensors():
     assert pdl.launch_args(x) == {"PDL": False}
 
 
-@pytest.mark.skipif(not HOPPER, reason="PDL needs a GPU of compute capability 9.0 or later")
+@needs_hopper
 def test_on_for_hopper_unless_turned_off(monkeypatch):
     """On the GPU the benchmarks run on, PDL must really be on (a Triton without ``launch_pdl``
     would silently measure the plain launches); ``PRISM_PDL=0`` turns it off."""
+    monkeypatch.delenv("PRISM_PDL", raising=False)
     x = torch.zeros(4, device="cuda")
     assert pdl.launch_args(x) == {"PDL": True, "launch_pdl": True}
     monkeypatch.setenv("PRISM_PDL", "0")
     assert pdl.launch_args(x) == {"PDL": False}
+
+
+if HOPPER:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _global_ns():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def _late_ones(out_ptr, n, delay_ns, BLOCK: tl.constexpr):
+        """Lets the next kernel launch at once, then writes ones after ``delay_ns``."""
+        pdl.pdl_launch_dependents(True)
+        start = _global_ns()
+        now = start
+        while now - start < delay_ns:
+            now = _global_ns()
+        offs = tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.full([BLOCK], 1.0, tl.float32).to(out_ptr.dtype.element_ty), mask=offs < n)
+
+    @triton.jit
+    def _copy_without_waiting(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        """The control: a PDL kernel that does not wait, so it reads what is there when it starts."""
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def _after_slow_producer(x, consumer):
+    """``x`` zeroed, then a producer that writes ones into it after 2 ms, then ``consumer(x)``
+    launched with PDL right behind it."""
+    x.zero_()
+    n = x.shape[1]
+    _late_ones[(1,)](x, n, 2_000_000, BLOCK=triton.next_power_of_2(n), launch_pdl=True)
+    return consumer(x)
+
+
+def _copy_early(x):
+    seen = torch.empty_like(x)
+    _copy_without_waiting[(1,)](x, seen, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), launch_pdl=True)
+    return seen
+
+
+@needs_hopper
+def test_a_pdl_kernel_starts_early_and_still_reads_its_input(monkeypatch):
+    """With PDL the kernel after a slow producer starts before the producer ends: the control,
+    which does not wait, reads the zeros from before the producer's ones. ``add_rms_norm``, which
+    waits, reads the ones. Each race runs alone (the control breaks the chain's rule that every
+    kernel waits), eagerly and replayed from a CUDA graph, so capture keeps the early launch too."""
+    from ops.fused import add_rms_norm
+
+    monkeypatch.delenv("PRISM_PDL", raising=False)
+    x = torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.full((256,), 2.0, device="cuda", dtype=torch.bfloat16)
+    zeros, twos = torch.zeros_like(x), torch.full_like(x, 2.0)
+
+    def norm(v):
+        return add_rms_norm(v, None, w, 1e-6)[0]
+
+    for consumer, expected, why in ((_copy_early, zeros, "the PDL launch did not start before its predecessor ended"),
+                                    (norm, twos, "the kernel read its input before the producer wrote it")):
+        _after_slow_producer(x, consumer)  # compiles the kernels: a compile between the launches takes longer than 2 ms
+        torch.cuda.synchronize()
+        out = _after_slow_producer(x, consumer)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), why
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _after_slow_producer(x, consumer)
+        for _ in range(2):
+            out.fill_(-1.0)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), f"replayed: {why}"
+
+
+@needs_hopper
+def test_kernels_are_compiled_with_the_wait(monkeypatch):
+    """The launch compiles a kernel that waits (``griddepcontrol.wait``) and is launched with PDL."""
+    from ops import fused
+
+    monkeypatch.delenv("PRISM_PDL", raising=False)
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    y, w = torch.empty_like(x), torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    compiled = fused._add_rms_norm_kernel[(1,)](x, x, w, y, x, 256, 1e-6, HAS_RES=False, BLOCK=256,
+                                                 **pdl.launch_args(x))
+    assert compiled.metadata.launch_pdl
+    assert "griddepcontrol.wait" in compiled.asm["ptx"]
+    assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
 
 
 def _decode_layers(x, w, cache, meta, layers=4):
@@ -75,7 +169,7 @@ def _setup(kv: str):
     return x, w, cache, meta
 
 
-@pytest.mark.skipif(not HOPPER, reason="PDL needs a GPU of compute capability 9.0 or later")
+@needs_hopper
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_chained_kernels_agree_with_plain_launches(kv, monkeypatch):
     x, w, cache, meta = _setup(kv)
@@ -99,18 +193,23 @@ def test_chained_kernels_agree_with_plain_launches(kv, monkeypatch):
         assert torch.equal(out, plain)
 
 
-@pytest.mark.skipif(not HOPPER, reason="PDL needs a GPU of compute capability 9.0 or later")
-@pytest.mark.parametrize("n", [1000, 16400])
-def test_gemv_agrees(n, monkeypatch):
-    """The GEMV launched with PDL gives what it gives with plain launches, one and several rows
-    (and a last program with fewer rows when ``n`` is not a multiple of the block)."""
-    from ops.linear import linear
+@needs_hopper
+@pytest.mark.parametrize("rows,n", [(1, 4097), (3, 16400)])
+def test_gemv_agrees(rows, n, monkeypatch):
+    """The GEMV launched with PDL right after another PDL GEMV gives what plain launches give; in
+    both cases its last program has fewer rows than the others (``n`` not a multiple of the block)."""
+    from ops import linear as lin
 
+    settings = lin.gemv_settings(rows, lin._PLAIN, n, 4096)
+    assert settings is not None and n % settings[0], "the case must run the GEMV with a partial last block"
     torch.manual_seed(n)
-    w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16)
-    for rows in (1, 3):
-        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-        monkeypatch.setenv("PRISM_PDL", "0")
-        plain = linear(x, w)
-        monkeypatch.delenv("PRISM_PDL")
-        assert torch.equal(linear(x, w), plain)
+    w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def two_products():
+        return lin.linear(lin.linear(x, w)[:, :4096], w)
+
+    monkeypatch.setenv("PRISM_PDL", "0")
+    plain = two_products()
+    monkeypatch.delenv("PRISM_PDL")
+    assert torch.equal(two_products(), plain)
