@@ -76,6 +76,9 @@ def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
     """The compact line shown beside an answer, e.g.
     ``prefix HIT · TTFT 41 ms · reused 1,568 tok (compact 941) · computed 19 tok · 23 tok/s``.
 
+    A ``miss`` says that the prefix is now cached: it is the expected first question about a
+    set of images, not a failure.
+
     ``stale`` (the cached prefix was evicted before the request ran) and ``off`` (no images, or
     prefix caching disabled) are shown as they are.
     """
@@ -83,7 +86,9 @@ def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
         return ""
     prefix = str(tel.get("prefix_cache", "off"))
     head = f"prefix {prefix.upper()}"
-    if prefix == "stale":
+    if prefix == "miss":
+        head += " (now cached)"
+    elif prefix == "stale":
         head += " (evicted, recomputed)"
     elif prefix == "off" and not tel.get("visual_tokens"):
         head += " (no images)"

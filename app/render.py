@@ -10,7 +10,13 @@ from html import escape
 
 from .chat import TurnView
 
-STATIC_VERSION = "2"  # bump to make browsers refetch static/prism.css and prism.js
+STATIC_VERSION = "3"  # bump to make browsers refetch static/prism.css and prism.js
+
+#: A text-only chat's thumbnail: a speech bubble drawn inline (an emoji needs an emoji font, which
+#: many machines lack, and then shows as an empty box).
+_CHAT_ICON = ('<svg viewBox="0 0 24 24" width="22" height="22" aria-hidden="true" fill="none" '
+              'stroke="currentColor" stroke-width="1.8" stroke-linejoin="round">'
+              '<path d="M4 5h16v11H9l-5 4z"/></svg>')
 
 
 def _e(text) -> str:
@@ -89,7 +95,7 @@ def sessions_list(sessions, active_id: str | None) -> str:
     items = []
     for s in sessions:
         thumb = (f'<img src="{_e(image_url(s.image_shas[0]))}" alt="" loading="lazy">' if s.image_shas
-                 else '<span class="prism-thumb-empty">💬</span>')
+                 else f'<span class="prism-thumb-empty">{_CHAT_ICON}</span>')
         n = len(s.image_shas)
         meta = f"{n} image{'s' if n != 1 else ''} · {ago(s.updated_at)}"
         active = " prism-session-active" if s.id == active_id else ""
@@ -128,7 +134,7 @@ def _bar(parts: list[tuple[str, float, str]]) -> str:
     return f'<div class="prism-bar">{segs}</div>'
 
 
-PREFIX_COLOURS = {"hit": "#16a34a", "miss": "#dc2626", "stale": "#d97706", "off": "#64748b"}
+PREFIX_COLOURS = {"hit": "#16a34a", "miss": "#2563eb", "stale": "#d97706", "off": "#64748b"}
 
 
 def ttft_chart(rows: list[dict], *, width: int = 300, height: int = 170) -> str:
@@ -179,8 +185,20 @@ def pages_panel(pages: dict | None) -> str:
         f'<div class="prism-pages-row"><span>compact</span>{compact_bar}<b>{compact}</b></div>'
         f'<div class="prism-pages-row"><span>dense</span>{_bar([("dense", dense, "dense")])}<b>{dense}</b></div>'
         f'<div class="prism-panel-note">{saved:.0f}% fewer pages: keeps {pages["visual_tokens_kept"]:,} of '
-        f'{pages["visual_tokens"]:,} visual tokens.</div></div>'
+        f'{pages["visual_tokens"]:,} visual tokens (the prefix\'s text tokens are all kept).</div></div>'
     )
+
+
+def _cache_entries(stats: dict) -> str:
+    """``2 image prefixes + 3 turns``: what the prefix cache holds (turns are finished answers
+    kept for conversation reuse)."""
+    entries = int(stats.get("cache_entries", 0))
+    if "cache_prefixes" not in stats:
+        return f"{entries} entries"
+    prefixes = int(stats["cache_prefixes"])
+    text = f"{prefixes} image prefix{'es' if prefixes != 1 else ''}"
+    turns = entries - prefixes
+    return text + (f" + {turns} turn{'s' if turns != 1 else ''} kept for reuse" if turns else "")
 
 
 def engine_panel(status: dict) -> str:
@@ -199,7 +217,7 @@ def engine_panel(status: dict) -> str:
         ("Device", f"{status.get('device')} · {status.get('dtype')}"),
         ("KV cache", f"{s['kv_cache_dtype']} · {total:,} pages × {s['page_size']} tok"),
         ("Requests", f"{s['running']} running · {s['waiting']} waiting"),
-        ("Prefix cache", f"{s.get('cache_entries', 0)} entries · hit rate {hit_rate} "
+        ("Prefix cache", f"{_cache_entries(s)} · hit rate {hit_rate} "
                          f"({s.get('cache_hits', 0)} hit / {s.get('cache_misses', 0)} miss / "
                          f"{s.get('cache_stale', 0)} stale)"),
         ("Evictions", f"{s.get('cache_evictions', 0):,}"),

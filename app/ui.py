@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 OWNER_COOKIE = "prism_owner"
 #: Most answers streamed at once through the page (each holds a worker thread while it streams).
 CHAT_CONCURRENCY = 48
+#: Max tokens per answer, the settings slider's default (tokens).
+DEFAULT_MAX_TOKENS = 256
+#: The default with the demo model: its answers are random text, and 256 tokens of it took ~14 s on a
+#: 2-core CPU and filled the chat.
+DEMO_MAX_TOKENS = 48
 
 _CLICK_JS = """
 element.addEventListener('click', (event) => {
@@ -98,7 +103,8 @@ class PrismUI:
         )
 
     def on_load(self, request: gr.Request):
-        """Page load: open ``?session=<id>`` when it is ours, else the newest session."""
+        """Page load: open ``?session=<id>`` when it is ours, else the newest session. With the demo
+        model, answers default to :data:`DEMO_MAX_TOKENS` (its random text gains nothing from length)."""
         owner = owner_of(request)
         wanted = None
         try:
@@ -110,8 +116,9 @@ class PrismUI:
             sessions = self.chat.sessions(owner)
             session = sessions[0] if sessions else None
         status = self.loader.status()
+        max_tokens = gr.update(value=DEMO_MAX_TOKENS) if self.loader.demo else gr.skip()
         return (*self.session_outputs(session.id if session else None, owner),
-                render.banner(status), render.engine_panel(status))
+                render.banner(status), render.engine_panel(status), max_tokens)
 
     def open_session(self, evt: gr.EventData, request: gr.Request):
         return self.session_outputs(event_value(evt, "session"), owner_of(request))
@@ -262,8 +269,8 @@ class PrismUI:
     @staticmethod
     def _chat_components(c) -> None:
         with gr.Row(elem_id="prism-titlebar"):
-            c.title = gr.Textbox(show_label=False, placeholder="New chat", scale=6, elem_id="prism-title",
-                                 container=False, max_length=200)
+            c.title = gr.Textbox(label="Chat title", show_label=False, placeholder="New chat", scale=6,
+                                 elem_id="prism-title", container=False, max_length=200)
             c.share = gr.Button("Share", scale=0, min_width=90, elem_id="prism-share-btn")
             c.delete = gr.Button("Delete", scale=0, min_width=90, variant="stop", elem_id="prism-delete")
         c.images = gr.HTML(render.images_strip([]), elem_id="prism-images",
@@ -276,7 +283,8 @@ class PrismUI:
                                         "cache and latency telemetry.",
                             feedback_options=None, layout="bubble", group_consecutive_messages=False)
         with gr.Row(elem_id="prism-inputrow"):
-            c.question = gr.Textbox(show_label=False, placeholder="Ask about the images… (Enter to send)", scale=8,
+            c.question = gr.Textbox(label="Question", show_label=False,
+                                    placeholder="Ask about the images… (Enter to send)", scale=8,
                                     lines=1, max_lines=6, elem_id="prism-question", container=False, autofocus=True)
             button = {"size": "md", "scale": 0}
             c.send = gr.Button("Send", variant="primary", min_width=70, elem_id="prism-send", **button)
@@ -294,7 +302,7 @@ class PrismUI:
             with gr.Tab("Settings", elem_id="prism-tab-settings"):
                 c.temperature = gr.Slider(0.0, 1.5, value=0.7, step=0.05, label="Temperature",
                                           info="0 = always the most likely token", elem_id="prism-temperature")
-                c.max_tokens = gr.Slider(16, 2048, value=256, step=16, label="Max tokens per answer",
+                c.max_tokens = gr.Slider(16, 2048, value=DEFAULT_MAX_TOKENS, step=16, label="Max tokens per answer",
                                          elem_id="prism-max-tokens")
                 c.history = gr.Checkbox(
                     False, label="Each question sees the conversation", elem_id="prism-history",
@@ -319,7 +327,7 @@ class PrismUI:
         refreshes run beside them, so one long answer never blocks anyone else's clicks."""
         view = [c.session, c.sessions, c.title, c.images, c.chat, c.plot, c.pages]
         quiet = {"show_progress": "hidden"}
-        demo.load(self.on_load, None, [*view, c.banner, c.engine], **quiet)
+        demo.load(self.on_load, None, [*view, c.banner, c.engine, c.max_tokens], **quiet)
         c.timer.tick(self.tick, None, [c.banner, c.engine], **quiet)
         c.sessions.click(self.open_session, None, view, **quiet)
         c.new.click(self.new_session, None, [*view, c.notice], **quiet)

@@ -418,8 +418,9 @@ class Engine:
     def stats(self) -> dict:
         """Engine counters: KV pool pages (total, used, free, page size, capacity in tokens),
         running and waiting requests, steps run, tokens generated, and the prefix cache's
-        entries, pages held, hits, misses, stale fallbacks, evictions, prompt tokens saved and
-        vision-cache hits.
+        entries (``cache_entries``: the public prefixes, counted in ``cache_prefixes``, plus the
+        finished turns kept for conversation reuse), pages held, hits, misses, stale fallbacks, evictions,
+        prompt tokens saved and vision-cache hits.
 
         Raises:
             PrismError: the engine is closed.
@@ -448,6 +449,7 @@ class Engine:
         return {
             "prefix_cache": True,
             "cache_entries": len(c.entries),
+            "cache_prefixes": len(c.prefixes),
             "cache_pages": c.pages_held,
             "cache_hits": c.stats.hits,
             "cache_misses": c.stats.misses,

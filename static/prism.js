@@ -134,4 +134,19 @@
   }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", decorateCode);
   else decorateCode();
+
+  // Narrow screens (phones): the sidebar starts closed, or it covers the chat. Gradio renders it
+  // after this script runs, so look for it for a few seconds, once per page load.
+  var NARROW_PX = 768;
+  function closeSidebarWhenNarrow(triesLeft) {
+    if (window.innerWidth >= NARROW_PX) return;
+    var sidebar = document.getElementById("prism-sidebar");
+    if (!sidebar) {
+      if (triesLeft > 0) setTimeout(function () { closeSidebarWhenNarrow(triesLeft - 1); }, 100);
+      return;
+    }
+    var toggle = sidebar.querySelector(".toggle-button");
+    if (sidebar.classList.contains("open") && toggle) toggle.click();
+  }
+  closeSidebarWhenNarrow(100);
 })();

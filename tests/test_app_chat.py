@@ -144,7 +144,7 @@ def test_telemetry_line_hit():
 def test_telemetry_line_miss_stale_off():
     miss = telemetry_line({"prefix_cache": "miss", "vision_encoder_ran": True, "ttft_ms": 812, "computed_tokens": 1587,
                            "visual_tokens": 1500, "decode_tokens_per_s": 21})
-    assert miss.startswith("prefix MISS · vision encoder ran · TTFT 812 ms") and "reused" not in miss
+    assert miss.startswith("prefix MISS (now cached) · vision encoder ran · TTFT 812 ms") and "reused" not in miss
     stale = telemetry_line({"prefix_cache": "stale", "vision_encoder_ran": True, "ttft_ms": 700, "visual_tokens": 9})
     assert stale.startswith("prefix STALE (evicted, recomputed) · vision encoder ran")
     assert telemetry_line({"prefix_cache": "off", "ttft_ms": 30}).startswith("prefix OFF (no images) · TTFT 30 ms")
@@ -166,7 +166,7 @@ def test_questions_about_images_miss_then_hit(chat, pictures):
     views, first = run(chat.ask(session.id, OWNER, "What is in image 1?", FAST))
     assert views[0].status == "streaming" and first.status == "done"
     assert first.prefix == "miss" and first.telemetry["vision_encoder_ran"]
-    assert first.line.startswith("prefix MISS · vision encoder ran · TTFT")
+    assert first.line.startswith("prefix MISS (now cached) · vision encoder ran · TTFT")
     assert "".join(v.answer for v in views[-1:]) == first.answer
     _, second = run(chat.ask(session.id, OWNER, "And image 2?", FAST))
     assert second.prefix == "hit" and not second.telemetry["vision_encoder_ran"]
@@ -373,6 +373,17 @@ def test_handlers_upload_ask_and_reopen(ui, pictures):
     assert ui.on_load(request(STRANGER, session=sid))[0] is None
 
 
+def test_demo_model_answers_default_to_few_tokens(ui, store, engine):
+    """With the demo model (random text) the page's max-tokens slider starts at DEMO_MAX_TOKENS;
+    with a real model the page keeps its default."""
+    from app.ui import DEFAULT_MAX_TOKENS, DEMO_MAX_TOKENS, PrismUI
+
+    assert DEMO_MAX_TOKENS < DEFAULT_MAX_TOKENS
+    assert ui.on_load(request())[-1] == {"__type__": "update", "value": DEMO_MAX_TOKENS}
+    real = ModelLoader.ready(engine, ModelChoice("real", "real", False, "test"))
+    assert PrismUI(ChatService(store, real), real).on_load(request())[-1] == {"__type__": "update"}  # unchanged
+
+
 def test_handlers_refuse_empty_question_and_show_bad_upload(ui, tmp_path):
     step = list(ui.answer(None, "  ", 0.0, 6, False, request()))
     assert len(step) == 1 and "type a question" in step[0][2]
@@ -482,7 +493,7 @@ def test_sessions_survive_a_restart_with_a_cold_cache(tmp_path, tiny_engine_fact
         assert again.image_shas == session.image_shas
         assert [t.line for t in chat.turns(session.id)][1].startswith("prefix HIT")
         _, cold = run(chat.ask(session.id, OWNER, "After the restart?", FAST))
-        assert cold.prefix == "miss" and cold.line.startswith("prefix MISS · vision encoder ran")
+        assert cold.prefix == "miss" and cold.line.startswith("prefix MISS (now cached) · vision encoder ran")
 
 
 def test_gradio_temp_copies_are_deleted_after_upload(ui, tmp_path, monkeypatch, pictures):
@@ -510,3 +521,32 @@ def test_a_turn_left_unfinished_by_a_crash_shows_as_interrupted(chat, store):
     assert chat.turns(session.id)[-1].status == "streaming"  # a live one is not
     run(active)
     assert chat.turns(session.id)[-1].status == "done"
+
+
+def test_text_only_chat_thumbnail_needs_no_emoji_font(chat):
+    """A chat without images shows a drawn speech bubble in the sidebar, not an emoji (which shows
+    as an empty box where no emoji font is installed)."""
+    from app import render
+
+    run(chat.ask(None, OWNER, "Hello?", ChatOptions(max_tokens=2)))
+    html = render.sessions_list(chat.sessions(OWNER), None)
+    assert '<span class="prism-thumb-empty"><svg' in html and "💬" not in html
+
+
+def test_engine_panel_says_what_the_prefix_cache_holds(chat, engine, pictures):
+    """The Engine tab counts image prefixes and the finished turns kept for conversation reuse
+    apart (one count of "entries" read as more image sets than the user added)."""
+    from app import render
+
+    engine.clear_prefix_cache()
+    active = chat.ask(None, OWNER, "What is this?", ChatOptions(max_tokens=2))
+    run(active)
+    sid = active.session.id
+    chat.add_images(sid, OWNER, [(pictures[0].name, pictures[0])])
+    run(chat.ask(sid, OWNER, "And this?", ChatOptions(max_tokens=2)))
+    run(chat.ask(sid, OWNER, "Anything else?", ChatOptions(max_tokens=2)))
+    stats = engine.stats()
+    assert stats["cache_prefixes"] == 1 and stats["cache_entries"] > 1, stats
+    turns = stats["cache_entries"] - 1
+    html = render.engine_panel({"status": "ok", "model": "m", "device": "cpu", "dtype": "float32", "engine": stats})
+    assert f"1 image prefix + {turns} turn{'s' if turns != 1 else ''} kept for reuse" in html

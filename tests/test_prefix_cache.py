@@ -546,7 +546,8 @@ def test_hit_and_miss_telemetry_and_stats(make, photos):
     assert abs(h.visual_tokens_kept - 0.6 * h.visual_tokens) <= 1
     assert h.vision_ms == 0.0 and m.vision_ms > 0.0
     stats = engine.stats()
-    expected = {"prefix_cache": True, "cache_entries": 1, "cache_pages": h.prefix_pages, "cache_hits": 1,
+    expected = {"prefix_cache": True, "cache_entries": 1, "cache_prefixes": 1, "cache_pages": h.prefix_pages,
+                "cache_hits": 1,
                 "cache_misses": 1, "cache_stale": 0, "cache_evictions": 0,
                 "prompt_tokens_saved": h.cached_tokens, "vision_cache_hits": 0, "vision_cache_entries": 1}
     assert {k: stats[k] for k in expected} == expected
