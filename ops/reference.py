@@ -98,6 +98,16 @@ def _check_slots(cache: KVLayerCache, slots: torch.Tensor, what: str, allow_padd
     return valid
 
 
+def check_store_out(k: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Check :func:`store_kv`'s ``out``: None, or two contiguous tensors of ``k``'s shape.
+
+    Raises:
+        ValueError: otherwise.
+    """
+    if out is not None and any(o.shape != k.shape or not o.is_contiguous() for o in out):
+        raise ValueError(f"out must be two contiguous tensors of k's shape {tuple(k.shape)}")
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping: torch.Tensor,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write the step's new K/V into their slots (in place), quantising in FP8 mode.
@@ -124,8 +134,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
         )
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected ({k.shape[0]},)")
-    if out is not None and any(o.shape != k.shape or not o.is_contiguous() for o in out):
-        raise ValueError(f"out must be two contiguous tensors of k's shape {tuple(k.shape)}")
+    check_store_out(k, out)
     valid = _check_slots(cache, slot_mapping, "slot_mapping", allow_padding=True)
     slots = slot_mapping[valid].long()
     page, off = slots // cache.page_size, slots % cache.page_size

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .metadata import AttentionMetadata, KVLayerCache
 from .pdl import launch_args, pdl_sync
-from .reference import AMAX_FLOOR, FP8_MAX
+from .reference import AMAX_FLOOR, FP8_MAX, check_store_out
 
 # --------------------------------------------------------------------------------------------------
 # KV store
@@ -117,8 +117,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayerCache, slot_mapping
         ValueError: ``out`` not two contiguous tensors of ``k``'s shape.
     """
     t, hkv, d = k.shape
-    if out is not None and any(o.shape != k.shape or not o.is_contiguous() for o in out):
-        raise ValueError(f"out must be two contiguous tensors of k's shape {tuple(k.shape)}")
+    check_store_out(k, out)
     if t == 0:
         return
     fp8 = cache.is_fp8
