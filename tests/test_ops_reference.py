@@ -593,3 +593,15 @@ def test_cuda_matches_cpu(kv_dtype):
 
 def _layer(cache: KVLayerCache) -> list[torch.Tensor]:
     return [t for t in (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale) if t is not None]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_store_kv_refuses_a_wrong_out(backend):
+    """``out`` must be two contiguous tensors of K's shape, in the reference and the Triton store."""
+    store = store_kv if backend == "reference" else pytest.importorskip("ops.triton_kernels").store_kv
+    cache = KVLayerCache.allocate(2, 4, 2, 8, "fp8_e4m3", torch.float32)
+    k = torch.randn(3, 2, 8)
+    slots = torch.tensor([0, 1, 2])
+    for out in ((torch.empty(2, 2, 8), torch.empty(3, 2, 8)), (torch.empty(3, 8, 2).transpose(1, 2), k.clone())):
+        with pytest.raises(ValueError, match="out must be two contiguous tensors"):
+            store(k, k, cache, slots, out=out)
