@@ -88,14 +88,21 @@ def pytest_runtest_logreport(report):
         _skips.append((report.nodeid, reason))
 
 
+def _stray_skips() -> list[tuple[str, str]]:
+    return [(test, reason) for test, reason in _skips if not GPU_ONLY_SKIPS.search(reason)]
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Under ``PRISM_CI=1`` a skip that is not a GPU-only test's fails the run."""
-    stray = [(test, reason) for test, reason in _skips if not GPU_ONLY_SKIPS.search(reason)]
-    if CI and stray:
-        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
-            "PRISM_CI=1: only GPU-only tests may skip on CI; these skipped:\n"
-            + "\n".join(f"  {test}: {reason}" for test, reason in stray), red=True)
+    if CI and _stray_skips():
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if CI and _stray_skips():
+        terminalreporter.section("PRISM_CI=1: only GPU-only tests may skip", red=True)
+        for test, reason in _stray_skips():
+            terminalreporter.write_line(f"STRAY SKIP {test}: {reason}")
 
 
 @pytest.fixture(scope="session")
