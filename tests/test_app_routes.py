@@ -3,6 +3,8 @@ view, continue/fork, revoke, 404s that reveal nothing), static files and the Gra
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -100,8 +102,6 @@ def test_image_route_refuses_anything_but_a_known_hash(env, bad):
 def raw_get(app, path: str) -> tuple[int, bytes]:
     """GET ``path`` exactly as written (``..`` and all: HTTP clients normalise dot segments away, a
     hostile client need not), straight into the ASGI app. Returns (status, body)."""
-    import asyncio
-
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
              "headers": [(b"host", b"testserver")], "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
