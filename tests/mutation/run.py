@@ -5,7 +5,7 @@ Run it by hand from the repository root, on the CPU, before changing the areas i
 cache key and salts, compaction counts, the FP8 store, the prefix hit's work, share links, the app's
 sessions, images, vision graphs), and after adding an entry::
 
-    python tests/mutation/run.py                  # every mutant (about 10 minutes on 2 cores)
+    python tests/mutation/run.py                  # every mutant (about 5 minutes on 2 cores)
     python tests/mutation/run.py --only NAME ...  # some of them
     python tests/mutation/run.py --list           # names and bugs
     python tests/mutation/run.py --check          # only check that every entry still applies
