@@ -12,6 +12,10 @@ skips the check, so one request naming ``/dev/zero`` froze the server and others
 refuses (400) any payload with a ``"path"`` that is not one of this process's uploads, judged by
 :meth:`UploadFolder.problem` from ``lstat`` alone: nothing the client names is ever opened here.
 Uploads named by a refused payload are deleted (they will never be used).
+
+Beside it: :class:`MalformedUploadGuard` (a 400, not Gradio's 500, for a malformed upload),
+:class:`NoRemoteFetch` (Gradio's routes that fetch a URL for the client answer 404) and
+:meth:`UploadFolder.sweep` with :func:`sweep_periodically` (uploads no event ever used).
 """
 
 from __future__ import annotations

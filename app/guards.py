@@ -56,13 +56,13 @@ class BodyCaps:
         return cls(upload=max_images * max_upload_bytes + MULTIPART_SLACK_BYTES,
                    api=max_images * base64_image + TEXT_BODY_BYTES)
 
-    def for_path(self, path: str) -> int:
-        """The cap of a request to ``path``."""
+    def for_path(self, path: str) -> tuple[int, str]:
+        """The cap of a request to ``path`` (bytes), and what sets it (for the refusal's message)."""
         if path == UPLOAD_PATH or path == UPLOAD_PATH + "/":
-            return self.upload
+            return self.upload, "--max-images images of --max-upload-mb each"
         if path.startswith(API_PREFIX):
-            return self.api
-        return self.text
+            return self.api, "--max-images base64 images of --max-upload-mb each, and text"
+        return self.text, "text only: images are uploaded on their own, up to --max-upload-mb each"
 
 
 class BodySizeLimit:
@@ -83,7 +83,7 @@ class BodySizeLimit:
         path = scope.get("path", "")
         lengths = [v for k, v in scope.get("headers", []) if k == b"content-length"]
         chunked = any(k == b"transfer-encoding" for k, _ in scope.get("headers", []))
-        cap = self.caps.for_path(path)
+        cap, reason = self.caps.for_path(path)
         if chunked:
             return await refuse(scope, send, 411, "send the request body with a Content-Length header "
                                                   "(bodies of unknown length are not accepted)")
@@ -94,7 +94,7 @@ class BodySizeLimit:
         size = int(lengths[0])
         if size > cap:
             return await refuse(scope, send, 413, f"the request body is {size:,} bytes; this route accepts at most "
-                                                  f"{cap:,} (set by --max-upload-mb and --max-images)")
+                                                  f"{cap:,} ({reason})")
         return await self.app(scope, receive, send)
 
 
