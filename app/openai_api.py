@@ -147,7 +147,7 @@ def sampling_from(body: dict) -> SamplingParams:
         )
     except InvalidRequestError as exc:  # the engine's messages start with the field's name
         field = str(exc).split(" ", 1)[0]
-        param = {"max_tokens": limit_name, "temperature": "temperature", "top_p": "top_p"}.get(field)
+        param = {"max_tokens": limit_name, "temperature": "temperature", "top_p": "top_p", "seed": "seed"}.get(field)
         raise _bad(str(exc), param) from None
 
 

@@ -12,6 +12,9 @@ Routes (ours are registered before Gradio's mount, so they take precedence):
 
 Every browser gets an owner key in an HttpOnly cookie (:class:`OwnerCookieMiddleware`); it is
 the only credential for its sessions and is never put in a page.
+
+In front of every route sit the refusals of :mod:`app.guards` (body sizes, other origins, page
+headers) and of :mod:`app.gradio_guard` (file paths in Gradio's event payloads).
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ from sessions import NotFound, PermissionDenied, SessionStore
 
 from . import render
 from .chat import ChatService
+from .gradio_guard import (
+    STALE_UPLOAD_S,
+    SWEEP_EVERY_S,
+    GradioPayloadGuard,
+    MalformedUploadGuard,
+    NoRemoteFetch,
+    UploadFolder,
+    sweep_periodically,
+)
+from .guards import BodyCaps, BodySizeLimit, SameOriginGuard, SecurityHeaders
 from .model_loader import ModelLoader
 from .openai_api import OpenAIAPI
 from .settings import Settings
@@ -43,7 +56,10 @@ _OWNER_RE = re.compile(r"[A-Za-z0-9_-]{32,128}")
 _COOKIE_MAX_AGE = 10 * 365 * 24 * 3600
 #: Worker threads for blocking handlers (each streaming answer holds one while it streams).
 WORKER_THREADS = 160
-_PRIVATE = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Robots-Tag": "noindex",
+# "same-origin", not "no-referrer": the share link in the URL never leaves for another site either
+# way, and with "no-referrer" a browser sends "Origin: null" on the fork form's POST, which
+# SameOriginGuard must refuse (a sandboxed frame on any site sends the same).
+_PRIVATE = {"Cache-Control": "no-store", "Referrer-Policy": "same-origin", "X-Robots-Tag": "noindex",
             "X-Content-Type-Options": "nosniff"}
 
 
@@ -98,7 +114,12 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     @asynccontextmanager
     async def lifespan(_app):
         anyio.to_thread.current_default_thread_limiter().total_tokens = WORKER_THREADS
-        yield
+        async with anyio.create_task_group() as tasks:
+            uploads = getattr(app.state, "uploads", None)
+            if uploads is not None:  # leftovers of failed or abandoned uploads, while the server runs
+                tasks.start_soon(sweep_periodically, uploads, SWEEP_EVERY_S, STALE_UPLOAD_S)
+            yield
+            tasks.cancel_scope.cancel()
 
     app = FastAPI(title="Prism", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.chat, app.state.loader, app.state.store = chat, loader, store
@@ -152,17 +173,34 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     app.add_middleware(OwnerCookieMiddleware)
 
     if mount_ui:
-        import gradio as gr
-
-        ui = PrismUI(chat, loader)
-        blocks = ui.build()
-        blocks.queue(default_concurrency_limit=16)
-        app.state.ui, app.state.blocks = ui, blocks
-        v = render.STATIC_VERSION
-        gr.mount_gradio_app(
-            app, blocks, path="/", theme=theme(), ssr_mode=False, footer_links=[],
-            head=f'<link rel="stylesheet" href="/prism-static/prism.css?v={v}">'
-                 f'<script src="/prism-static/prism.js?v={v}" defer></script>',
-            max_file_size=settings.max_upload_bytes * 2, favicon_path=str(STATIC_DIR / "favicon.png"),
-        )
+        _mount_ui(app, settings, chat, loader)
+    # added last = runs first: headers on every page, then origin, then body size
+    app.add_middleware(BodySizeLimit, caps=BodyCaps.from_limits(settings.max_upload_bytes, settings.max_images))
+    app.add_middleware(SameOriginGuard)
+    app.add_middleware(SecurityHeaders)
     return app
+
+
+def _mount_ui(app: FastAPI, settings: Settings, chat: ChatService, loader: ModelLoader) -> None:
+    """Mount the Gradio page at ``/``, with the payload check a mounted Gradio app lacks."""
+    import gradio as gr
+
+    ui = PrismUI(chat, loader)
+    blocks = ui.build()
+    blocks.queue(default_concurrency_limit=16)
+    app.state.ui, app.state.blocks = ui, blocks
+    v = render.STATIC_VERSION
+    max_file_bytes = settings.max_upload_bytes * 2  # above our limit: our handler explains the refusal
+    gr.mount_gradio_app(
+        app, blocks, path="/", theme=theme(), ssr_mode=False, footer_links=[],
+        head=f'<link rel="stylesheet" href="/prism-static/prism.css?v={v}">'
+             f'<script src="/prism-static/prism.js?v={v}" defer></script>',
+        max_file_size=max_file_bytes, favicon_path=str(STATIC_DIR / "favicon.png"),
+    )
+    # Gradio checks that an event's file paths lie in its upload folder only once ``launch()`` has
+    # set this flag, which mounting never does; set, its own check runs again behind ours.
+    blocks.has_launched = True
+    app.state.uploads = UploadFolder.of_gradio(max_file_bytes)
+    app.add_middleware(GradioPayloadGuard, uploads=app.state.uploads, events=frozenset(blocks.fns))
+    app.add_middleware(MalformedUploadGuard)
+    app.add_middleware(NoRemoteFetch)

@@ -151,6 +151,16 @@ def _image_claim(part: dict, n: int) -> str | None:
     return claim.lower()
 
 
+def _unicode_text(text: str, n: int) -> str:
+    """``text``, or InvalidRequestError when it holds a lone surrogate (the tokenizer cannot encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"message {n}: the text is not valid Unicode (an unpaired surrogate "
+                                  f"{text[exc.start]!r} at character {exc.start})") from None
+    return text
+
+
 def _normalise(messages) -> tuple[list[dict], list, list[str | None], list[tuple[list, float]]]:
     """Validate messages; return template messages, image sources, their claimed digests (None
     where not given) and video frame lists."""
@@ -169,7 +179,7 @@ def _normalise(messages) -> tuple[list[dict], list, list[str | None], list[tuple
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": _neutralise_markers(part["text"])})
+                parts.append({"type": "text", "text": _neutralise_markers(_unicode_text(part["text"], n))})
             elif kind == "image" and "image" in part:
                 claims.append(_image_claim(part, n))
                 images.append(part["image"])

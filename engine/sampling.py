@@ -25,6 +25,10 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+#: The seeds ``torch.Generator.manual_seed`` takes (a 64-bit integer, signed or not).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
@@ -58,8 +62,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequestError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX} or None, "
+                                      f"got {self.seed!r:.40}")
         if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequestError(
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"

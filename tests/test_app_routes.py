@@ -127,7 +127,7 @@ def test_read_only_share_shows_the_conversation_and_nothing_else(env):
     assert env.owner not in html and "My other secret chat" not in html
     assert str(env.data) not in html and "prism.db" not in html and env.session.cache_salt not in html
     assert viewer.cookies.get("prism_owner") != env.owner
-    assert r.headers["cache-control"] == "no-store" and r.headers["referrer-policy"] == "no-referrer"
+    assert r.headers["cache-control"] == "no-store" and r.headers["referrer-policy"] == "same-origin"
 
 
 def test_continue_share_forks_into_the_visitors_own_session(env):
