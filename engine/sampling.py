@@ -16,6 +16,10 @@ import torch
 
 from .errors import InvalidRequestError
 
+#: Most tokens a request generates when it sets no ``max_tokens`` (fewer when its prompt leaves
+#: less room in the model's context).
+DEFAULT_MAX_TOKENS = 256
+
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -34,7 +38,12 @@ class SamplingParams:
     """How to pick tokens for one request.
 
     Attributes:
-        max_tokens: most tokens to generate (generated tokens only, not the prompt).
+        max_tokens: most tokens to generate (generated tokens only, not the prompt). None (the
+            default): up to ``default_max_tokens``, or fewer when the prompt leaves less room in
+            the engine's context; a number is taken as asked, and a request whose prompt leaves
+            less room than that is refused (:class:`~engine.errors.RequestTooLargeError`).
+        default_max_tokens: the cap when ``max_tokens`` is None (:data:`DEFAULT_MAX_TOKENS`; the
+            OpenAI-compatible API passes its own).
         temperature: 0 for greedy decoding; otherwise logits are divided by it.
         top_p: keep the smallest set of tokens whose probability mass reaches ``top_p`` (1 = off).
         top_k: keep the ``top_k`` most likely tokens (0 = off).
@@ -44,7 +53,8 @@ class SamplingParams:
         ignore_eos: keep generating past end-of-sequence tokens (benchmarks, tests).
     """
 
-    max_tokens: int = 256
+    max_tokens: int | None = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -54,8 +64,12 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise InvalidRequestError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if not _is_int(self.default_max_tokens) or self.default_max_tokens < 1:
+            raise InvalidRequestError(
+                f"default_max_tokens must be a positive integer, got {self.default_max_tokens!r}"
+            )
         if not _is_real(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:

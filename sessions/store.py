@@ -659,9 +659,11 @@ class SessionStore:
 
         The bytes are checked with :func:`engine.images.open_image` (and this store's
         ``image_options``) before anything is stored. The file is content-addressed (SHA-256 of
-        the bytes) and written once, atomically, to ``images/<sha[:2]>/<sha>``; the same bytes
-        uploaded again (to any session) reuse it. Adding an image the session already has is a
-        no-op that returns its record (with the filename given the first time).
+        the bytes) and written atomically to ``images/<sha[:2]>/<sha>``; the same bytes
+        uploaded again (to any session) share that one file, written again each time so that an
+        upload takes as long whether or not another session holds the image. Adding an image the
+        session already has is a no-op that returns its record (with the filename given the first
+        time).
 
         Args:
             session_id: the session. owner: its owner key.
@@ -766,6 +768,18 @@ class SessionStore:
         with self._read() as db:
             row = db.execute(
                 "SELECT 1 FROM session_images WHERE session_id = ? AND sha256 = ?", [session_id, sha256]
+            ).fetchone()
+            return row is not None
+
+    def owner_has_image(self, owner: str, sha256: str) -> bool:
+        """Whether a session of ``owner`` holds the image (check it before serving the image to
+        that owner); False for an empty owner or a malformed hash."""
+        if not _is_sha256(sha256) or not isinstance(owner, str) or not owner:
+            return False
+        with self._read() as db:
+            row = db.execute(
+                "SELECT 1 FROM session_images si JOIN sessions s ON s.id = si.session_id "
+                "WHERE s.owner_hash = ? AND si.sha256 = ? LIMIT 1", [_owner_hash(owner), sha256]
             ).fetchone()
             return row is not None
 
@@ -1065,11 +1079,14 @@ class SessionStore:
         return self.images_dir / sha[:2] / sha
 
     def _ensure_file(self, sha: str, data: bytes) -> bool:
-        """Make sure ``images/<sha[:2]>/<sha>`` holds ``data``; return True if written now."""
+        """Make sure ``images/<sha[:2]>/<sha>`` holds ``data``; return True if it was not there.
+
+        The file is written and synced every time, also when it exists: skipping that for an
+        image that another session had uploaded made the upload measurably faster, which told the
+        uploader that someone on this server holds the image.
+        """
         path = self._blob_path(sha)
-        with suppress(FileNotFoundError):
-            if path.stat().st_size == len(data):
-                return False
+        existed = path.is_file()
         path.parent.mkdir(exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-", suffix=".tmp")
         try:
@@ -1083,7 +1100,7 @@ class SessionStore:
                 os.unlink(tmp)
             raise
         _fsync_dir(path.parent)
-        return True
+        return not existed
 
     def _remove_file_if_unknown(self, sha: str) -> None:
         """After a failed add_image: delete the file written for it unless the db knows the image."""

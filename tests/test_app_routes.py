@@ -169,8 +169,12 @@ def test_revoked_and_unknown_tokens_reveal_nothing(env):
     assert env.client.get("/s/").status_code == 404 or "Astronaut" not in env.client.get("/s/").text
 
 
-def test_shared_images_are_still_served_by_hash_only(env):
+def test_shared_images_are_served_by_hash_under_the_share_token(env):
+    """The share page names its images by hash under its own token (the visitor has no cookie
+    that owns them), and those URLs serve them while the share is live."""
     token, _ = share_link(env, "read")
-    html = TestClient(env.client.app).get(f"/s/{token}").text
+    visitor = TestClient(env.client.app)
+    html = visitor.get(f"/s/{token}").text
     for sha in env.session.image_shas:
-        assert f'src="/images/{sha}"' in html
+        assert f'src="/s/{token}/images/{sha}"' in html and f'src="/images/{sha}"' not in html
+        assert visitor.get(f"/s/{token}/images/{sha}").status_code == 200
