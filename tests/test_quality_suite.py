@@ -379,3 +379,38 @@ def test_checkpoint_shards_transfer_and_load(tmp_path, toy_checkpoint):
     with pytest.raises(ValueError, match="sha256"):
         ckpt.join_parts(tmp_path / "parts", tmp_path / "joined2")
 
+
+# --------------------------------------------------------------------------------------------
+# The committed probe model
+# --------------------------------------------------------------------------------------------
+
+
+def test_committed_model_loads_in_transformers_and_prism():
+    """transformers and Prism (float32, KV in the model dtype, no compaction) both load the committed
+    checkpoint and give the trainer's own greedy answers; the answers to word and count questions,
+    which the model learned, are right (random or misloaded weights would not read them)."""
+    from transformers import AutoProcessor
+
+    from benchmarks.quality import MODEL_DIR
+    from benchmarks.quality.train import greedy_answers
+    from engine import Engine, SamplingParams
+
+    samples = sc.heldout(10)
+    hf = _hf_model(MODEL_DIR)
+    hf_proc = AutoProcessor.from_pretrained(str(MODEL_DIR))
+    model = ProbeVL(ModelConfig.from_folder(MODEL_DIR))
+    model.load_state_dict({k: v.float() for k, v in ckpt.load_weights(MODEL_DIR).items()})
+    ours = greedy_answers(model, samples, PromptTokens(MODEL_DIR / "tokenizer.json"), "cpu",
+                          tiny.IMAGE_PROCESSOR_CONFIG)
+    with Engine.from_pretrained(MODEL_DIR, device="cpu", dtype=torch.float32, kv_cache_dtype="auto",
+                                compaction=None, progress=False) as engine:
+        prism = [engine.generate(s.messages(), SamplingParams(max_tokens=4, temperature=0.0),
+                                 cache_salt=s.uid).text for s in samples]
+    for sample, mine, theirs in zip(samples, ours, prism, strict=True):
+        inputs = hf_proc.apply_chat_template(sample.messages(), tokenize=True, add_generation_prompt=True,
+                                             return_dict=True, return_tensors="pt")
+        out = hf.generate(**inputs, max_new_tokens=4, do_sample=False)
+        text = hf_proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert mine == theirs == text, sample.uid
+        if sample.qtype in ("word", "count"):
+            assert sc.is_correct(mine, sample), sample.uid
