@@ -41,9 +41,11 @@ from engine.config import ModelConfig
 
 
 def _stage_samples(n_per_stage: int) -> list[sc.Sample]:
+    """Training samples of every stage of every curriculum."""
     out = []
-    for name, _, dist in sc.CURRICULUM:
-        out += [sc.train_sample(f"test:{name}:{i}", dist) for i in range(n_per_stage)]
+    for curriculum, stages in sc.CURRICULA.items():
+        for name, _, dist in stages:
+            out += [sc.train_sample(f"test:{curriculum}:{name}:{i}", dist) for i in range(n_per_stage)]
     return out
 
 
@@ -74,7 +76,7 @@ def test_heldout_split_is_fixed_balanced_and_disjoint_from_training():
 def _expected_answer(sample: sc.Sample) -> str:
     """The answer read off the scene objects by the question text alone."""
     q, scenes = sample.question, sample.scenes
-    image = re.search(r"in Image (\d)\?", q)
+    image = re.search(r"in Image (\d)\?", q) or re.search(r"shape in Image (\d) is", q)
     target = scenes[int(image.group(1)) - 1] if image else None
     if sample.qtype == "colour":
         kind = re.match(r"What colour is the (\w+) in", q).group(1)
@@ -91,6 +93,11 @@ def _expected_answer(sample: sc.Sample) -> str:
         return str(len(target.shapes))
     if sample.qtype == "word":
         return target.word.text.lower()
+    if sample.qtype == "shape":
+        colour = re.match(r"Which shape in Image \d is (\w+)\?", q).group(1)
+        found = [s for s in target.shapes if s.colour == colour]
+        assert len(found) == 1, q
+        return found[0].kind
     colour, first, second = re.match(r"Is the (\w+) (\w+) left or right of the (\w+) in", q).groups()
     a = [s for s in target.shapes if s.kind == first]
     b = [s for s in target.shapes if s.kind == second]
@@ -101,7 +108,9 @@ def _expected_answer(sample: sc.Sample) -> str:
 
 def test_answers_follow_from_the_scenes():
     """For held-out and every curriculum stage, the answer is what the objects say."""
-    for sample in sc.heldout(250) + _stage_samples(40):
+    trained = _stage_samples(40)
+    assert {s.qtype for s in trained} == set(sc.TRAINING_TYPES)
+    for sample in sc.heldout(250) + trained:
         assert sample.answer == _expected_answer(sample), sample.uid
         assert 1 <= len(sample.scenes) <= 4
         if sample.qtype == "count":

@@ -23,7 +23,7 @@ from engine.tiny import ENDOFTEXT_ID
 
 from .patches import patchify
 from .render import PackedScenes, pack_scenes, render
-from .scenes import QUESTION_TYPES, Sample, curriculum_stage, train_sample
+from .scenes import TRAINING_TYPES, Sample, curriculum_stage, train_sample
 from .tokens import PromptIds, PromptTokens
 
 
@@ -40,7 +40,7 @@ class Batch:
             trained (empty for evaluation batches).
         target_ids: int64 ``[M]`` those next tokens (answer tokens, then ``<|im_end|>``).
         first_rows: bool ``[M]``: the target is the answer's first token.
-        target_types: int64 ``[M]``: index of the sample's type in :data:`QUESTION_TYPES`.
+        target_types: int64 ``[M]``: index of the sample's type in :data:`TRAINING_TYPES`.
         size: ``(height, width)`` of every image.
         stage: the curriculum stage the samples were drawn from (``"eval"`` for held-out batches).
     """
@@ -102,7 +102,7 @@ def build_batch(samples: Sequence[Sample], tokens: PromptTokens, *, with_targets
         tail = list(extra[i]) if extra is not None else []
         target = tokens.target(sample.answer) if with_targets else []
         rows.append(prompt.ids + tail + target)
-        targets.append((len(prompt.ids) + len(tail), target, QUESTION_TYPES.index(sample.qtype)))
+        targets.append((len(prompt.ids) + len(tail), target, TRAINING_TYPES.index(sample.qtype)))
     b, length = len(rows), max(len(r) for r in rows)
     input_ids = torch.full((b, length), ENDOFTEXT_ID, dtype=torch.long)
     positions = torch.zeros(3, b, length, dtype=torch.long)
@@ -150,11 +150,14 @@ class TrainStream(torch.utils.data.IterableDataset):
         batch_size: samples per batch.
         seed: the run's seed (part of every sample key).
         progress: a ``multiprocessing.Value('d')`` holding the training progress in [0, 1].
+        curriculum: a key of :data:`benchmarks.quality.scenes.CURRICULA`.
     """
 
-    def __init__(self, tokenizer_file: str | os.PathLike[str], batch_size: int, seed: int, progress=None):
+    def __init__(self, tokenizer_file: str | os.PathLike[str], batch_size: int, seed: int, progress=None,
+                 curriculum: str = "v1"):
         super().__init__()
         self.tokenizer_file, self.batch_size, self.seed = str(tokenizer_file), batch_size, seed
+        self.curriculum = curriculum
         self.progress = progress if progress is not None else multiprocessing.Value("d", 0.0)
 
     def __iter__(self):
@@ -162,6 +165,6 @@ class TrainStream(torch.utils.data.IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         tokens = PromptTokens(self.tokenizer_file)
         for k in itertools.count(worker, workers):
-            stage, dist = curriculum_stage(self.progress.value)
+            stage, dist = curriculum_stage(self.progress.value, self.curriculum)
             samples = [train_sample(f"{self.seed}:{k}:{i}", dist) for i in range(self.batch_size)]
             yield build_batch(samples, tokens, stage=stage)

@@ -52,6 +52,10 @@ WORDS = ("cat", "dog", "sun", "map", "box", "cup", "hat", "key", "pen", "car", "
 
 QUESTION_TYPES = ("colour", "which_image", "count", "word", "position")
 
+#: Question types training may use: the held-out ones, and ``shape`` ("Which shape in Image 2 is
+#: red?", the colour unique in that image), which rewards seeing a shape's kind directly.
+TRAINING_TYPES = (*QUESTION_TYPES, "shape")
+
 #: Half-extent ranges of shapes in pixels: small (12-18 px across, about one 16-px patch), medium, large.
 SIZE_CLASSES = ((6, 9), (10, 17), (18, 30))
 
@@ -182,10 +186,32 @@ CURRICULUM: tuple[tuple[str, float, Distribution], ...] = (
 )
 
 
-def curriculum_stage(progress: float) -> tuple[str, Distribution]:
-    """The curriculum stage ``(name, distribution)`` at ``progress`` (0 = start, 1 = end of training)."""
-    name, dist = CURRICULUM[0][0], CURRICULUM[0][2]
-    for stage_name, start, stage_dist in CURRICULUM:
+#: A curriculum for the next run (not run yet; docs/QUALITY.md says why): the run of
+#: :data:`CURRICULUM` never learned shape kinds, which colour, which_image and position need to
+#: pick a shape; this one names the kind directly with ``shape`` questions from the first stage on.
+BINDING_CURRICULUM: tuple[tuple[str, float, Distribution], ...] = (
+    ("single", 0.0, Distribution(types=("colour", "count", "word", "position", "shape"),
+                                 type_weights=(1.5, 1, 1.5, 1.5, 2), max_images=1, max_shapes=3, max_count=3,
+                                 word_prob=0.2, min_gap=20)),
+    ("pair", 0.25, Distribution(types=TRAINING_TYPES, type_weights=(1.2, 1, 1, 1.2, 1.5, 1), max_images=2,
+                                max_shapes=4, max_count=4, word_prob=0.3, min_gap=12)),
+    ("full", 0.45, Distribution(types=TRAINING_TYPES, type_weights=(1.2, 1.2, 1, 1, 1.4, 0.6))),
+)
+
+#: The curricula :func:`curriculum_stage` knows, by name (``v1`` trained the committed model).
+CURRICULA = {"v1": CURRICULUM, "binding": BINDING_CURRICULUM}
+
+
+def curriculum_stage(progress: float, curriculum: str = "v1") -> tuple[str, Distribution]:
+    """The stage ``(name, distribution)`` of the named curriculum (a key of :data:`CURRICULA`) at
+    ``progress`` (0 = start, 1 = end of training).
+
+    Raises:
+        KeyError: an unknown curriculum name.
+    """
+    stages = CURRICULA[curriculum]
+    name, dist = stages[0][0], stages[0][2]
+    for stage_name, start, stage_dist in stages:
         if progress >= start:
             name, dist = stage_name, stage_dist
     return name, dist
@@ -235,7 +261,7 @@ def make_sample(key: str, dist: Distribution = EVAL, qtype: str | None = None,
     if qtype is None:
         qtype = rng.choices(dist.types, weights=dist.type_weights)[0] if dist.type_weights else rng.choice(dist.types)
     if qtype not in _MAKERS:
-        raise ValueError(f"unknown question type {qtype!r}; choose one of {QUESTION_TYPES}")
+        raise ValueError(f"unknown question type {qtype!r}; choose one of {TRAINING_TYPES}")
     lo = max(dist.min_images, 2 if qtype == "which_image" else 1)
     if lo > dist.max_images:
         raise ValueError(f"a {qtype} question needs at least {lo} images; the distribution allows {dist.max_images}")
@@ -273,7 +299,7 @@ def accuracy_by_type(samples: Sequence[Sample], predictions: Iterable[str]) -> d
 
     Returns:
         ``{qtype: {"n": count, "correct": count, "accuracy": fraction}, ..., "all": {...}}`` for the
-        types present, in :data:`QUESTION_TYPES` order.
+        types present, in :data:`TRAINING_TYPES` order.
 
     Raises:
         ValueError: a different number of predictions than samples.
@@ -287,7 +313,7 @@ def accuracy_by_type(samples: Sequence[Sample], predictions: Iterable[str]) -> d
             counts = tally.setdefault(name, [0, 0])
             counts[0] += 1
             counts[1] += is_correct(pred, sample)
-    order = [t for t in QUESTION_TYPES if t in tally] + ["all"] if tally else []
+    order = [t for t in TRAINING_TYPES if t in tally] + ["all"] if tally else []
     return {t: {"n": tally[t][0], "correct": tally[t][1], "accuracy": tally[t][1] / tally[t][0]} for t in order}
 
 
@@ -457,10 +483,25 @@ def _make_position(rng, dist, n_images, size):
     return question, answer[0], scenes, target
 
 
+def _make_shape(rng, dist, n_images, size):
+    target, kind, colour = rng.randrange(n_images), rng.choice(SHAPES), rng.choice(tuple(COLOURS))
+
+    def make(canvas):
+        canvas.add_shape(kind, colour)
+        others = [c for c in COLOURS if c != colour]
+        for _ in range(rng.randint(1, dist.max_shapes) - 1):
+            canvas.add_shape(rng.choice(SHAPES), rng.choice(others))
+        _maybe_word(canvas, dist)
+
+    scenes = _distractors(rng, dist, n_images, size, target, make)
+    return f"Which shape in Image {target + 1} is {colour}? Answer with one word.", kind, scenes, target
+
+
 _MAKERS = {
     "colour": _make_colour,
     "which_image": _make_which_image,
     "count": _make_count,
     "word": _make_word,
     "position": _make_position,
+    "shape": _make_shape,
 }

@@ -4,7 +4,7 @@ Data never waits on the CPU: DataLoader workers draw layouts and glue cached tok
 integers per object); the training device renders the pixels and cuts the processor's patches
 (:func:`benchmarks.quality.data.device_pixels`). Inputs are dense (no visual token is dropped),
 the loss covers the answer tokens and the closing ``<|im_end|>`` only, and a curriculum
-(:data:`benchmarks.quality.scenes.CURRICULUM`) starts with one image and few shapes. Training
+(``--curriculum``, see :data:`benchmarks.quality.scenes.CURRICULA`) starts with one image and few shapes. Training
 stops at ``--steps`` or when ``--minutes`` are spent, whichever comes first; learning rate and
 curriculum follow the progress towards that end. Checkpoints are written every
 ``--ckpt-minutes`` and at the end, in bfloat16 (see :mod:`benchmarks.quality.checkpoint`); the
@@ -37,7 +37,7 @@ from engine.config import ModelConfig
 from . import checkpoint as ckpt
 from .data import Batch, TrainStream, build_batch, device_pixels
 from .model import ProbeVL
-from .scenes import QUESTION_TYPES, Sample, accuracy_by_type, heldout
+from .scenes import CURRICULA, QUESTION_TYPES, TRAINING_TYPES, Sample, accuracy_by_type, heldout
 from .tokens import PromptTokens
 
 #: Answers are one word or digit: the answer token, <|im_end|>, and a little slack.
@@ -169,7 +169,7 @@ def train(args: argparse.Namespace) -> dict:
     transfer = pathlib.Path(args.transfer) if args.transfer else None
     torch.manual_seed(args.seed)
 
-    stream = TrainStream(tokenizer_file, args.batch, args.seed)
+    stream = TrainStream(tokenizer_file, args.batch, args.seed, curriculum=args.curriculum)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
                                          pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
                                          persistent_workers=args.workers > 0)
@@ -184,8 +184,8 @@ def train(args: argparse.Namespace) -> dict:
     budget = args.minutes * 60.0
     history = []
     running = torch.zeros((), device=device)
-    correct = torch.zeros(len(QUESTION_TYPES), device=device)
-    seen = torch.zeros(len(QUESTION_TYPES), device=device)
+    correct = torch.zeros(len(TRAINING_TYPES), device=device)
+    seen = torch.zeros(len(TRAINING_TYPES), device=device)
     step, samples_seen, start = 0, 0, time.monotonic()
     last_ckpt = start
     it = iter(loader)
@@ -212,7 +212,7 @@ def train(args: argparse.Namespace) -> dict:
         seen.index_add_(0, batch.target_types, batch.first_rows.to(seen.dtype))
         correct.index_add_(0, batch.target_types, (hits & batch.first_rows).to(seen.dtype))
         if step % args.log_every == 0:
-            acc = {t: round(float(c / max(s, 1)), 3) for t, c, s in zip(QUESTION_TYPES, correct.tolist(),
+            acc = {t: round(float(c / max(s, 1)), 3) for t, c, s in zip(TRAINING_TYPES, correct.tolist(),
                                                                            seen.tolist(), strict=True)}
             entry = {"step": step, "samples": samples_seen, "seconds": round(time.monotonic() - start, 1),
                      "loss": round(float(running) / args.log_every, 4), "lr": lr, "stage": batch.stage,
@@ -234,7 +234,8 @@ def train(args: argparse.Namespace) -> dict:
     metrics = {
         "steps": step, "samples": samples_seen, "batch": args.batch, "train_minutes": round(train_seconds / 60, 2),
         "steps_per_second": round(step / max(train_seconds, 1e-9), 2), "parameters": params,
-        "lr": args.lr, "seed": args.seed, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "lr": args.lr, "seed": args.seed, "curriculum": args.curriculum,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "heldout": {"n": len(samples), "first": samples[0].uid if samples else None,
                     "eval_seconds": round(time.monotonic() - t0, 1), "dtype": "bfloat16 weights, bf16 autocast"
                     if device.type == "cuda" else "bfloat16 weights, float32 compute", **report},
@@ -265,6 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--curriculum", choices=sorted(CURRICULA), default="v1",
+                   help="v1 trained the committed model; binding adds kind-naming questions (docs/QUALITY.md)")
     p.add_argument("--toy", action="store_true", help="a toy-sized model (CPU smoke tests)")
     return p.parse_args(argv)
 
