@@ -17,6 +17,8 @@ Question types (:data:`QUESTION_TYPES`):
 - ``position``: "Is the red circle left or right of the square in Image 2?" (the two shapes are
   unique in that image and apart horizontally; answer "left" or "right").
 
+Training may also ask ``shape`` questions ("Which shape in Image 2 is red?"), never held out.
+
 Splits: :func:`heldout` draws from the keys ``heldout:<i>``, training from ``train:<seed>:...``
 (:func:`train_sample`), so the two never share a seed.
 """
@@ -116,7 +118,7 @@ class Sample:
 
     Attributes:
         uid: the seed key it was drawn from (``heldout:17``, ``train:0:3:12``).
-        qtype: one of :data:`QUESTION_TYPES`.
+        qtype: one of :data:`QUESTION_TYPES` (held-out) or :data:`TRAINING_TYPES` (training).
         question: the question text (goes after ``Question: `` in the media-first layout).
         answer: the expected answer (lowercase; a colour, a digit, a word, ``left`` or ``right``).
         scenes: the images, in order (``Image 1`` first).
@@ -376,7 +378,7 @@ class _Canvas:
         return Scene(self.rng.choice(BACKGROUNDS), tuple(shapes), self.word)
 
 
-def _fill(canvas: _Canvas, dist: Distribution, n_shapes: int, kinds=SHAPES, avoid=()) -> None:
+def _fill(canvas: _Canvas, n_shapes: int, kinds=SHAPES, avoid=()) -> None:
     """Add random shapes until the canvas has ``n_shapes``; kinds from ``kinds``, never a
     ``(kind, colour)`` pair in ``avoid``."""
     while len(canvas.shapes) < n_shapes:
@@ -398,7 +400,7 @@ def _distractors(rng, dist, n_images, size, target, make) -> list[Scene]:
         if i == target:
             make(canvas)
         else:
-            _fill(canvas, dist, rng.randint(1, dist.max_shapes))
+            _fill(canvas, rng.randint(1, dist.max_shapes))
             _maybe_word(canvas, dist)
         scenes.append(canvas.scene())
     return scenes
@@ -409,7 +411,7 @@ def _make_colour(rng, dist, n_images, size):
 
     def make(canvas):
         canvas.add_shape(kind, colour)
-        _fill(canvas, dist, rng.randint(1, dist.max_shapes), kinds=[k for k in SHAPES if k != kind])
+        _fill(canvas, rng.randint(1, dist.max_shapes), kinds=[k for k in SHAPES if k != kind])
         _maybe_word(canvas, dist)
 
     scenes = _distractors(rng, dist, n_images, size, target, make)
@@ -429,7 +431,7 @@ def _make_which_image(rng, dist, n_images, size):
                 canvas.add_shape(kind, rng.choice([c for c in COLOURS if c != colour]))
             if rng.random() < 0.5:
                 canvas.add_shape(rng.choice([k for k in SHAPES if k != kind]), colour)
-        _fill(canvas, dist, max(len(canvas.shapes), rng.randint(1, dist.max_shapes)), avoid={(kind, colour)})
+        _fill(canvas, max(len(canvas.shapes), rng.randint(1, dist.max_shapes)), avoid={(kind, colour)})
         _maybe_word(canvas, dist)
         scenes.append(canvas.scene())
     return f"Which image has a {colour} {kind}? Answer with the image number.", str(target + 1), scenes, target
@@ -439,7 +441,7 @@ def _make_count(rng, dist, n_images, size):
     target, count = rng.randrange(n_images), rng.randint(1, dist.max_count)
 
     def make(canvas):
-        _fill(canvas, dist, count)
+        _fill(canvas, count)
         _maybe_word(canvas, dist)
 
     scenes = _distractors(rng, dist, n_images, size, target, make)
@@ -455,7 +457,7 @@ def _make_word(rng, dist, n_images, size):
             canvas.add_word(word)
         elif rng.random() < max(dist.word_prob, 0.5):
             canvas.add_word(rng.choice([w for w in WORDS if w != word]))
-        _fill(canvas, dist, rng.randint(0 if canvas.word else 1, max(1, dist.max_shapes - 1)))
+        _fill(canvas, rng.randint(0 if canvas.word else 1, max(1, dist.max_shapes - 1)))
         scenes.append(canvas.scene())
     return f"What word is written in Image {target + 1}? Answer with the word in lowercase.", word, scenes, target
 
@@ -474,7 +476,7 @@ def _make_position(rng, dist, n_images, size):
                              where=lambda s: s.box[2] + gap <= a.box[0] or a.box[2] + gap <= s.box[0])
         answer.append("left" if a.cx < b.cx else "right")
         others = [k for k in SHAPES if k not in (first, second)]
-        _fill(canvas, dist, rng.randint(2, max(2, dist.max_shapes)), kinds=others)
+        _fill(canvas, rng.randint(2, max(2, dist.max_shapes)), kinds=others)
         _maybe_word(canvas, dist)
 
     scenes = _distractors(rng, dist, n_images, size, target, make)
