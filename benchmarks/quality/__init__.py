@@ -38,7 +38,7 @@ from .scenes import (
 )
 
 #: The committed probe checkpoint (bfloat16 safetensors shards, config, processor and tokenizer files).
-MODEL_DIR = pathlib.Path(__file__).resolve().parent / "model"
+MODEL_DIR = pathlib.Path(__file__).resolve().parent / "probe"
 
 __all__ = [
     "EVAL",
