@@ -24,6 +24,21 @@ def _prepare_environment(data_dir) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _private_data_dir(path):
+    """The data dir as an absolute path, created ``0700`` (an existing one is tightened), with
+    ``tmp/`` (Gradio's upload folder) the same; from here on every file and folder this process
+    creates is private to its user (umask ``077``)."""
+    from pathlib import Path
+
+    from sessions import private_dir
+
+    os.umask(0o077)
+    path = Path(os.path.abspath(path))
+    for folder in (path, path / "tmp"):
+        private_dir(folder)
+    return path
+
+
 def _drop_shutdown_cancellations(record: logging.LogRecord) -> bool:
     """Logging filter: False for records about a task cancelled by the shutdown."""
     return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
@@ -34,13 +49,13 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     settings = parse_settings(argv)
-    data_dir = settings.data_path
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = _private_data_dir(settings.data_path)
     _prepare_environment(data_dir)
 
     import uvicorn
 
     from app.chat import ChatService
+    from app.gradio_guard import STALE_UPLOAD_S, UploadFolder
     from app.model_loader import ModelLoader, say
     from app.server import create_app
     from sessions import SessionStore
@@ -48,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"data dir: {data_dir}")
     store = SessionStore(data_dir, image_options=settings.image_options(), max_images_per_session=settings.max_images)
     store.collect_garbage()
+    UploadFolder(data_dir / "tmp", 0).sweep(STALE_UPLOAD_S)
     loader = ModelLoader(settings)
     loader.start()
     chat = ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)

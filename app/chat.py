@@ -124,6 +124,16 @@ def view_of(turn) -> TurnView:
     return TurnView(turn.id, turn.question, turn.answer, status, dict(turn.telemetry or {}), line, turn.finish_reason)
 
 
+def is_unicode_text(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (no lone surrogate, which UTF-8 cannot encode; JSON's
+    ``"\\ud800"`` escapes produce them)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def build_messages(images: list, question: str, history: list[tuple[str, str]] | None = None) -> list[dict]:
     """Chat messages for the engine: media-first with images, a plain text chat without."""
     if images:
@@ -330,6 +340,9 @@ class ChatService:
         question = (question or "").strip()
         if not question:
             raise ChatError("Please type a question first.")
+        if not is_unicode_text(question):
+            raise ChatError("The question contains a broken character (an unpaired UTF-16 surrogate, as left by "
+                            "a bad copy and paste); remove it and send the question again.")
         options = options or ChatOptions()
         engine = self._engine()
         session = self.ensure_session(session_id, owner)

@@ -2,9 +2,24 @@
 
 Messages may mix text parts and ``image_url`` parts whose URL is a base64 ``data:`` URL (remote
 URLs are refused: the server never fetches anything). ``stream: true`` answers with server-sent
-events. The prefix-cache salt is chosen by the server: one per API key (``Authorization: Bearer
-...``), or one per process for anonymous clients; a client can never pick it. A client that
-disconnects mid-answer cancels its request in the engine.
+events. A client that disconnects mid-answer cancels its request in the engine.
+
+Who may call, and what is shared (see README, "What stays with its owner"):
+
+* With API keys configured (``--api-key``, ``PRISM_API_KEYS``, ``--api-key-file``), every ``/v1``
+  request needs ``Authorization: Bearer <key>``; none or a wrong one is 401 in OpenAI's error
+  shape. Keys are compared in constant time (digests of equal length, every key compared).
+* The prefix-cache salt is chosen by the server, never by the client: without keys, each request
+  gets a salt of its own (nothing it leaves in any cache is found by another request) unless it
+  sends OpenAI's ``prompt_cache_key``: requests with the same ``prompt_cache_key`` share a salt,
+  an HMAC of that key under a per-process server secret (so a long random ``prompt_cache_key`` is
+  a capability: only who knows it reaches that cache). With keys, the salt is per API key, and
+  per ``prompt_cache_key`` within a key.
+* A browser on another origin cannot drive the API: request bodies must be
+  ``Content-Type: application/json`` (anything else is 415, so a cross-origin form or
+  ``text/plain`` post is refused), and a cross-origin preflight is answered only for the origins
+  given with ``--cors-origin`` (the CORS middleware lives in this API's own sub-application,
+  mounted at ``/v1``).
 """
 
 from __future__ import annotations
@@ -13,6 +28,7 @@ import asyncio
 import base64
 import binascii
 import hashlib
+import hmac
 import json
 import queue
 import re
@@ -20,7 +36,8 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -33,22 +50,28 @@ from engine import (
     SamplingParams,
 )
 
+#: Most tokens an answer gets when the request sets neither ``max_tokens`` nor
+#: ``max_completion_tokens`` (fewer when the prompt leaves less room in the context).
 DEFAULT_MAX_TOKENS = 512
+#: Longest ``prompt_cache_key`` accepted (characters).
+MAX_PROMPT_CACHE_KEY = 1024
 _DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[^,;]*)*?),(?P<data>.*)$", re.DOTALL)
 _POLL_S = 0.01
 _DISCONNECT_CHECK_S = 0.25
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's shape."""
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
-        return JSONResponse(body, status_code=self.status)
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -123,7 +146,9 @@ def _number(body: dict, name: str, default, kind=float):
 
 def sampling_from(body: dict) -> SamplingParams:
     """SamplingParams from ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``,
-    ``seed`` and ``stop``."""
+    ``seed`` and ``stop``. Without a token limit (absent or null) the answer gets up to
+    :data:`DEFAULT_MAX_TOKENS`, fewer when the prompt leaves less room; a limit that does not fit
+    is refused."""
     if body.get("n", 1) not in (1, None):
         raise _bad("only n = 1 is supported", "n")
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -139,7 +164,8 @@ def sampling_from(body: dict) -> SamplingParams:
         raise _bad("seed must be an integer", "seed")
     try:
         return SamplingParams(
-            max_tokens=_number(body, limit_name, DEFAULT_MAX_TOKENS, int),
+            max_tokens=_number(body, limit_name, None, int),
+            default_max_tokens=DEFAULT_MAX_TOKENS,
             temperature=_number(body, "temperature", 1.0),
             top_p=_number(body, "top_p", 1.0),
             seed=seed,
@@ -147,7 +173,7 @@ def sampling_from(body: dict) -> SamplingParams:
         )
     except InvalidRequestError as exc:  # the engine's messages start with the field's name
         field = str(exc).split(" ", 1)[0]
-        param = {"max_tokens": limit_name, "temperature": "temperature", "top_p": "top_p"}.get(field)
+        param = {"max_tokens": limit_name, "temperature": "temperature", "top_p": "top_p", "seed": "seed"}.get(field)
         raise _bad(str(exc), param) from None
 
 
@@ -163,17 +189,54 @@ def _finish_reason(completion: Completion) -> str:
     return "length" if completion.finish_reason == "length" else "stop"
 
 
-class OpenAIAPI:
-    """The ``/v1`` routes over a model loader (``loader.engine``, ``loader.model_id``)."""
+def prompt_cache_key_of(body: dict) -> str | None:
+    """The request's ``prompt_cache_key`` (a non-empty string of at most
+    :data:`MAX_PROMPT_CACHE_KEY` characters), None without one; else :class:`APIError` 400."""
+    key = body.get("prompt_cache_key")
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key or len(key) > MAX_PROMPT_CACHE_KEY:
+        raise _bad(f"prompt_cache_key must be a non-empty string of at most {MAX_PROMPT_CACHE_KEY} characters",
+                   "prompt_cache_key")
+    return key
 
-    def __init__(self, loader, *, max_image_bytes: int, salt: str | None = None):
+
+def _is_json(request: Request) -> bool:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return media_type == "application/json"
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+class OpenAIAPI:
+    """The ``/v1`` routes over a model loader (``loader.engine``, ``loader.model_id``), as the
+    sub-application :attr:`app`, to mount at ``/v1``.
+
+    Args:
+        loader: where the engine comes from (None while loading).
+        max_image_bytes: largest decoded image accepted.
+        api_keys: keys a client must present as ``Authorization: Bearer <key>``; none: the API
+            is open, and each request is its own cache session unless it sends ``prompt_cache_key``.
+        cors_origins: origins (``https://example.org``, or ``*``) a browser may call the API from;
+            none: cross-origin preflights are not answered, so browsers on other origins cannot
+            send JSON here.
+        secret: the server secret salts are derived from (random per process by default).
+    """
+
+    def __init__(self, loader, *, max_image_bytes: int, api_keys=(), cors_origins=(), secret: bytes | None = None):
         self.loader = loader
         self.max_image_bytes = max_image_bytes
-        self.process_salt = salt or secrets.token_hex(16)
+        self._keys = [_digest(k) for k in api_keys]
+        self._secret = secret or secrets.token_bytes(32)
         self._active: set = set()
-        self.router = APIRouter(prefix="/v1")
-        self.router.add_api_route("/models", self.models, methods=["GET"])
-        self.router.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        self.app = FastAPI(title="Prism API", docs_url=None, redoc_url=None, openapi_url=None)
+        self.app.add_api_route("/models", self.models, methods=["GET"])
+        self.app.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        if cors_origins:
+            self.app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                    allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     def cancel_all(self) -> int:
         """Cancel every API request in progress (shutdown); their streams end at once."""
@@ -183,27 +246,58 @@ class OpenAIAPI:
                 engine.cancel(req, wait=False)
         return len(requests)
 
-    def salt_for(self, request: Request) -> str:
-        """The cache salt of this client: per API key, else the process's anonymous salt."""
+    def authorize(self, request: Request) -> bytes | None:
+        """The digest of the client's API key, or None when no keys are configured.
+
+        Raises:
+            APIError: 401 when keys are configured and the request has none, or a wrong one.
+        """
+        if not self._keys:
+            return None
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if not key:
-            return "api:" + self.process_salt
-        return "api:" + hashlib.sha256(f"{self.process_salt}:{key}".encode()).hexdigest()
+        presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not presented:
+            raise APIError(401, "You didn't provide an API key. Send it in an Authorization header: "
+                                "Authorization: Bearer YOUR_KEY.", headers={"WWW-Authenticate": "Bearer"})
+        digest, match = _digest(presented), None
+        for key in self._keys:  # every key compared, each in constant time: the timing tells nothing
+            if hmac.compare_digest(digest, key):
+                match = key
+        if match is None:
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        return match
+
+    def salt_for(self, api_key: bytes | None, prompt_cache_key: str | None) -> str:
+        """The cache salt of a request: per API key and ``prompt_cache_key`` (an HMAC of both under
+        the server secret); without either, a fresh random salt that no other request gets."""
+        if api_key is None and prompt_cache_key is None:
+            return "api:once:" + secrets.token_hex(16)
+        message = json.dumps(["prism-api-salt", api_key.hex() if api_key else None, prompt_cache_key])
+        return "api:" + hmac.new(self._secret, message.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 
     def _model_id(self) -> str:
         return self.loader.model_id or "prism"
 
-    async def models(self):
+    async def models(self, request: Request):
+        try:
+            self.authorize(request)
+        except APIError as exc:
+            return exc.response()
         engine_ready = getattr(self.loader, "engine", None) is not None
         data = [{"id": self._model_id(), "object": "model", "created": int(time.time()), "owned_by": "prism"}]
         return {"object": "list", "data": data if engine_ready or self.loader.model_id else []}
 
     async def chat_completions(self, request: Request):
         try:
+            api_key = self.authorize(request)
+            if not _is_json(request):
+                raise APIError(415, "the request body must be JSON, sent with Content-Type: application/json",
+                               code="unsupported_media_type")
             body = await self._body(request)
             messages = convert_messages(body.get("messages"), self.max_image_bytes)
             sampling = sampling_from(body)
+            salt = self.salt_for(api_key, prompt_cache_key_of(body))
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise _bad("stream must be true or false", "stream")
@@ -212,7 +306,7 @@ class OpenAIAPI:
             engine = self.loader.engine
             if engine is None:
                 raise APIError(503, "the model is still loading; retry shortly", "server_error")
-            req = await run_in_threadpool(self._submit, engine, messages, sampling, self.salt_for(request))
+            req = await run_in_threadpool(self._submit, engine, messages, sampling, salt)
         except APIError as exc:
             return exc.response()
         rid = "chatcmpl-" + secrets.token_hex(12)

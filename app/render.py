@@ -1,12 +1,16 @@
 """HTML fragments of the page and the share view. Every user-supplied string is escaped here.
 
-Images are always referenced as ``/images/<sha256>`` (our own route), never by a file path.
+Images are always referenced by hash through our own routes, never by a file path:
+``/images/<sha256>`` on the owner's page (the owner cookie authorises it), and
+``/s/<token>/images/<sha256>`` on a share page (the share token does).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from html import escape
+from urllib.parse import quote
 
 from .chat import TurnView
 
@@ -24,7 +28,13 @@ def _e(text) -> str:
 
 
 def image_url(sha: str) -> str:
+    """An image's URL on its owner's page."""
     return f"/images/{sha}"
+
+
+def shared_image_url(token: str, sha: str) -> str:
+    """An image's URL on the share page of ``token``: served while that share is live."""
+    return f"/s/{quote(token, safe='')}/images/{sha}"
 
 
 def ago(timestamp: float | None, now: float | None = None) -> str:
@@ -108,8 +118,9 @@ def sessions_list(sessions, active_id: str | None) -> str:
     return '<nav class="prism-sessions">' + "".join(items) + "</nav>"
 
 
-def images_strip(records, *, editable: bool = True) -> str:
-    """The session's images in prompt order, each with its number and, when editable, a remove button."""
+def images_strip(records, *, editable: bool = True, url: Callable[[str], str] = image_url) -> str:
+    """The session's images in prompt order, each with its number and, when editable, a remove
+    button; ``url`` maps an image's hash to its URL."""
     if not records:
         return ('<div class="prism-images prism-images-empty">No images yet: drop, paste or choose some '
                 "below. Without images, questions are a plain text chat.</div>")
@@ -119,7 +130,7 @@ def images_strip(records, *, editable: bool = True) -> str:
                   f'title="Remove image {n}" aria-label="Remove image {n}">×</button>') if editable else ""
         name = r.filename or f"image {n}"
         figures.append(
-            f'<figure class="prism-image"><img src="{_e(image_url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
+            f'<figure class="prism-image"><img src="{_e(url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
             f'{remove}<figcaption><b>Image {n}</b> · {int(r.width)}×{int(r.height)}'
             f'<span class="prism-image-name">{_e(name)}</span></figcaption></figure>'
         )
@@ -295,7 +306,7 @@ def share_page(session, records, turns: list[TurnView], *, mode: str, token: str
 <header><a class="prism-brand" href="/">Prism</a><span class="prism-share-badge">shared ·
 {"read-only" if mode == "read" else "can continue"}</span></header>
 <h1>{_e(session.title)}</h1>{note}
-{images_strip(records, editable=False)}
+{images_strip(records, editable=False, url=lambda sha: shared_image_url(token, sha))}
 <section class="prism-conversation">{body}</section>
 {action}
 </main></body></html>"""

@@ -4,14 +4,21 @@ Gradio page mounted at ``/``.
 Routes (ours are registered before Gradio's mount, so they take precedence):
 
 * ``GET /healthz``: JSON with the model id, device, KV dtype and engine state; 503 until loaded.
-* ``GET /images/<sha256>``: an uploaded image by its hash (64 lowercase hex digits), nothing else.
+* ``GET /images/<sha256>``: an uploaded image by its hash (64 lowercase hex digits), only to an
+  owner of a session that holds it (the owner cookie; same-origin ``<img>`` requests send it).
 * ``GET /s/<token>``: a shared session, read-only; ``POST /s/<token>/fork`` copies a
-  "continue" share into the visitor's own sessions. Unknown or revoked tokens: 404, nothing shown.
+  "continue" share into the visitor's own sessions; ``GET /s/<token>/images/<sha256>``: an image
+  of the shared session, while the share is live. Unknown or revoked tokens, images a session
+  does not hold, other owners' images: 404, the same whether or not the image exists.
 * ``/prism-static/...``: our CSS and JS from ``static/`` (Gradio keeps ``/static`` for its own files).
-* ``/v1/models``, ``/v1/chat/completions``: see :mod:`app.openai_api`.
+* ``/v1/models``, ``/v1/chat/completions``: see :mod:`app.openai_api` (a sub-application with its
+  own API keys and CORS, mounted at ``/v1``).
 
 Every browser gets an owner key in an HttpOnly cookie (:class:`OwnerCookieMiddleware`); it is
 the only credential for its sessions and is never put in a page.
+
+In front of every route sit the refusals of :mod:`app.guards` (body sizes, other origins, page
+headers) and of :mod:`app.gradio_guard` (file paths in Gradio's event payloads).
 """
 
 from __future__ import annotations
@@ -31,6 +38,16 @@ from sessions import NotFound, PermissionDenied, SessionStore
 
 from . import render
 from .chat import ChatService
+from .gradio_guard import (
+    STALE_UPLOAD_S,
+    SWEEP_EVERY_S,
+    GradioPayloadGuard,
+    MalformedUploadGuard,
+    NoRemoteFetch,
+    UploadFolder,
+    sweep_periodically,
+)
+from .guards import BodyCaps, BodySizeLimit, SameOriginGuard, SecurityHeaders
 from .model_loader import ModelLoader
 from .openai_api import OpenAIAPI
 from .settings import Settings
@@ -43,7 +60,10 @@ _OWNER_RE = re.compile(r"[A-Za-z0-9_-]{32,128}")
 _COOKIE_MAX_AGE = 10 * 365 * 24 * 3600
 #: Worker threads for blocking handlers (each streaming answer holds one while it streams).
 WORKER_THREADS = 160
-_PRIVATE = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Robots-Tag": "noindex",
+# "same-origin", not "no-referrer": the share link in the URL never leaves for another site either
+# way, and with "no-referrer" a browser sends "Origin: null" on the fork form's POST, which
+# SameOriginGuard must refuse (a sandboxed frame on any site sends the same).
+_PRIVATE = {"Cache-Control": "no-store", "Referrer-Policy": "same-origin", "X-Robots-Tag": "noindex",
             "X-Content-Type-Options": "nosniff"}
 
 
@@ -90,6 +110,10 @@ def owner_from(request: Request) -> str:
     return request.cookies.get(OWNER_COOKIE, "")
 
 
+def _not_found() -> Response:
+    return Response("Not found", status_code=404, media_type="text/plain", headers={"Cache-Control": "no-store"})
+
+
 def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, chat: ChatService | None = None,
                *, mount_ui: bool = True) -> FastAPI:
     """Build the whole web app. ``mount_ui=False`` leaves out the Gradio page (API tests)."""
@@ -98,7 +122,12 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     @asynccontextmanager
     async def lifespan(_app):
         anyio.to_thread.current_default_thread_limiter().total_tokens = WORKER_THREADS
-        yield
+        async with anyio.create_task_group() as tasks:
+            uploads = getattr(app.state, "uploads", None)
+            if uploads is not None:  # leftovers of failed or abandoned uploads, while the server runs
+                tasks.start_soon(sweep_periodically, uploads, SWEEP_EVERY_S, STALE_UPLOAD_S)
+            yield
+            tasks.cancel_scope.cancel()
 
     app = FastAPI(title="Prism", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.chat, app.state.loader, app.state.store = chat, loader, store
@@ -110,16 +139,33 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
         return JSONResponse(status, status_code=200 if status["status"] == "ok" else 503,
                             headers={"Cache-Control": "no-store"})
 
-    @app.get("/images/{sha:path}")
-    def image(sha: str):
-        """An uploaded image by its SHA-256; anything that is not 64 lowercase hex digits is 404."""
-        path = store.image_path(sha) if _SHA_RE.fullmatch(sha) else None
+    def image_response(sha: str, cache_control: str) -> Response:
+        path = store.image_path(sha)
         if path is None:
-            return Response("Not found", status_code=404, media_type="text/plain")
+            return _not_found()
         info = store.image_info(sha)
         return FileResponse(path, media_type=info.mime if info else "application/octet-stream", headers={
-            "Cache-Control": "private, max-age=31536000, immutable", "X-Content-Type-Options": "nosniff",
-            "Content-Security-Policy": "default-src 'none'; sandbox"})
+            "Cache-Control": cache_control, "X-Content-Type-Options": "nosniff",
+            "Content-Security-Policy": "default-src 'none'; sandbox",
+            # other origins' pages cannot even load it (an <img> there would tell whether we own it)
+            "Cross-Origin-Resource-Policy": "same-origin"})
+
+    @app.get("/images/{sha:path}")
+    def image(sha: str, request: Request):
+        """An uploaded image by its SHA-256, for an owner of a session holding it; anything else
+        (another owner's image, no cookie, not 64 lowercase hex digits) is the same 404."""
+        if not (_SHA_RE.fullmatch(sha) and store.owner_has_image(owner_from(request), sha)):
+            return _not_found()
+        return image_response(sha, "private, max-age=31536000, immutable")
+
+    @app.get("/s/{token}/images/{sha}")
+    def shared_image(token: str, sha: str):
+        """An image of a shared session while its share is live (not cached by the browser, so a
+        revoked link stops showing it)."""
+        share = store.resolve_share(token) if _SHA_RE.fullmatch(sha) else None
+        if share is None or not store.has_image(share.session_id, sha):
+            return _not_found()
+        return image_response(sha, "no-store")
 
     @app.get("/s/{token}", response_class=HTMLResponse)
     def shared(token: str):
@@ -146,23 +192,41 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
         return RedirectResponse(f"/?session={session.id}", status_code=303, headers=_PRIVATE)
 
     app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="prism-static")
-    api = OpenAIAPI(loader, max_image_bytes=settings.max_upload_bytes)
-    app.include_router(api.router)
+    api = OpenAIAPI(loader, max_image_bytes=settings.max_upload_bytes, api_keys=settings.api_keys,
+                    cors_origins=settings.cors_origins)
+    app.mount("/v1", api.app)
     app.state.openai = api
     app.add_middleware(OwnerCookieMiddleware)
 
     if mount_ui:
-        import gradio as gr
-
-        ui = PrismUI(chat, loader)
-        blocks = ui.build()
-        blocks.queue(default_concurrency_limit=16)
-        app.state.ui, app.state.blocks = ui, blocks
-        v = render.STATIC_VERSION
-        gr.mount_gradio_app(
-            app, blocks, path="/", theme=theme(), ssr_mode=False, footer_links=[],
-            head=f'<link rel="stylesheet" href="/prism-static/prism.css?v={v}">'
-                 f'<script src="/prism-static/prism.js?v={v}" defer></script>',
-            max_file_size=settings.max_upload_bytes * 2, favicon_path=str(STATIC_DIR / "favicon.png"),
-        )
+        _mount_ui(app, settings, chat, loader)
+    # added last = runs first: headers on every page, then origin, then body size
+    app.add_middleware(BodySizeLimit, caps=BodyCaps.from_limits(settings.max_upload_bytes, settings.max_images))
+    app.add_middleware(SameOriginGuard)
+    app.add_middleware(SecurityHeaders)
     return app
+
+
+def _mount_ui(app: FastAPI, settings: Settings, chat: ChatService, loader: ModelLoader) -> None:
+    """Mount the Gradio page at ``/``, with the payload check a mounted Gradio app lacks."""
+    import gradio as gr
+
+    ui = PrismUI(chat, loader)
+    blocks = ui.build()
+    blocks.queue(default_concurrency_limit=16)
+    app.state.ui, app.state.blocks = ui, blocks
+    v = render.STATIC_VERSION
+    max_file_bytes = settings.max_upload_bytes * 2  # above our limit: our handler explains the refusal
+    gr.mount_gradio_app(
+        app, blocks, path="/", theme=theme(), ssr_mode=False, footer_links=[],
+        head=f'<link rel="stylesheet" href="/prism-static/prism.css?v={v}">'
+             f'<script src="/prism-static/prism.js?v={v}" defer></script>',
+        max_file_size=max_file_bytes, favicon_path=str(STATIC_DIR / "favicon.png"),
+    )
+    # Gradio checks that an event's file paths lie in its upload folder only once ``launch()`` has
+    # set this flag, which mounting never does; set, its own check runs again behind ours.
+    blocks.has_launched = True
+    app.state.uploads = UploadFolder.of_gradio(max_file_bytes)
+    app.add_middleware(GradioPayloadGuard, uploads=app.state.uploads, events=frozenset(blocks.fns))
+    app.add_middleware(MalformedUploadGuard)
+    app.add_middleware(NoRemoteFetch)

@@ -1,12 +1,16 @@
 """Command-line and environment settings of the Prism app.
 
 Every option of ``python launch.py`` has an environment variable ``PRISM_<OPTION>`` (upper case,
-dashes as underscores) that sets its default; an option given on the command line wins.
+dashes as underscores) that sets its default; an option given on the command line wins. The
+repeatable options (``--api-key``, ``--cors-origin``) read ``PRISM_API_KEYS`` and
+``PRISM_CORS_ORIGINS``, lists separated by commas or whitespace; given on the command line they
+replace the variable's list.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
@@ -82,6 +86,9 @@ class Settings:
     max_upload_mb: int = 50
     max_images: int = 16
     resize_pixels: int = 1_003_520  # about 980 visual tokens per image (32 x 32 pixels per token)
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # never printed
+    api_key_file: Path | None = None
+    cors_origins: tuple[str, ...] = ()
 
     @property
     def data_path(self) -> Path:
@@ -141,7 +148,59 @@ _OPTIONS = [
     ("--resize-pixels", "resize_pixels", _positive_int, None,
      "largest area an image is resized to before the vision encoder; more pixels mean more visual "
      "tokens and slower answers (Qwen3-VL allows up to 16777216, ~16k tokens for one photo)"),
+    ("--api-key-file", "api_key_file", Path, None,
+     "a file of API keys for /v1, one per line ('#' starts a comment line), besides any --api-key"),
 ]
+
+
+#: Repeatable options: (flag, field, item type, metavar, help, secret); a secret's values are never shown.
+_LIST_OPTIONS = [
+    ("--api-key", "api_keys", "_api_key", "KEY",
+     "an API key clients of /v1 must send (Authorization: Bearer KEY); repeat for several; with none "
+     "the API is open and every request is its own cache session unless it sends prompt_cache_key "
+     "(prefer PRISM_API_KEYS or --api-key-file: the command line is visible to other local users)", True),
+    ("--cors-origin", "cors_origins", "_origin", "ORIGIN",
+     "an origin (https://host[:port], or *) whose web pages may call /v1 from a browser; repeat for "
+     "several; with none, browsers on other origins cannot send requests to the API", False),
+]
+_KEY_RE = re.compile(r"[\x21-\x7e]{1,512}")
+_ORIGIN_RE = re.compile(r"^https?://[A-Za-z0-9.-]+(:\d{1,5})?$|^https?://\[[0-9A-Fa-f:.]+\](:\d{1,5})?$")
+
+
+def _api_key(text: str) -> str:
+    if not _KEY_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError("an API key must be 1 to 512 printable ASCII characters without spaces")
+    return text
+
+
+def _origin(text: str) -> str:
+    if text != "*" and not _ORIGIN_RE.match(text):
+        raise argparse.ArgumentTypeError(f"not an origin (scheme://host[:port], no path): {text!r}")
+    return text
+
+
+_LIST_TYPES = {"_api_key": _api_key, "_origin": _origin}
+
+
+def read_key_file(path: Path) -> tuple[str, ...]:
+    """API keys from a file: one per line; blank lines and lines starting with ``#`` are skipped.
+
+    Raises:
+        argparse.ArgumentTypeError: the file cannot be read, or a line is not a valid key.
+    """
+    try:
+        lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the API key file {str(path)!r}: {exc}") from None
+    keys = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            try:
+                keys.append(_api_key(line))
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentTypeError(f"{path}, line {n}: {exc}") from None
+    return tuple(keys)
 
 
 def _env_name(field: str) -> str:
@@ -170,7 +229,23 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         shown = "" if default is None else f"; default {default}"
         parser.add_argument(flag, dest=field, type=kind, choices=choices, default=default,
                             help=f"{text} [env {env}{shown}]")
+    for flag, name, kind, metavar, text, secret in _LIST_OPTIONS:
+        env = _env_name(name)
+        values = _env_list(parser, env, environ.get(env, ""), _LIST_TYPES[kind])
+        shown = f"{len(values)} set" if secret else ", ".join(values)
+        parser.add_argument(flag, dest=name, type=_LIST_TYPES[kind], action="append", default=None,
+                            metavar=metavar, help=f"{text} [env {env}{'; ' + shown if values else ''}]")
     return parser
+
+
+def _env_list(parser: argparse.ArgumentParser, env: str, text: str, kind) -> tuple[str, ...]:
+    values = []
+    for item in text.replace(",", " ").split():
+        try:
+            values.append(kind(item))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"{env}: {exc}")  # the value itself is not repeated: it may be a key
+    return tuple(values)
 
 
 def parse_settings(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -181,4 +256,17 @@ def parse_settings(argv: list[str] | None = None, environ: Mapping[str, str] | N
         value = getattr(args, field)
         if choices and value not in choices:  # argparse does not check defaults taken from the environment
             parser.error(f"{_env_name(field)}={value!r}: choose from {', '.join(choices)}")
+    environ = os.environ if environ is None else environ
+    for _, name, kind, _, _, _ in _LIST_OPTIONS:
+        given = getattr(args, name)
+        env = _env_name(name)
+        setattr(args, name, tuple(given) if given is not None else
+                _env_list(parser, env, environ.get(env, ""), _LIST_TYPES[kind]))
+    if args.api_key_file is not None:
+        try:
+            args.api_keys = tuple(dict.fromkeys(args.api_keys + read_key_file(args.api_key_file)))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
+        if not args.api_keys:
+            parser.error(f"the API key file {str(args.api_key_file)!r} holds no key")
     return Settings(**vars(args))

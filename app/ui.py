@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import types
-from pathlib import Path
 
 import gradio as gr
 
 from . import render
 from .chat import ChatError, ChatOptions, ChatService, TurnView
+from .gradio_guard import UploadFolder
 from .model_loader import ModelLoader
 
 log = logging.getLogger(__name__)
@@ -148,7 +147,7 @@ class PrismUI:
     def add_images(self, session_id: str | None, files, request: gr.Request):
         """Upload (several at once, drop or paste): store the good ones, explain the bad ones."""
         owner = owner_of(request)
-        uploads = [(os.path.basename(_path_of(f)), _path_of(f)) for f in (files or [])]
+        uploads = [(_name_of(f), _path_of(f)) for f in (files or []) if _path_of(f)]
         notice = ""
         try:
             session, problems = self.chat.add_images(session_id, owner, uploads)
@@ -335,7 +334,11 @@ class PrismUI:
             event(self.rename, [c.session, c.title], [c.sessions, c.title], **quiet)
         c.delete.click(self.delete, [c.session], view, **quiet,
                        js="(sid) => confirm('Delete this chat, its images and its share links?') ? sid : null")
-        c.upload.upload(self.add_images, [c.session, c.upload], [*view, c.notice, c.upload], show_progress="minimal")
+        # preprocess=False: the handler gets the uploads' FileData as sent (after app.gradio_guard checked
+        # them); gr.File's own preprocess left an empty temporary file behind per upload, and refused
+        # a file by its name's extension before our handler could explain it and delete it.
+        c.upload.upload(self.add_images, [c.session, c.upload], [*view, c.notice, c.upload], show_progress="minimal",
+                        preprocess=False)
         c.images.click(self.remove_image, [c.session], view, **quiet)
 
         streaming = {"concurrency_limit": CHAT_CONCURRENCY, "concurrency_id": "chat", "show_progress": "hidden"}
@@ -355,17 +358,9 @@ class PrismUI:
 
 
 def _discard_upload(path: str) -> None:
-    """Delete Gradio's temporary copy of an upload (only inside Gradio's temp folder): the store
-    keeps its own copy of the good ones, and the bad ones must not linger."""
-    root = Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio").resolve()
-    try:
-        file = Path(path).resolve()
-        if root in file.parents and file.is_file():
-            file.unlink()
-            if file.parent != root:
-                file.parent.rmdir()  # Gradio's per-upload folder, when now empty
-    except OSError:
-        pass
+    """Delete Gradio's copy of an upload (only inside Gradio's upload folder): the store keeps its
+    own copy of the good ones, and the bad ones must not linger."""
+    UploadFolder.of_gradio().discard(path)
 
 
 def _options(temperature, max_tokens, history) -> ChatOptions:
@@ -376,8 +371,16 @@ def _options(temperature, max_tokens, history) -> ChatOptions:
 
 
 def _path_of(file) -> str:
-    """A Gradio upload's temporary path (``type="filepath"`` gives str; older versions objects)."""
-    return str(getattr(file, "path", None) or getattr(file, "name", None) or file)
+    """A Gradio upload's path: a FileData dict (the event is not preprocessed), or a path string;
+    empty when there is none."""
+    value = file.get("path") if isinstance(file, dict) else getattr(file, "path", None) or file
+    return value if isinstance(value, str) else ""
+
+
+def _name_of(file) -> str:
+    """The uploader's file name (FileData's ``orig_name``), else the upload's own file name."""
+    name = file.get("orig_name") if isinstance(file, dict) else None
+    return name if isinstance(name, str) and name else os.path.basename(_path_of(file))
 
 
 def _notice(message: str, kind: str = "info") -> str:

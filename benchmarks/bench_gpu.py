@@ -12,13 +12,15 @@ Measured side by side in the same process:
   transformers ``generate``, and the floor = (LM weight bytes + KV bytes read per step) / copy
   bandwidth;
 * TTFT cold for one and eight 448x448 photos: ours (telemetry, from submission; median of five
-  sessions after a warm-up request on the same image sizes), transformers (processor + forward),
-  and the compute floor = forward FLOPs / matrix rate;
+  new sessions after a warm-up request), transformers (processor + forward), and the compute
+  floor = forward FLOPs / matrix rate;
 * TTFT of a prefix hit on the same photos with a ~30-token question;
 * cold and hit both with the photos given as PIL images (hashed for every question) and as the
-  app gives them (stored files with their digests). "Cold" is a new chat session on photos whose
-  pixels were processed before (the processed-image cache is shared by sessions; the first run
-  with the files processes them). The engine takes 8,192-token steps (its default on CUDA);
+  app gives them (stored files with their digests). "Cold" is a new chat session: since issue 16
+  every cache is the session's own (processed pixels, vision features, the vision encoder's CUDA
+  graphs), so a cold request processes its photos and runs the encoder eagerly whatever other
+  sessions sent (before, later sessions reused the first one's processed pixels and graphs). The
+  engine takes 8,192-token steps (its default on CUDA);
 * FP8 vs bf16 KV: tokens held in 4 GiB, and paged decode attention time at batch 8 with 16k-token
   contexts, all layers (where reading KV dominates).
 """
@@ -218,8 +220,8 @@ def bench_ttft(engine, hf, n_images: int, tflops: float) -> dict:
     warm = media_first_messages(photos(n_images), "warm up")
     engine.generate(warm, sp, cache_salt="warm")
     cold = []
-    # five sessions: the vision encoder's graph for these image sizes is captured in the first
-    # (the warm-up saw them first), so the median is a cold request on image sizes seen before
+    # five new sessions: none reuses what the warm-up or another session left (caches and vision
+    # graphs are per session), so each is a cold request as a new user's first question is
     for i in range(5):
         c = engine.generate(media_first_messages(ims, QUESTION), sp, cache_salt=f"cold{n_images}-{i}")
         cold.append(c.telemetry)

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .vision import VisionFeatures, span_features
 from .vision_cache import VisionCache
+from .vision_graphs import VisionGraphs
 
 log = logging.getLogger(__name__)
 
@@ -248,12 +249,20 @@ class Engine:
         return graphs
 
     def _vision_encoder(self):
-        """``(pixels, grids) -> VisionFeatures``: through CUDA graphs where decode uses them."""
+        """``(pixels, grids) -> VisionFeatures``: the model's eager encoder, or a
+        :class:`~engine.vision_graphs.VisionGraphs` (which also takes the request's salt) where
+        decode uses CUDA graphs."""
         if self.runner.graphs is None:
             return self.model.encode_vision
-        from .vision_graphs import VisionGraphs
-
         return VisionGraphs(self.model)
+
+    def _encode_pixels(self, pixels: torch.Tensor, grids: list, salt: str) -> VisionFeatures:
+        """The vision encoder on ``pixels``; its CUDA graphs are the salt's own (a graph another
+        session earned would replay faster and tell which image sizes it sent)."""
+        encoder = self.vision_encoder
+        if isinstance(encoder, VisionGraphs):
+            return encoder(pixels, grids, salt)
+        return encoder(pixels, grids)
 
     def _namespace(self, folder: Path) -> str:
         """Everything besides the images that changes a prompt's tokens or pixels."""
@@ -370,10 +379,11 @@ class Engine:
         if self._closed or model is None:
             raise PrismError("engine is closed")
         sampling = sampling or SamplingParams()
+        salt = self._salt(cache_salt)
         submitted = time.perf_counter()
-        prompt = self.prompts.build(messages)
+        prompt = self.prompts.build(messages, salt)
         preprocess_ms = (time.perf_counter() - submitted) * 1e3
-        self._check_fits(prompt, sampling)
+        sampling = self._fitted(prompt, sampling)
         req = Request(
             prompt=prompt,
             sampling=sampling,
@@ -384,7 +394,7 @@ class Engine:
         req.telemetry.preprocess_ms = preprocess_ms
         req.telemetry.prompt_tokens = len(prompt.input_ids)
         req.telemetry.visual_tokens = prompt.num_visual_tokens
-        req.salt = "" if self.options.cache_scope == "global" else (cache_salt or "")
+        req.salt = salt
         if self.prefix_cache is not None and 0 < prompt.prefix_len < len(prompt.input_ids):
             req.prefix_key = prefix_key(
                 self.namespace, req.salt, prompt.image_hashes + prompt.video_hashes, self.compaction.namespace(),
@@ -400,6 +410,11 @@ class Engine:
             self._inbox.append(req)
             self._cv.notify()
         return req
+
+    def _salt(self, cache_salt: str | None) -> str:
+        """The salt every cache of this request is keyed by: the caller's (None is the one
+        anonymous session, ""), or "" for all under ``cache_scope="global"``."""
+        return "" if self.options.cache_scope == "global" else (cache_salt or "")
 
     def cancel(self, req: Request, wait: bool = True) -> None:
         """Stop ``req``; its KV pages are freed before the engine's next step.
@@ -420,7 +435,11 @@ class Engine:
         running and waiting requests, steps run, tokens generated, and the prefix cache's
         entries (``cache_entries``: the public prefixes, counted in ``cache_prefixes``, plus the
         finished turns kept for conversation reuse), pages held, hits, misses, stale fallbacks, evictions,
-        prompt tokens saved and vision-cache hits.
+        prompt tokens saved; the processed-image cache's hits, entries and refused entries
+        (``image_cache_hits``, ``image_cache_entries``, ``image_cache_mismatches``) and the
+        vision-feature cache's hits and entries; with the vision encoder's CUDA graphs, their
+        eager runs, captures and replays (``vision_graph_*``). Every cache is keyed by the cache
+        salt, so each hit is one within a session (or under ``cache_scope="global"``).
 
         Raises:
             PrismError: the engine is closed.
@@ -440,7 +459,20 @@ class Engine:
                 "steps": self.steps,
                 "tokens_generated": self.tokens_generated,
                 **self._cache_stats(),
+                "image_cache_hits": self.prompts.cache_hits,
+                "image_cache_entries": self.prompts.cache_entries,
+                "image_cache_mismatches": self.prompts.cache_mismatches,
+                "vision_cache_hits": self.vision_cache.hits,
+                "vision_cache_entries": len(self.vision_cache),
+                **self._graph_stats(),
             }
+
+    def _graph_stats(self) -> dict:
+        graphs = self.vision_encoder
+        if not isinstance(graphs, VisionGraphs):
+            return {}
+        return {"vision_graph_eager_runs": graphs.eager_runs, "vision_graph_captures": graphs.captures,
+                "vision_graph_replays": graphs.replays}
 
     def _cache_stats(self) -> dict:
         c = self.prefix_cache
@@ -456,13 +488,12 @@ class Engine:
             "cache_stale": c.stats.stale,
             "cache_evictions": c.stats.evictions,
             "prompt_tokens_saved": c.stats.tokens_saved,
-            "vision_cache_hits": self.vision_cache.hits,
-            "vision_cache_entries": len(self.vision_cache),
         }
 
-    def count_prompt_tokens(self, messages) -> int:
-        """Prompt length in tokens of ``messages`` (images processed, nothing run)."""
-        return len(self.prompts.build(messages).input_ids)
+    def count_prompt_tokens(self, messages, *, cache_salt: str | None = None) -> int:
+        """Prompt length in tokens of ``messages`` (images processed and cached under
+        ``cache_salt``, as :meth:`generate` would; nothing run)."""
+        return len(self.prompts.build(messages, self._salt(cache_salt)).input_ids)
 
     def close(self) -> None:
         """Stop the loop (running requests fail with PrismError) and release memory."""
@@ -494,7 +525,7 @@ class Engine:
         missing = [j for j, f in enumerate(found) if f is None]
         if missing:
             pixels = torch.cat([prompt.image_pixels[indices[j]] for j in missing])
-            fresh = self.vision_encoder(pixels, [prompt.image_grids[indices[j]] for j in missing])
+            fresh = self._encode_pixels(pixels, [prompt.image_grids[indices[j]] for j in missing], salt)
             offset = 0
             for j in missing:
                 n = prompt.image_pixels[indices[j]].shape[0] // merge2
@@ -503,13 +534,30 @@ class Engine:
                 offset += n
         return found, bool(missing)
 
-    def _check_fits(self, prompt: Prompt, sampling: SamplingParams) -> None:
-        total = len(prompt.input_ids) + sampling.max_tokens
-        if total > self.max_model_len:
+    def _fitted(self, prompt: Prompt, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` with its token limit settled: an unset ``max_tokens`` becomes
+        ``default_max_tokens``, or the room the prompt leaves when that is less.
+
+        Raises:
+            RequestTooLargeError: the prompt leaves no room at all, or less than an explicit
+                ``max_tokens``.
+        """
+        n, limit = len(prompt.input_ids), self.max_model_len
+        room = limit - n
+        if sampling.max_tokens is None:
+            if room < 1:
+                raise RequestTooLargeError(
+                    f"the prompt ({n} tokens) leaves no room to generate within the engine's limit of {limit} "
+                    "tokens (model context and KV pool); shorten it or send fewer images"
+                )
+            return replace(sampling, max_tokens=min(sampling.default_max_tokens, room))
+        if sampling.max_tokens > room:
             raise RequestTooLargeError(
-                f"prompt ({len(prompt.input_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens "
-                f"exceeds the engine's limit of {self.max_model_len} tokens (model context and KV pool)"
+                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) = {n + sampling.max_tokens} tokens "
+                f"exceeds the engine's limit of {limit} tokens (model context and KV pool); ask for at most "
+                f"{max(room, 0)} tokens, or leave max_tokens unset to generate up to the room left"
             )
+        return sampling
 
     def _drain(self, req: Request):
         try:
@@ -759,7 +807,7 @@ class Engine:
             if kind == "video":
                 start = sum(patches[:i])
                 pixels = prompt.pixel_values_videos[start : start + patches[i]]
-                out[("video", i)] = self.vision_encoder(pixels, [prompt.video_grids[i]])
+                out[("video", i)] = self._encode_pixels(pixels, [prompt.video_grids[i]], salt)
                 ran = True
         return out, ran
 

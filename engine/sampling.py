@@ -16,6 +16,10 @@ import torch
 
 from .errors import InvalidRequestError
 
+#: Most tokens a request generates when it sets no ``max_tokens`` (fewer when its prompt leaves
+#: less room in the model's context).
+DEFAULT_MAX_TOKENS = 256
+
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -25,12 +29,21 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+#: The seeds ``torch.Generator.manual_seed`` takes (a 64-bit integer, signed or not).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
     Attributes:
-        max_tokens: most tokens to generate (generated tokens only, not the prompt).
+        max_tokens: most tokens to generate (generated tokens only, not the prompt). None (the
+            default): up to ``default_max_tokens``, or fewer when the prompt leaves less room in
+            the engine's context; a number is taken as asked, and a request whose prompt leaves
+            less room than that is refused (:class:`~engine.errors.RequestTooLargeError`).
+        default_max_tokens: the cap when ``max_tokens`` is None (:data:`DEFAULT_MAX_TOKENS`; the
+            OpenAI-compatible API passes its own).
         temperature: 0 for greedy decoding; otherwise logits are divided by it.
         top_p: keep the smallest set of tokens whose probability mass reaches ``top_p`` (1 = off).
         top_k: keep the ``top_k`` most likely tokens (0 = off).
@@ -40,7 +53,8 @@ class SamplingParams:
         ignore_eos: keep generating past end-of-sequence tokens (benchmarks, tests).
     """
 
-    max_tokens: int = 256
+    max_tokens: int | None = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -50,16 +64,21 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise InvalidRequestError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if not _is_int(self.default_max_tokens) or self.default_max_tokens < 1:
+            raise InvalidRequestError(
+                f"default_max_tokens must be a positive integer, got {self.default_max_tokens!r}"
+            )
         if not _is_real(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequestError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX} or None, "
+                                      f"got {self.seed!r:.40}")
         if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise InvalidRequestError(
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"

@@ -17,6 +17,7 @@ from .store import (
     Share,
     StoreError,
     Turn,
+    private_dir,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "Share",
     "StoreError",
     "Turn",
+    "private_dir",
 ]

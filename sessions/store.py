@@ -26,8 +26,14 @@ A database written by a newer Prism (a higher version) is refused with :class:`S
 
 *Secrets.* Session ids, owner keys, cache salts and share tokens come from :mod:`secrets`. Only
 the SHA-256 of a share token is stored; the plain token is returned once by
-:meth:`SessionStore.create_share`. Owner keys are stored as given (the store compares them, in
-constant time where it compares one key against one session).
+:meth:`SessionStore.create_share`. Owner keys are stored the same way, as their SHA-256
+(``sessions.owner_hash``; schema 2 hashed the plain keys that schema 1 stored, so a browser keeps
+its sessions): a copy of the database does not hand out the keys that open its sessions. Methods
+take the plain key and hash it; one key is compared against one session in constant time.
+
+*File modes.* The data folder and ``images/`` are created ``0700`` (an existing one with group or
+other access is tightened when the store opens), the database and its WAL and shared-memory files
+``0600``, image files ``0600``.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ __all__ = [
     "Share",
     "StoreError",
     "Turn",
+    "private_dir",
 ]
 
 DB_FILENAME = "prism.db"
@@ -84,7 +91,8 @@ _MAX_TOKEN_LENGTH = 256
 _BUSY_TIMEOUT_S = 30.0
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+# control characters, line/paragraph separators and lone surrogates (UTF-8 cannot store them)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]+")
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,11 +126,12 @@ class Session:
     ``image_shas`` lists the session's images in the order they were added (the order the model
     sees them). ``cache_salt`` is a server-chosen secret that namespaces the engine's prefix cache
     for this conversation; never show it to anyone, never accept one from a client.
-    ``forked_from`` is the id of the session this one was forked from, if any.
+    ``forked_from`` is the id of the session this one was forked from, if any. ``owner_hash`` is
+    the SHA-256 (hex) of the owner key, never the key itself.
     """
 
     id: str
-    owner: str
+    owner_hash: str
     title: str
     cache_salt: str
     created_at: float
@@ -132,7 +141,7 @@ class Session:
 
     def to_public_dict(self) -> dict[str, Any]:
         """The fields safe to send to a browser, even a share visitor's: everything except
-        ``owner`` (a bearer credential) and ``cache_salt``."""
+        ``owner_hash`` and ``cache_salt``."""
         return {
             "id": self.id,
             "title": self.title,
@@ -266,8 +275,15 @@ def _migration_1(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+def _migration_2(db: sqlite_utils.Database) -> None:
+    """Owner keys stored as their SHA-256, like share tokens (``owner`` becomes ``owner_hash``)."""
+    db.execute("ALTER TABLE sessions RENAME COLUMN owner TO owner_hash")
+    for session_id, owner in db.execute("SELECT id, owner_hash FROM sessions").fetchall():
+        db.execute("UPDATE sessions SET owner_hash = ? WHERE id = ?", [_owner_hash(owner), session_id])
+
+
 #: ``_MIGRATIONS[i]`` takes the schema from version ``i`` to ``i + 1``. Append, never edit.
-_MIGRATIONS = [_migration_1]
+_MIGRATIONS = [_migration_1, _migration_2]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
@@ -285,6 +301,16 @@ def _same_key(a: str, b: str) -> bool:
 
 def _token_hash(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _owner_hash(owner: str) -> str:
+    """What the database holds of an owner key (keys are 256 random bits: a plain SHA-256 is enough)."""
+    return _token_hash(owner)
+
+
+def _owns(owner: object, owner_hash: str) -> bool:
+    """Whether the owner key ``owner`` hashes to ``owner_hash`` (constant-time comparison)."""
+    return isinstance(owner, str) and bool(owner) and _same_key(_owner_hash(owner), owner_hash)
 
 
 def _clean_title(title: str) -> str:
@@ -338,6 +364,26 @@ def _dump_telemetry(telemetry: dict | None) -> str:
     return json.dumps(telemetry, default=_json_default, ensure_ascii=False)
 
 
+def private_dir(path: Path) -> None:
+    """Create ``path`` (and its parents) with mode ``0700``, or take group and other access away
+    from an existing one (a folder that is not ours is left as it is)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with suppress(OSError):
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o700)
+
+
+def _private_files(db_path: Path) -> None:
+    """Create the database file ``0600`` before SQLite does (its WAL and shared-memory files take
+    the database's mode), and take group and other access from existing ones."""
+    with suppress(FileExistsError):
+        os.close(os.open(db_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    for path in (db_path, db_path.with_name(db_path.name + "-wal"), db_path.with_name(db_path.name + "-shm")):
+        with suppress(OSError):
+            if path.stat().st_mode & 0o077:
+                path.chmod(0o600)
+
+
 def _fsync_dir(path: Path) -> None:
     with suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -386,10 +432,11 @@ class SessionStore:
         self.data_dir = Path(data_dir)
         self.image_options = image_options if image_options is not None else ImageOptions()
         self.max_images_per_session = int(max_images_per_session)
-        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.images_dir = self.data_dir / IMAGES_DIRNAME
-        self.images_dir.mkdir(exist_ok=True, mode=0o700)
         self.db_path = self.data_dir / DB_FILENAME
+        for folder in (self.data_dir, self.images_dir):
+            private_dir(folder)
+        _private_files(self.db_path)
         self._lock = threading.RLock()
         self._last_time = 0.0
         conn = sqlite3.connect(str(self.db_path), timeout=_BUSY_TIMEOUT_S, check_same_thread=False)
@@ -398,6 +445,7 @@ class SessionStore:
             self._db.execute("PRAGMA foreign_keys = ON")
             self._db.enable_wal()
             self._db.execute("PRAGMA synchronous = NORMAL")
+            self._db.execute("PRAGMA secure_delete = ON")  # deleted and replaced rows are zeroed in the file
             self._migrate()
         except BaseException:
             conn.close()
@@ -446,6 +494,8 @@ class SessionStore:
             for index in range(version, SCHEMA_VERSION):
                 _MIGRATIONS[index](db)
                 db.execute(f"PRAGMA user_version = {index + 1}")
+        if 0 < version < SCHEMA_VERSION:  # the old pages (plain owner keys) leave the files now, not later
+            self._require_db().execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     @contextmanager
     def _write(self) -> Iterator[sqlite_utils.Database]:
@@ -518,9 +568,9 @@ class SessionStore:
             now = self._now()
             session_id = secrets.token_urlsafe(12)
             db.execute(
-                "INSERT INTO sessions (id, owner, title, cache_salt, created_at, updated_at, forked_from) "
+                "INSERT INTO sessions (id, owner_hash, title, cache_salt, created_at, updated_at, forked_from) "
                 "VALUES (?, ?, ?, ?, ?, ?, NULL)",
-                [session_id, owner, title, secrets.token_hex(16), now, now],
+                [session_id, _owner_hash(owner), title, secrets.token_hex(16), now, now],
             )
             return self._load_session(db, session_id)
 
@@ -531,17 +581,17 @@ class SessionStore:
         with self._read() as db:
             rows = list(
                 db.query(
-                    "SELECT * FROM sessions WHERE owner = ? ORDER BY updated_at DESC, created_at DESC, id",
-                    [owner],
+                    "SELECT * FROM sessions WHERE owner_hash = ? ORDER BY updated_at DESC, created_at DESC, id",
+                    [_owner_hash(owner)],
                 )
             )
             shas: dict[str, list[str]] = {row["id"]: [] for row in rows}
             if rows:
                 for link in db.query(
                     "SELECT si.session_id, si.sha256 FROM session_images si "
-                    "JOIN sessions s ON s.id = si.session_id WHERE s.owner = ? "
+                    "JOIN sessions s ON s.id = si.session_id WHERE s.owner_hash = ? "
                     "ORDER BY si.session_id, si.position",
-                    [owner],
+                    [_owner_hash(owner)],
                 ):
                     shas[link["session_id"]].append(link["sha256"])
             return [self._session_from_row(row, shas[row["id"]]) for row in rows]
@@ -563,7 +613,7 @@ class SessionStore:
             session = self._load_session(db, session_id)
         if session is None:
             return None
-        if owner is not None and not (isinstance(owner, str) and _same_key(owner, session.owner)):
+        if owner is not None and not _owns(owner, session.owner_hash):
             return None
         return session
 
@@ -609,9 +659,11 @@ class SessionStore:
 
         The bytes are checked with :func:`engine.images.open_image` (and this store's
         ``image_options``) before anything is stored. The file is content-addressed (SHA-256 of
-        the bytes) and written once, atomically, to ``images/<sha[:2]>/<sha>``; the same bytes
-        uploaded again (to any session) reuse it. Adding an image the session already has is a
-        no-op that returns its record (with the filename given the first time).
+        the bytes) and written atomically to ``images/<sha[:2]>/<sha>``; the same bytes
+        uploaded again (to any session) share that one file, written again each time so that an
+        upload takes as long whether or not another session holds the image. Adding an image the
+        session already has is a no-op that returns its record (with the filename given the first
+        time).
 
         Args:
             session_id: the session. owner: its owner key.
@@ -716,6 +768,18 @@ class SessionStore:
         with self._read() as db:
             row = db.execute(
                 "SELECT 1 FROM session_images WHERE session_id = ? AND sha256 = ?", [session_id, sha256]
+            ).fetchone()
+            return row is not None
+
+    def owner_has_image(self, owner: str, sha256: str) -> bool:
+        """Whether a session of ``owner`` holds the image (check it before serving the image to
+        that owner); False for an empty owner or a malformed hash."""
+        if not _is_sha256(sha256) or not isinstance(owner, str) or not owner:
+            return False
+        with self._read() as db:
+            row = db.execute(
+                "SELECT 1 FROM session_images si JOIN sessions s ON s.id = si.session_id "
+                "WHERE s.owner_hash = ? AND si.sha256 = ? LIMIT 1", [_owner_hash(owner), sha256]
             ).fetchone()
             return row is not None
 
@@ -963,9 +1027,9 @@ class SessionStore:
             now = self._now()
             new_id = secrets.token_urlsafe(12)
             db.execute(
-                "INSERT INTO sessions (id, owner, title, cache_salt, created_at, updated_at, forked_from) "
+                "INSERT INTO sessions (id, owner_hash, title, cache_salt, created_at, updated_at, forked_from) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [new_id, new_owner, source["title"], source["cache_salt"], now, now, source["id"]],
+                [new_id, _owner_hash(new_owner), source["title"], source["cache_salt"], now, now, source["id"]],
             )
             db.execute(
                 "INSERT INTO session_images (session_id, sha256, position, filename, added_at) "
@@ -1015,12 +1079,15 @@ class SessionStore:
         return self.images_dir / sha[:2] / sha
 
     def _ensure_file(self, sha: str, data: bytes) -> bool:
-        """Make sure ``images/<sha[:2]>/<sha>`` holds ``data``; return True if written now."""
+        """Make sure ``images/<sha[:2]>/<sha>`` holds ``data``; return True if it was not there.
+
+        The file is written and synced every time, also when it exists: skipping that for an
+        image that another session had uploaded made the upload measurably faster, which told the
+        uploader that someone on this server holds the image.
+        """
         path = self._blob_path(sha)
-        with suppress(FileNotFoundError):
-            if path.stat().st_size == len(data):
-                return False
-        path.parent.mkdir(exist_ok=True)
+        existed = path.is_file()
+        path.parent.mkdir(exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -1033,7 +1100,7 @@ class SessionStore:
                 os.unlink(tmp)
             raise
         _fsync_dir(path.parent)
-        return True
+        return not existed
 
     def _remove_file_if_unknown(self, sha: str) -> None:
         """After a failed add_image: delete the file written for it unless the db knows the image."""
@@ -1070,7 +1137,7 @@ class SessionStore:
         row = self._session_row(db, session_id)
         if row is None:
             raise NotFound("This chat does not exist (it may have been deleted).")
-        if not isinstance(owner, str) or not owner or not _same_key(owner, row["owner"]):
+        if not _owns(owner, row["owner_hash"]):
             raise PermissionDenied("This chat belongs to someone else.")
         return row
 
@@ -1087,7 +1154,7 @@ class SessionStore:
     def _session_from_row(row: dict, shas: list[str]) -> Session:
         return Session(
             id=row["id"],
-            owner=row["owner"],
+            owner_hash=row["owner_hash"],
             title=row["title"],
             cache_salt=row["cache_salt"],
             created_at=row["created_at"],

@@ -150,3 +150,49 @@ def tiny_engine_factory(tiny_ckpt):
     yield make
     for engine in made:
         engine.close()
+
+
+class LiveServer:
+    """An ASGI app served by uvicorn on a free local port from a thread of this process, as
+    ``launch.py`` serves it (so requests cross a real socket, and one request that blocks the
+    event loop blocks the others). ``url`` is ``http://127.0.0.1:<port>``."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self.thread.start()
+        for _ in range(600):  # up to a minute on a busy 2-core machine
+            if self.server.started or not self.thread.is_alive():
+                break
+            self.thread.join(0.1)
+        if not self.server.started:
+            raise RuntimeError(f"uvicorn did not start on port {self.port}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def live_server():
+    """Return ``serve(app) -> LiveServer``; every server started is stopped after the module."""
+    started: list[LiveServer] = []
+
+    def serve(app) -> LiveServer:
+        started.append(LiveServer(app))
+        return started[-1]
+
+    yield serve
+    for server in started:
+        server.stop()

@@ -63,18 +63,26 @@ def test_completion_with_an_image(client, astronaut_url, engine):
     assert choice["finish_reason"] in ("stop", "length")
     assert out["usage"]["completion_tokens"] <= 5 and out["usage"]["prompt_tokens"] > 100
     assert out["prism"]["telemetry"]["prefix_cache"] == "miss"
-    # same client (anonymous: the per-process salt), same images: the prefix is reused
-    again = client.post("/v1/chat/completions", json={**body, "messages": image_message(astronaut_url, "Colours?")})
+    # an anonymous request is its own session: the same images again are a miss
+    alone = client.post("/v1/chat/completions", json={**body, "messages": image_message(astronaut_url, "Colours?")})
+    assert alone.json()["prism"]["telemetry"]["prefix_cache"] == "miss"
+    # requests naming the same prompt_cache_key share a cache: the prefix is reused
+    keyed = {**body, "prompt_cache_key": "my-chat-7f3a"}
+    assert client.post("/v1/chat/completions", json=keyed).json()["prism"]["telemetry"]["prefix_cache"] == "miss"
+    again = client.post("/v1/chat/completions", json={**keyed, "messages": image_message(astronaut_url, "Colours?")})
     assert again.json()["prism"]["telemetry"]["prefix_cache"] == "hit"
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    # another API key has its own salt: no sharing across clients
-    other = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer key-2"})
+    # another prompt_cache_key has its own salt: no sharing across clients
+    other = client.post("/v1/chat/completions", json={**keyed, "prompt_cache_key": "someone-else"})
     assert other.json()["prism"]["telemetry"]["prefix_cache"] == "miss"
 
 
 def test_salt_is_never_taken_from_the_body(client, astronaut_url, engine):
+    """A body's ``cache_salt`` is ignored: the salt comes from the server (here: the shared
+    prompt_cache_key, so the second request hits although it names another salt)."""
     engine.clear_prefix_cache()
-    body = {"messages": image_message(astronaut_url), "max_tokens": 2, "cache_salt": "attacker", "user": "x"}
+    body = {"messages": image_message(astronaut_url), "max_tokens": 2, "cache_salt": "attacker", "user": "x",
+            "prompt_cache_key": "k"}
     first = client.post("/v1/chat/completions", json=body).json()
     second = client.post("/v1/chat/completions", json={**body, "cache_salt": "other"}).json()
     assert first["prism"]["telemetry"]["prefix_cache"] == "miss"
@@ -143,7 +151,8 @@ def test_out_of_range_values_name_their_parameter(client, field, value):
 
 
 def test_body_must_be_a_json_object(client):
-    assert client.post("/v1/chat/completions", content=b"{nope").status_code == 400
+    json_type = {"Content-Type": "application/json"}
+    assert client.post("/v1/chat/completions", content=b"{nope", headers=json_type).status_code == 400
     assert client.post("/v1/chat/completions", json=[1, 2]).status_code == 400
 
 

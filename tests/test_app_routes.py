@@ -99,12 +99,14 @@ def test_image_route_refuses_anything_but_a_known_hash(env, bad):
     assert b"root:" not in r.content and b"SQLite" not in r.content
 
 
-def raw_get(app, path: str) -> tuple[int, bytes]:
+def raw_get(app, path: str, owner: str) -> tuple[int, bytes]:
     """GET ``path`` exactly as written (``..`` and all: HTTP clients normalise dot segments away, a
-    hostile client need not), straight into the ASGI app. Returns (status, body)."""
+    hostile client need not), straight into the ASGI app, with ``owner``'s cookie. Returns (status,
+    body)."""
+    headers = [(b"host", b"testserver"), (b"cookie", f"prism_owner={owner}".encode())]
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"testserver")], "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
     sent: list[dict] = []
 
     async def call():
@@ -135,10 +137,10 @@ def test_image_route_refuses_paths_of_stored_files(env):
     assert env.client.get(f"/images/{sha}/%2e%2e/{sha}").status_code == 404  # sent as is
     for path in (f"/images/{sha}/../{sha}", f"/images/../images/{sha}", f"/images/{sha[:2]}/../{sha}",
                  "/images/../prism.db", f"/images/{sha}/.."):
-        status, body = raw_get(env.client.app, path)
+        status, body = raw_get(env.client.app, path, env.owner)  # the image's owner asks
         assert status == 404, path
         assert not body.startswith(b"\x89PNG") and b"SQLite" not in body, path
-    assert raw_get(env.client.app, f"/images/{sha}")[0] == 200  # the helper does reach the route
+    assert raw_get(env.client.app, f"/images/{sha}", env.owner)[0] == 200  # the helper does reach the route
 
 
 # ---------------------------------------------------------------------------------- shares
@@ -165,7 +167,7 @@ def test_read_only_share_shows_the_conversation_and_nothing_else(env):
     assert env.owner not in html and "My other secret chat" not in html
     assert str(env.data) not in html and "prism.db" not in html and env.session.cache_salt not in html
     assert viewer.cookies.get("prism_owner") != env.owner
-    assert r.headers["cache-control"] == "no-store" and r.headers["referrer-policy"] == "no-referrer"
+    assert r.headers["cache-control"] == "no-store" and r.headers["referrer-policy"] == "same-origin"
 
 
 def test_continue_share_forks_into_the_visitors_own_session(env):
@@ -208,8 +210,12 @@ def test_revoked_and_unknown_tokens_reveal_nothing(env):
     assert bare.status_code == 404 and "Astronaut" not in bare.text and "/images/" not in bare.text
 
 
-def test_shared_images_are_still_served_by_hash_only(env):
+def test_shared_images_are_served_by_hash_under_the_share_token(env):
+    """The share page names its images by hash under its own token (the visitor has no cookie
+    that owns them), and those URLs serve them while the share is live."""
     token, _ = share_link(env, "read")
-    html = TestClient(env.client.app).get(f"/s/{token}").text
+    visitor = TestClient(env.client.app)
+    html = visitor.get(f"/s/{token}").text
     for sha in env.session.image_shas:
-        assert f'src="/images/{sha}"' in html
+        assert f'src="/s/{token}/images/{sha}"' in html and f'src="/images/{sha}"' not in html
+        assert visitor.get(f"/s/{token}/images/{sha}").status_code == 200

@@ -207,7 +207,7 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             assert "What is in the first picture?" in text and "And what is in the second one?" in text
             assert "prefix MISS" in text and "prefix HIT" in text
             assert viewer.locator(".prism-image img").count() == 2
-            viewer.wait_for_function(IMAGES_LOADED)  # served by hash from /images/<sha>
+            viewer.wait_for_function(IMAGES_LOADED)  # served by hash under the token: /s/<token>/images/<sha>
             assert viewer.locator("textarea, input, form, #prism-question").count() == 0
             viewer.screenshot(path=str(ARTIFACTS / "shared-read-only.png"), full_page=True)
             assert viewer.goto(url + "s/not-a-real-token").status == 404

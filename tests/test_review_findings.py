@@ -299,10 +299,10 @@ def test_generate_racing_close_raises_engine_closed(make, monkeypatch):
     real_build = eng.prompts.build
     building, release = threading.Event(), threading.Event()
 
-    def slow_build(messages):
+    def slow_build(messages, *args):
         building.set()
         release.wait(10)
-        return real_build(messages)
+        return real_build(messages, *args)
 
     monkeypatch.setattr(eng.prompts, "build", slow_build)
     result = {}

@@ -7,7 +7,8 @@ as on the GPU. So the CPU tests check the policy (a combination of image sizes r
 first seen, is captured when seen again, replays after that; the least recently used graph is
 dropped; combinations too large never capture) and that a replay answers for the pixels it was
 given, in tensors a later replay does not overwrite. The GPU tests (skipped without CUDA) check real
-graphs against the eager encoder, and an engine's answers through them.
+graphs against the eager encoder, an engine's answers through them, and that one session's graphs
+never serve another (tests/test_isolation.py has the same property on the CPU).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ class FakeGraph:
     """Stands in for ``torch.cuda.CUDAGraph``: ``replay()`` recomputes the encoder from the captured
     input buffer into the captured output buffers, as a real replay overwrites them."""
 
-    def __init__(self, model, key, pixels: torch.Tensor, out):
-        self.model, self.key, self.pixels, self.out = model, key, pixels, out
+    def __init__(self, model, grids, pixels: torch.Tensor, out):
+        self.model, self.grids, self.pixels, self.out = model, grids, pixels, out
 
     def replay(self) -> None:
-        fresh = self.model.visual(self.pixels, list(self.key))
+        fresh = self.model.visual(self.pixels, list(self.grids))
         for buffer, value in zip((self.out.embeds, *self.out.deepstack), (fresh.embeds, *fresh.deepstack),
                                  strict=True):
             buffer.copy_(value)
@@ -40,15 +41,11 @@ class EagerStandIn(VisionGraphs):
     replays go through :meth:`VisionGraphs._replay` itself."""
 
     @torch.inference_mode()
-    def _capture(self, key, pixels):
+    def _capture(self, grids, pixels):
         static = pixels.to(self.model.device, self.model.dtype).clone()
-        result = self.model.visual(static, list(key))
-        out = self.model.visual(static, list(key))
-        self._graphs[key] = _Captured(FakeGraph(self.model, key, static, out), static, out)
-        self.captures += 1
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-        return result
+        result = self.model.visual(static, list(grids))
+        out = self.model.visual(static, list(grids))
+        return _Captured(FakeGraph(self.model, grids, static, out), static, out), result
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +89,8 @@ def test_least_recently_used_graph_is_dropped(model, photo_inputs):
     graphs(*photo_inputs["square"])  # replayed: "wide" is now the least recently used
     graphs(*photo_inputs["tall"])
     graphs(*photo_inputs["tall"])  # a third capture drops "wide"
-    assert graphs.captures == 3 and list(graphs._graphs) == [tuple(photo_inputs[n][1]) for n in ("square", "tall")]
+    kept = [("", tuple(photo_inputs[n][1])) for n in ("square", "tall")]  # (scope, grids): the default scope
+    assert graphs.captures == 3 and list(graphs._graphs) == kept
     replays = graphs.replays
     graphs(*photo_inputs["wide"])  # seen before: captured again, not replayed
     assert (graphs.captures, graphs.replays) == (4, replays)
@@ -110,7 +108,7 @@ def test_a_failed_capture_answers_eagerly_and_is_not_retried(model, photo_inputs
     class FailingCapture(EagerStandIn):
         attempts = 0
 
-        def _capture(self, key, pixels):
+        def _capture(self, grids, pixels):
             self.attempts += 1
             raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -127,11 +125,11 @@ def test_out_of_memory_while_capturing_is_retried_later(model, photo_inputs, cap
     class OutOfMemoryOnce(EagerStandIn):
         attempts = 0
 
-        def _capture(self, key, pixels):
+        def _capture(self, grids, pixels):
             self.attempts += 1
             if self.attempts == 1:
                 raise torch.OutOfMemoryError("CUDA out of memory")
-            return super()._capture(key, pixels)
+            return super()._capture(grids, pixels)
 
     graphs = OutOfMemoryOnce(model)
     pixels, grids = photo_inputs["wide"]
@@ -199,16 +197,42 @@ def test_graph_replay_equals_the_eager_encoder(tiny_engine_factory, photo_inputs
 
 @needs_gpu
 def test_answers_through_the_vision_graphs_equal_eager_ones(tiny_engine_factory, media_path):
-    """Three sessions (salts: the vision-feature cache is not shared) ask about the same two photos:
-    the first encodes eagerly, the second captures, the third replays. Each answer equals that of
-    an engine without graphs."""
+    """One session asks about three pairs of photos of the same two sizes (other pixels each time,
+    so the vision-feature cache never answers): the first pair is encoded eagerly, the second
+    captures, the third replays. Each answer equals that of an engine without graphs."""
     with Image.open(media_path("coffee.png")) as a, Image.open(media_path("chelsea.png")) as b:
-        photos = [a.convert("RGB").resize((96, 64)), b.convert("RGB").resize((64, 96))]
-    messages = media_first_messages(photos, "What is in the photos?")
+        base = [a.convert("RGB").resize((96, 64)), b.convert("RGB").resize((64, 96))]
+    pairs = [[im.rotate(180 * (i % 2)).point(lambda v, i=i: (v + 17 * i) % 256) for im in base] for i in range(3)]
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     with_graphs = tiny_engine_factory(prefix_cache=False)
     without = tiny_engine_factory(prefix_cache=False, cuda_graphs=False)
-    expected = without.generate(messages, sampling, cache_salt="s").token_ids
-    answers = [with_graphs.generate(messages, sampling, cache_salt=f"s{i}").token_ids for i in range(3)]
-    assert answers == [expected] * 3
+    for pair in pairs:
+        messages = media_first_messages(pair, "What is in the photos?")
+        expected = without.generate(messages, sampling, cache_salt="s").token_ids
+        assert with_graphs.generate(messages, sampling, cache_salt="s").token_ids == expected
     assert (with_graphs.vision_encoder.captures, with_graphs.vision_encoder.replays) == (1, 1)
+
+
+@needs_gpu
+def test_a_graph_one_session_earned_is_not_replayed_for_another(tiny_engine_factory, media_path):
+    """The GPU check of issue 16: with real CUDA graphs, a session's first photo of a size that
+    another session has had captured and replayed runs eagerly (a replay would be several times
+    faster and tell the attacker which sizes others sent), then captures and replays on its own;
+    every answer equals the eager engine's. Run by hand on a GPU:
+    ``PRISM_TEST_DEVICE=cuda python -m pytest -q tests/test_vision_graphs.py tests/test_isolation.py``."""
+    with Image.open(media_path("coffee.png")) as a:
+        base = a.convert("RGB").resize((96, 64))
+    photos = [base.point(lambda v, i=i: (v + 29 * i) % 256) for i in range(6)]
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine = tiny_engine_factory(prefix_cache=False)
+    without = tiny_engine_factory(prefix_cache=False, cuda_graphs=False)
+    graphs = engine.vision_encoder
+    steps = []
+    for salt, photo in zip(["victim"] * 3 + ["attacker"] * 3, photos, strict=True):
+        messages = media_first_messages([photo], "What is this?")
+        assert engine.generate(messages, sampling, cache_salt=salt).token_ids == \
+            without.generate(messages, sampling, cache_salt=salt).token_ids
+        steps.append((graphs.eager_runs, graphs.captures, graphs.replays))
+    assert steps == [(1, 0, 0), (1, 1, 0), (1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2)]
+    stats = engine.stats()
+    assert (stats["vision_graph_captures"], stats["vision_graph_replays"]) == (2, 2)

@@ -168,8 +168,8 @@ MUTANTS: list[Mutant] = [
         "store-one-salt-for-all-sessions",
         "every new session gets the same cache salt",
         "sessions/store.py",
-        "[session_id, owner, title, secrets.token_hex(16), now, now],",
-        '[session_id, owner, title, "0" * 32, now, now],',
+        "[session_id, _owner_hash(owner), title, secrets.token_hex(16), now, now],",
+        '[session_id, _owner_hash(owner), title, "0" * 32, now, now],',
         ("tests/test_app_chat.py::test_each_session_asks_under_its_own_cache_salt",),
     ),
     Mutant(
@@ -192,9 +192,9 @@ MUTANTS: list[Mutant] = [
         "image-route-normalises-dot-segments",
         "/images/ normalises the path before checking it, so /images/<sha>/../<sha> serves a file",
         "app/server.py",
-        "path = store.image_path(sha) if _SHA_RE.fullmatch(sha) else None",
-        'sha = __import__("posixpath").normpath(sha)\n'
-        "        path = store.image_path(sha) if _SHA_RE.fullmatch(sha) else None",
+        "        if not (_SHA_RE.fullmatch(sha) and store.owner_has_image(owner_from(request), sha)):\n",
+        '        sha = __import__("posixpath").normpath(sha)\n'
+        "        if not (_SHA_RE.fullmatch(sha) and store.owner_has_image(owner_from(request), sha)):\n",
         ("tests/test_app_routes.py::test_image_route_refuses_paths_of_stored_files",),
     ),
     # ---------------------------------------------------------------- images, vision graphs, loading, sampling

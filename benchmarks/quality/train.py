@@ -1,0 +1,281 @@
+"""Train the probe Qwen3-VL from scratch on the synthetic suite, evaluate it, write a checkpoint.
+
+Data never waits on the CPU: DataLoader workers draw layouts and glue cached token pieces (a few
+integers per object); the training device renders the pixels and cuts the processor's patches
+(:func:`benchmarks.quality.data.device_pixels`). Inputs are dense (no visual token is dropped),
+the loss covers the answer tokens and the closing ``<|im_end|>`` only, and a curriculum
+(``--curriculum``, see :data:`benchmarks.quality.scenes.CURRICULA`) starts with one image and few shapes. Training
+stops at ``--steps`` or when ``--minutes`` are spent, whichever comes first; learning rate and
+curriculum follow the progress towards that end. Checkpoints are written every
+``--ckpt-minutes`` and at the end, in bfloat16 (see :mod:`benchmarks.quality.checkpoint`); the
+held-out split is then answered greedily with those bfloat16 weights and scored by exact match
+per question type.
+
+Usage (on the GPU machine, with a skeleton built here by ``python -m benchmarks.quality.checkpoint
+skeleton DIR``)::
+
+    python -m benchmarks.quality.train --skeleton DIR --out CKPT --minutes 8 --metrics metrics.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine import tiny
+from engine.config import ModelConfig
+
+from . import checkpoint as ckpt
+from .data import Batch, TrainStream, build_batch, device_pixels
+from .model import ProbeVL
+from .scenes import CURRICULA, QUESTION_TYPES, TRAINING_TYPES, Sample, accuracy_by_type, heldout
+from .tokens import PromptTokens
+
+#: Answers are one word or digit: the answer token, <|im_end|>, and a little slack.
+MAX_NEW_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Learning rate over training: linear warm-up over ``warmup`` steps, then cosine decay from
+    ``peak`` to ``peak * floor`` as progress goes from 0 to 1 (Loshchilov & Hutter, arXiv:1608.03983)."""
+
+    peak: float
+    warmup: int = 200
+    floor: float = 0.05
+
+    def lr(self, step: int, progress: float) -> float:
+        warm = min(1.0, (step + 1) / self.warmup)
+        cosine = self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+        return self.peak * warm * cosine
+
+
+def build_model(spec, device, seed: int = 0) -> ProbeVL:
+    """A freshly initialised :class:`ProbeVL` for a resolved preset, float32 on ``device``."""
+    model = ProbeVL(ModelConfig.from_dict(tiny.config_dict(spec)))
+    model.init_weights(seed)
+    return model.to(device)
+
+
+def make_optimizer(model: ProbeVL, lr: float, weight_decay: float = 0.05) -> torch.optim.Optimizer:
+    """AdamW (betas 0.9/0.95); weight decay on the matrices only (not embeddings, norms, biases)."""
+    decay, rest = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "embed" not in name else rest).append(p)
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), fused=fused)
+
+
+def batch_loss(model: ProbeVL, batch: Batch, processor_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over the batch's target tokens, and the argmax-correctness of each target.
+
+    Returns:
+        ``(loss, correct)``: a float32 scalar and bool ``[M]``.
+    """
+    pixels, grid = device_pixels(batch, processor_config)
+    embeds, deepstack = model.encode_images(pixels, grid, batch.n_images)
+    hidden = model.hidden(batch.input_ids, batch.positions, embeds, deepstack)
+    logits = model.logits(hidden.reshape(-1, hidden.shape[-1])[batch.target_rows]).float()
+    return F.cross_entropy(logits, batch.target_ids), logits.argmax(-1) == batch.target_ids
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+@torch.no_grad()
+def greedy_answers(model: ProbeVL, samples: Sequence[Sample], tokens: PromptTokens, device, processor_config, *,
+                   batch_size: int = 256, max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
+    """Greedy answers (decoded text, special tokens dropped) to ``samples``.
+
+    Each sample's prompt is exactly what Prism and transformers build for it; decoding stops at
+    ``<|im_end|>`` or ``<|endoftext|>`` or after ``max_new_tokens``. The images are encoded once
+    per chunk and the decoder reruns the whole prompt each step (answers are a token or two).
+    """
+    device = torch.device(device)
+    model.eval()
+    answers: list[str] = []
+    for start in range(0, len(samples), batch_size):
+        chunk = list(samples[start:start + batch_size])
+        prompts = [tokens.prompt(len(s.scenes), s.question, s.size) for s in chunk]
+        generated: list[list[int]] = [[] for _ in chunk]
+        done = [False] * len(chunk)
+        with _autocast(device):
+            first = build_batch(chunk, tokens, with_targets=False, prompts=prompts).to(device)
+            pixels, grid = device_pixels(first, processor_config)
+            embeds, deepstack = model.encode_images(pixels, grid, first.n_images)
+            for _ in range(max_new_tokens):
+                batch = build_batch(chunk, tokens, with_targets=False, prompts=prompts, extra=generated).to(device)
+                hidden = model.hidden(batch.input_ids, batch.positions, embeds, deepstack)
+                last = hidden[torch.arange(len(chunk), device=device), batch.lengths - 1]
+                next_ids = model.logits(last).float().argmax(-1).tolist()
+                for i, tok in enumerate(next_ids):
+                    if not done[i]:
+                        generated[i].append(tok)
+                        done[i] = tok in (tiny.IM_END_ID, tiny.ENDOFTEXT_ID)
+                if all(done):
+                    break
+        answers += [tokens.decode(g) for g in generated]
+    model.train()
+    return answers
+
+
+def evaluate(model: ProbeVL, samples: Sequence[Sample], tokens: PromptTokens, device, processor_config) -> dict:
+    """Greedy exact-match accuracy per question type on ``samples`` (see :func:`accuracy_by_type`),
+    with the first few answers for a look."""
+    answers = greedy_answers(model, samples, tokens, device, processor_config)
+    report = accuracy_by_type(samples, answers)
+    report["examples"] = [{"uid": s.uid, "question": s.question, "answer": s.answer, "predicted": a}
+                          for s, a in zip(samples[:10], answers[:10], strict=True)]
+    return report
+
+
+def round_to_storage(model: ProbeVL, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Round the weights in place to what the checkpoint stores (evaluate what is shipped)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
+
+
+def save(model: ProbeVL, out: pathlib.Path, skeleton: pathlib.Path | None, transfer: pathlib.Path | None) -> None:
+    """Write the checkpoint folder (skeleton files + bfloat16 shards); mirror it for transfer."""
+    if skeleton is not None and skeleton.resolve() != out.resolve():
+        ckpt.copy_skeleton(skeleton, out)
+    ckpt.save_weights(model.state_dict(), out)
+    if transfer is not None:
+        ckpt.split_for_transfer(out, transfer)
+
+
+def train(args: argparse.Namespace) -> dict:
+    """The training run of :func:`main`; returns the metrics it also writes."""
+    device = torch.device(args.device)
+    out = pathlib.Path(args.out)
+    spec = ckpt.probe_spec(ckpt.TOY_OVERRIDES if args.toy else None)
+    skeleton = pathlib.Path(args.skeleton) if args.skeleton else ckpt.write_skeleton(out, spec)
+    processor_config = json.loads((skeleton / "preprocessor_config.json").read_text())
+    tokenizer_file = skeleton / "tokenizer.json"
+    transfer = pathlib.Path(args.transfer) if args.transfer else None
+    torch.manual_seed(args.seed)
+
+    stream = TrainStream(tokenizer_file, args.batch, args.seed, curriculum=args.curriculum)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
+                                         pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
+                                         persistent_workers=args.workers > 0)
+    model = build_model(spec, device, args.seed)
+    optimizer = make_optimizer(model, args.lr)
+    schedule = Schedule(args.lr, warmup=args.warmup)
+    tokens = PromptTokens(tokenizer_file)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {params / 1e6:.2f} M parameters; batch {args.batch}; budget {args.minutes} min"
+          + (f" / {args.steps} steps" if args.steps else ""), flush=True)
+
+    budget = args.minutes * 60.0
+    history = []
+    running = torch.zeros((), device=device)
+    correct = torch.zeros(len(TRAINING_TYPES), device=device)
+    seen = torch.zeros(len(TRAINING_TYPES), device=device)
+    step, samples_seen, start = 0, 0, time.monotonic()
+    last_ckpt = start
+    it = iter(loader)
+    while True:
+        elapsed = time.monotonic() - start
+        progress = step / args.steps if args.steps else elapsed / budget
+        if elapsed >= budget or (args.steps and step >= args.steps):
+            break
+        stream.progress.value = progress  # read by the workers for the curriculum stage
+        batch = next(it).to(device, non_blocking=True)
+        lr = schedule.lr(step, progress)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with _autocast(device):
+            loss, hits = batch_loss(model, batch, processor_config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        samples_seen += len(batch.lengths)
+        running += loss.detach()
+        # first-token accuracy per type, without a host sync (no boolean indexing)
+        seen.index_add_(0, batch.target_types, batch.first_rows.to(seen.dtype))
+        correct.index_add_(0, batch.target_types, (hits & batch.first_rows).to(seen.dtype))
+        if step % args.log_every == 0:
+            acc = {t: round(float(c / max(s, 1)), 3) for t, c, s in zip(TRAINING_TYPES, correct.tolist(),
+                                                                           seen.tolist(), strict=True)}
+            entry = {"step": step, "samples": samples_seen, "seconds": round(time.monotonic() - start, 1),
+                     "loss": round(float(running) / args.log_every, 4), "lr": lr, "stage": batch.stage,
+                     "train_first_token_accuracy": acc}
+            history.append(entry)
+            print(json.dumps(entry), flush=True)
+            running.zero_(), correct.zero_(), seen.zero_()
+        if args.ckpt_minutes and time.monotonic() - last_ckpt >= args.ckpt_minutes * 60:
+            save(model, out, skeleton, transfer)
+            last_ckpt = time.monotonic()
+    train_seconds = time.monotonic() - start
+    del it, loader
+
+    round_to_storage(model)
+    save(model, out, skeleton, transfer)
+    samples = heldout(args.eval)
+    t0 = time.monotonic()
+    report = evaluate(model, samples, tokens, device, processor_config)
+    metrics = {
+        "steps": step, "samples": samples_seen, "batch": args.batch, "train_minutes": round(train_seconds / 60, 2),
+        "steps_per_second": round(step / max(train_seconds, 1e-9), 2), "parameters": params,
+        "lr": args.lr, "seed": args.seed, "curriculum": args.curriculum,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "heldout": {"n": len(samples), "first": samples[0].uid if samples else None,
+                    "eval_seconds": round(time.monotonic() - t0, 1), "dtype": "bfloat16 weights, bf16 autocast"
+                    if device.type == "cuda" else "bfloat16 weights, float32 compute", **report},
+        "history": history,
+    }
+    text = json.dumps(metrics, indent=1)
+    print(json.dumps({k: metrics["heldout"][k]["accuracy"] for k in [*QUESTION_TYPES, "all"]
+                      if k in metrics["heldout"]}), flush=True)
+    if args.metrics:
+        pathlib.Path(args.metrics).write_text(text + "\n")
+    return metrics
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--skeleton", help="folder with config/processor/tokenizer files (default: build them into --out)")
+    p.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget of the training loop")
+    p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: only the time budget)")
+    p.add_argument("--batch", type=int, default=256, help="samples per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=200, help="warm-up steps")
+    p.add_argument("--workers", type=int, default=8, help="DataLoader workers drawing layouts")
+    p.add_argument("--eval", type=int, default=2000, help="held-out samples to evaluate at the end")
+    p.add_argument("--ckpt-minutes", type=float, default=2.0, help="minutes between checkpoints (0: only at the end)")
+    p.add_argument("--transfer", help="also mirror the weights here in parts of at most 15 MiB")
+    p.add_argument("--metrics", help="write the metrics JSON here")
+    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--curriculum", choices=sorted(CURRICULA), default="v1",
+                   help="v1 trained the committed model; binding adds kind-naming questions (docs/QUALITY.md)")
+    p.add_argument("--toy", action="store_true", help="a toy-sized model (CPU smoke tests)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    train(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,425 @@
+"""The synthetic quality suite (benchmarks/quality): generator, renderer, patches, token ids, trainer.
+
+What these tests prove:
+
+- samples are a pure function of their seed key, the held-out split is fixed, balanced and never
+  shares a key with training, and every answer follows from the scene objects as an independent
+  checker reads them (not from the generator's own bookkeeping);
+- the batched integer renderer paints exactly what a plain NumPy painter paints (and, on a GPU,
+  the same bytes as on the CPU), and the pixels show every object;
+- the patches built with torch equal the transformers processor's ``pixel_values`` and
+  ``image_grid_thw`` bit for bit, and the token ids built from cached pieces equal the chat
+  template + processor's ids (generation prompt included; the answer then ``<|im_end|>`` as the
+  template renders an assistant turn);
+- the trainable model computes transformers' Qwen3-VL logits on the same weights (padded batch
+  included), greedy decoding gives transformers' tokens, a few training steps lower the loss, and
+  checkpoints survive sharding and the split/join used for device transfer.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.quality import checkpoint as ckpt
+from benchmarks.quality import scenes as sc
+from benchmarks.quality.data import build_batch, device_pixels
+from benchmarks.quality.font import LETTERS, glyph_table
+from benchmarks.quality.model import ProbeVL
+from benchmarks.quality.patches import check_unresized, patchify
+from benchmarks.quality.render import pack_scenes, render, render_reference, render_scenes
+from benchmarks.quality.tokens import PromptTokens
+from engine import tiny
+from engine.config import ModelConfig
+
+# --------------------------------------------------------------------------------------------
+# Generator
+# --------------------------------------------------------------------------------------------
+
+
+def _stage_samples(n_per_stage: int) -> list[sc.Sample]:
+    """Training samples of every stage of every curriculum."""
+    out = []
+    for curriculum, stages in sc.CURRICULA.items():
+        for name, _, dist in stages:
+            out += [sc.train_sample(f"test:{curriculum}:{name}:{i}", dist) for i in range(n_per_stage)]
+    return out
+
+
+def test_samples_are_deterministic_and_keyed():
+    """The same key gives the same sample; other keys give other samples."""
+    assert sc.heldout(30) == sc.heldout(30)
+    assert sc.make_sample("k:1") == sc.make_sample("k:1")
+    assert sc.make_sample("k:1") != sc.make_sample("k:2")
+    assert sc.heldout(5, start=10) == sc.heldout(15)[10:]
+
+
+def test_heldout_split_is_fixed_balanced_and_disjoint_from_training():
+    """Held-out keys are ``heldout:<i>`` with types cycling; training keys all start ``train:``."""
+    held = sc.heldout(100)
+    assert [s.uid for s in held[:3]] == ["heldout:0", "heldout:1", "heldout:2"]
+    counts = {t: sum(s.qtype == t for s in held) for t in sc.QUESTION_TYPES}
+    assert counts == dict.fromkeys(sc.QUESTION_TYPES, 20)
+    assert all(s.uid.startswith("train:") for s in _stage_samples(5))
+    assert sc.train_sample("heldout:0", sc.EVAL).uid == "train:heldout:0"
+    # the first held-out samples are pinned: a change to the generator must be deliberate
+    assert held[0].question == "What colour is the diamond in Image 1? Answer with one word."
+    assert held[0].answer == "orange"
+    # all image counts occur, and the target image is not always the first
+    assert {len(s.scenes) for s in held} == {1, 2, 3, 4}
+    assert len({s.target for s in held}) == 4
+
+
+def _expected_answer(sample: sc.Sample) -> str:
+    """The answer read off the scene objects by the question text alone."""
+    q, scenes = sample.question, sample.scenes
+    image = re.search(r"in Image (\d)\?", q) or re.search(r"shape in Image (\d) is", q)
+    target = scenes[int(image.group(1)) - 1] if image else None
+    if sample.qtype == "colour":
+        kind = re.match(r"What colour is the (\w+) in", q).group(1)
+        found = [s for s in target.shapes if s.kind == kind]
+        assert len(found) == 1, q
+        return found[0].colour
+    if sample.qtype == "which_image":
+        colour, kind = re.match(r"Which image has a (\w+) (\w+)\?", q).groups()
+        holders = [i for i, scene in enumerate(scenes)
+                   if any(s.kind == kind and s.colour == colour for s in scene.shapes)]
+        assert len(holders) == 1, q
+        return str(holders[0] + 1)
+    if sample.qtype == "count":
+        return str(len(target.shapes))
+    if sample.qtype == "word":
+        return target.word.text.lower()
+    if sample.qtype == "shape":
+        colour = re.match(r"Which shape in Image \d is (\w+)\?", q).group(1)
+        found = [s for s in target.shapes if s.colour == colour]
+        assert len(found) == 1, q
+        return found[0].kind
+    colour, first, second = re.match(r"Is the (\w+) (\w+) left or right of the (\w+) in", q).groups()
+    a = [s for s in target.shapes if s.kind == first]
+    b = [s for s in target.shapes if s.kind == second]
+    assert len(a) == 1 and len(b) == 1 and a[0].colour == colour, q
+    assert a[0].box[2] + 8 <= b[0].box[0] or b[0].box[2] + 8 <= a[0].box[0], "the two shapes overlap horizontally"
+    return "left" if a[0].cx < b[0].cx else "right"
+
+
+def test_answers_follow_from_the_scenes():
+    """For held-out and every curriculum stage, the answer is what the objects say."""
+    trained = _stage_samples(40)
+    assert {s.qtype for s in trained} == set(sc.TRAINING_TYPES)
+    for sample in sc.heldout(250) + trained:
+        assert sample.answer == _expected_answer(sample), sample.uid
+        assert 1 <= len(sample.scenes) <= 4
+        if sample.qtype == "count":
+            assert 1 <= int(sample.answer) <= 5
+
+
+def test_objects_fit_without_overlap():
+    """Every object lies inside its image and clear of the others (so none hides another)."""
+    for sample in sc.heldout(100) + _stage_samples(20):
+        height, width = sample.size
+        for scene in sample.scenes:
+            boxes = [s.box for s in scene.shapes] + ([scene.word.box] if scene.word else [])
+            for i, (x0, y0, x1, y1) in enumerate(boxes):
+                assert 0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height
+                for a0, b0, a1, b1 in boxes[i + 1:]:
+                    assert x1 <= a0 or a1 <= x0 or y1 <= b0 or b1 <= y0
+
+
+def test_small_objects_occur():
+    """Shapes of about one patch (at most 18 px across) are part of the held-out split."""
+    shapes = [s for sample in sc.heldout(50) for scene in sample.scenes for s in scene.shapes]
+    assert any(2 * s.r <= 18 for s in shapes) and any(2 * s.r >= 36 for s in shapes)
+
+
+def test_scoring_normalises_and_counts_per_type():
+    held = sc.heldout(10)
+    assert sc.normalise_answer("  Image 2. ") == "2" and sc.normalise_answer("Red!") == "red"
+    preds = [s.answer for s in held]
+    preds[0] = "blue" if held[0].answer != "blue" else "red"  # one wrong colour answer
+    report = sc.accuracy_by_type(held, preds)
+    assert report["colour"] == {"n": 2, "correct": 1, "accuracy": 0.5}
+    assert report["all"]["correct"] == 9 and list(report)[-1] == "all"
+    with pytest.raises(ValueError):
+        sc.accuracy_by_type(held, preds[:-1])
+
+
+def test_bad_requests_are_refused():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        sc.make_sample("k", size=(250, 256))
+    with pytest.raises(ValueError, match="at least 2 images"):
+        sc.make_sample("k", sc.CURRICULUM[0][2], "which_image")
+    with pytest.raises(ValueError, match="unknown question type"):
+        sc.make_sample("k", qtype="size")
+
+
+# --------------------------------------------------------------------------------------------
+# Renderer
+# --------------------------------------------------------------------------------------------
+
+
+def test_font_glyphs_are_complete_and_distinct():
+    table = glyph_table()
+    assert LETTERS == "ABCDEFGHIJKLMNOPQRSTUVWXYZ" and table.shape == (26, 7, 5)
+    flat = {tuple(g.flatten().tolist()) for g in table}
+    assert len(flat) == 26 and all(g.any() for g in table)
+
+
+def test_batched_renderer_equals_reference():
+    """The windowed batch painter gives the NumPy painter's bytes for every image."""
+    scenes = [scene for s in sc.heldout(30) + _stage_samples(3) for scene in s.scenes]
+    pixels = render_scenes(scenes, sc.IMAGE_SIZE)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (len(scenes), 256, 256, 3)
+    for i, scene in enumerate(scenes):
+        np.testing.assert_array_equal(pixels[i].numpy(), render_reference(scene, sc.IMAGE_SIZE), err_msg=f"image {i}")
+
+
+def test_rendered_pixels_show_each_object():
+    """Each shape's centre pixel has its colour; each word puts its ink inside its box."""
+    for sample in sc.heldout(20):
+        pixels = render_scenes(sample.scenes, sample.size).numpy()
+        for img, scene in zip(pixels, sample.scenes, strict=True):
+            for s in scene.shapes:
+                assert tuple(img[s.cy, s.cx]) == sc.COLOURS[s.colour]
+            if scene.word is not None:
+                x0, y0, x1, y1 = scene.word.box
+                assert (img[y0:y1, x0:x1] == scene.word.ink).all(-1).sum() >= 20
+                assert tuple(img[0, 0]) == scene.background
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_renderer_cuda_equals_cpu():
+    """Integer-only painting: the GPU gives the CPU's bytes."""
+    scenes = [scene for s in sc.heldout(60) for scene in s.scenes]
+    packed = pack_scenes(scenes)
+    cpu = render(packed, sc.IMAGE_SIZE)
+    gpu = render(packed.to("cuda"), sc.IMAGE_SIZE).cpu()
+    assert torch.equal(cpu, gpu)
+
+
+# --------------------------------------------------------------------------------------------
+# Patches and token ids against transformers
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_ckpt):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(tiny_ckpt))
+
+
+@pytest.fixture(scope="module")
+def tokens(tiny_ckpt):
+    return PromptTokens(tiny_ckpt / "tokenizer.json")
+
+
+@pytest.mark.parametrize("size", [(256, 256), (256, 320), (320, 256)])
+def test_patches_equal_processor(processor, size):
+    """Normalisation, temporal duplication, merge-block order and grid equal the processor's."""
+    sample = sc.make_sample(f"patches:{size}", size=size)
+    check_unresized(*size, tiny.IMAGE_PROCESSOR_CONFIG)
+    out = processor.image_processor(images=sample.images(), return_tensors="pt")
+    values, grid = patchify(render_scenes(sample.scenes, size), tiny.IMAGE_PROCESSOR_CONFIG)
+    assert torch.equal(grid, out["image_grid_thw"])
+    assert values.dtype == out["pixel_values"].dtype and torch.equal(values, out["pixel_values"])
+
+
+def test_check_unresized_refuses_sizes_the_processor_changes():
+    for size in [(128, 128), (240, 256), (256, 250)]:
+        with pytest.raises(ValueError, match="resized"):
+            check_unresized(*size, tiny.IMAGE_PROCESSOR_CONFIG)
+
+
+def test_prompt_ids_equal_chat_template(processor, tokens):
+    """Ids from cached pieces == the processor's ids for Prism's media-first messages."""
+    samples = sc.heldout(40) + _stage_samples(4)
+    assert {len(s.scenes) for s in samples} == {1, 2, 3, 4}
+    for sample in samples:
+        messages = sample.messages()
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out = processor(text=[text], images=sample.images(), return_tensors="pt")
+        prompt = tokens.prompt(len(sample.scenes), sample.question, sample.size)
+        assert prompt.ids == out["input_ids"][0].tolist(), sample.uid
+        starts = [i for i, t in enumerate(prompt.ids) if t == tiny.IMAGE_PAD_ID and prompt.ids[i - 1] != t]
+        assert [s.start for s in prompt.spans] == starts
+
+
+def test_answer_ids_equal_template_with_assistant_turn(processor, tokens):
+    """Prompt + target ids == the template rendering the answer as an assistant turn (whose
+    trailing newline follows ``<|im_end|>``)."""
+    for sample in sc.heldout(10):
+        messages = sample.messages() + [{"role": "assistant", "content": [{"type": "text", "text": sample.answer}]}]
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        out = processor(text=[text], images=sample.images(), return_tensors="pt")
+        prompt = tokens.prompt(len(sample.scenes), sample.question, sample.size)
+        assert prompt.ids + tokens.target(sample.answer) == out["input_ids"][0].tolist()[:-1]
+        assert tokens.decode(tokens.target(sample.answer)) == sample.answer
+
+
+def test_batch_targets_point_at_answer_tokens(tokens):
+    samples = sc.heldout(6)
+    batch = build_batch(samples, tokens)
+    flat = batch.input_ids.reshape(-1)
+    assert torch.equal(flat[batch.target_rows + 1], batch.target_ids)
+    assert batch.first_rows.sum() == len(samples) and batch.target_ids[~batch.first_rows].eq(tiny.IM_END_ID).all()
+    assert batch.n_images == sum(len(s.scenes) for s in samples)
+    assert int((batch.input_ids == tiny.IMAGE_PAD_ID).sum()) == batch.n_images * 64
+
+
+# --------------------------------------------------------------------------------------------
+# Model, trainer, checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toy_checkpoint(tmp_path_factory):
+    """A toy-sized probe checkpoint with lively random weights (std 0.2), float32."""
+    spec = ckpt.probe_spec(ckpt.TOY_OVERRIDES)
+    folder = ckpt.write_skeleton(tmp_path_factory.mktemp("toy-probe"), spec)
+    model = ProbeVL(ModelConfig.from_dict(tiny.config_dict(spec)))
+    model.init_weights(seed=1, std=0.2)
+    ckpt.save_weights(model.state_dict(), folder, dtype=torch.float32)
+    return folder, model.eval()
+
+
+def _hf_model(folder):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def test_model_matches_transformers(toy_checkpoint, processor, tokens):
+    """Logits of a padded batch (1, 2 and 4 images) == transformers' on each sample alone."""
+    folder, model = toy_checkpoint
+    hf = _hf_model(folder)
+    held = sc.heldout(40)
+    samples = [next(s for s in held if len(s.scenes) == n) for n in (2, 4, 1)]
+    batch = build_batch(samples, tokens, with_targets=False)
+    with torch.no_grad():
+        pixels, grid = device_pixels(batch, tiny.IMAGE_PROCESSOR_CONFIG)
+        embeds, deepstack = model.encode_images(pixels, grid, batch.n_images)
+        logits = model.logits(model.hidden(batch.input_ids, batch.positions, embeds, deepstack))
+        for i, sample in enumerate(samples):
+            inputs = processor.apply_chat_template(sample.messages(), tokenize=True, add_generation_prompt=True,
+                                                   return_dict=True, return_tensors="pt")
+            ref = hf(**inputs).logits[0]
+            n = int(batch.lengths[i])
+            assert ref.shape[0] == n
+            torch.testing.assert_close(logits[i, :n], ref, atol=2e-4, rtol=1e-4)
+        # the images matter: another picture gives other answer logits (sample 2 has one image)
+        alone = build_batch([samples[2]], tokens, with_targets=False)
+        other = next(s for s in held if len(s.scenes) == 1 and s is not samples[2])
+        px, _ = patchify(render_scenes(other.scenes, other.size), tiny.IMAGE_PROCESSOR_CONFIG)
+        e2, d2 = model.encode_images(px, grid, 1)
+        n = int(batch.lengths[2])
+        changed = model.logits(model.hidden(alone.input_ids, alone.positions, e2, d2))[0, n - 1]
+        assert (changed - logits[2, n - 1]).abs().max() > 1e-2
+
+
+def test_greedy_answers_match_transformers_generate(toy_checkpoint, processor, tokens):
+    from benchmarks.quality.train import greedy_answers
+
+    folder, model = toy_checkpoint
+    hf = _hf_model(folder)
+    samples = sc.heldout(4)
+    ours = greedy_answers(model, samples, tokens, "cpu", tiny.IMAGE_PROCESSOR_CONFIG, max_new_tokens=3)
+    for sample, answer in zip(samples, ours, strict=True):
+        inputs = processor.apply_chat_template(sample.messages(), tokenize=True, add_generation_prompt=True,
+                                               return_dict=True, return_tensors="pt")
+        out = hf.generate(**inputs, max_new_tokens=3, do_sample=False)
+        text = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert answer == text
+
+
+def test_train_steps_reduce_loss_on_fixed_batch(tokens):
+    """A few AdamW steps on one fixed batch of a toy model: the loss is finite and goes down."""
+    from benchmarks.quality.train import batch_loss, build_model, make_optimizer
+
+    torch.manual_seed(0)
+    model = build_model(ckpt.probe_spec(ckpt.TOY_OVERRIDES), "cpu", seed=0)
+    optimizer = make_optimizer(model, lr=3e-3)
+    batch = build_batch(sc.heldout(4), tokens)
+    losses = []
+    for _ in range(6):
+        loss, hits = batch_loss(model, batch, tiny.IMAGE_PROCESSOR_CONFIG)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert all(np.isfinite(losses)) and hits.shape == batch.target_ids.shape
+    assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses, losses[1:], strict=False))
+
+
+def test_checkpoint_shards_transfer_and_load(tmp_path, toy_checkpoint):
+    """Shards stay under the limit (a larger tensor alone), the split/join round trip is exact,
+    and Prism's loader reads the sharded folder."""
+    from engine.model import load_model
+
+    folder, model = toy_checkpoint
+    out = ckpt.copy_skeleton(folder, tmp_path / "ckpt")
+    limit = 4 << 20
+    shards = ckpt.save_weights(model.state_dict(), out, shard_bytes=limit)
+    assert len(shards) >= 2 and (out / ckpt.INDEX_FILE).exists()
+    from safetensors import safe_open
+
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            tensors = len(list(f.keys()))
+        assert shard.stat().st_size <= limit + (64 << 10) or tensors == 1
+    parts = ckpt.split_for_transfer(out, tmp_path / "parts", part_bytes=3 << 20)
+    assert all((tmp_path / "parts" / n).exists() or list((tmp_path / "parts").glob(n + ".part*")) for n in parts)
+    assert max(p.stat().st_size for p in (tmp_path / "parts").iterdir()) <= 3 << 20
+    joined = ckpt.join_parts(tmp_path / "parts", ckpt.copy_skeleton(folder, tmp_path / "joined"))
+    loaded = load_model(joined, progress=False)
+    state = ckpt.load_weights(joined)
+    assert set(state) == set(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state[name].float(), tensor.to(torch.bfloat16).float())
+    embed = state["model.language_model.embed_tokens.weight"].float()
+    assert torch.equal(loaded.language_model.embed_tokens.weight, embed)
+    bad = tmp_path / "parts" / next(iter(parts))
+    victim = bad if bad.exists() else sorted((tmp_path / "parts").glob(bad.name + ".part*"))[0]
+    victim.write_bytes(b"x" + victim.read_bytes()[1:])
+    with pytest.raises(ValueError, match="sha256"):
+        ckpt.join_parts(tmp_path / "parts", tmp_path / "joined2")
+
+
+# --------------------------------------------------------------------------------------------
+# The committed probe model
+# --------------------------------------------------------------------------------------------
+
+
+def test_committed_model_loads_in_transformers_and_prism():
+    """transformers and Prism (float32, KV in the model dtype, no compaction) both load the committed
+    checkpoint and give the trainer's own greedy answers; the answers to word and count questions,
+    which the model learned, are right (random or misloaded weights would not read them)."""
+    from transformers import AutoProcessor
+
+    from benchmarks.quality import MODEL_DIR
+    from benchmarks.quality.train import greedy_answers
+    from engine import Engine, SamplingParams
+
+    samples = sc.heldout(10)
+    hf = _hf_model(MODEL_DIR)
+    hf_proc = AutoProcessor.from_pretrained(str(MODEL_DIR))
+    model = ProbeVL(ModelConfig.from_folder(MODEL_DIR))
+    model.load_state_dict({k: v.float() for k, v in ckpt.load_weights(MODEL_DIR).items()})
+    ours = greedy_answers(model, samples, PromptTokens(MODEL_DIR / "tokenizer.json"), "cpu",
+                          tiny.IMAGE_PROCESSOR_CONFIG)
+    with Engine.from_pretrained(MODEL_DIR, device="cpu", dtype=torch.float32, kv_cache_dtype="auto",
+                                compaction=None, progress=False) as engine:
+        prism = [engine.generate(s.messages(), SamplingParams(max_tokens=4, temperature=0.0),
+                                 cache_salt=s.uid).text for s in samples]
+    for sample, mine, theirs in zip(samples, ours, prism, strict=True):
+        inputs = hf_proc.apply_chat_template(sample.messages(), tokenize=True, add_generation_prompt=True,
+                                             return_dict=True, return_tensors="pt")
+        out = hf.generate(**inputs, max_new_tokens=4, do_sample=False)
+        text = hf_proc.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert mine == theirs == text, sample.uid
+        if sample.qtype in ("word", "count"):
+            assert sc.is_correct(mine, sample), sample.uid
