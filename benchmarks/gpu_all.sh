@@ -2,7 +2,8 @@
 # One GPU session: kernel tests, correctness smoke, benchmarks. Run on the GPU machine from the repo root;
 # results go to $OUT (or ./gpu-results). Carry .whl (dashscope, platformdirs wheels) along.
 # Steps (STEPS="..."): tests (every engine test with its engines on CUDA; the web app's tests need
-# gradio & co. and are left out), kernels, fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving.
+# gradio & co. and are left out; skip counts and reasons go to tests_skips.txt and tests.txt), kernels,
+# fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving.
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -17,10 +18,16 @@ for step in ${STEPS:-kernels smoke bench}; do
   case $step in
     fused) timeout 120 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -k "fused or store or move" 2>&1 | tail -5 | tee "$OUT/fused.txt" ;;
     profile) timeout 300 python3 benchmarks/profile_decode.py 2>&1 | grep -v Warning | tail -80 | tee "$OUT/profile.txt" ;;
+    # tests_skips.txt (also appended to tests.txt): counts, every skip reason with its tests, tests run per
+    # module, from the JUnit XML: the record that the GPU-only tests ran here, and why anything skipped
     tests) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PRISM_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests -q -p no:cacheprovider \
              -n ${TEST_WORKERS:-6} --dist load --ignore=tests/test_app_chat.py --ignore=tests/test_app_openai.py \
              --ignore=tests/test_app_routes.py --ignore=tests/test_sessions.py --ignore=tests/test_e2e_browser.py \
-             -o console_output_style=count 2>&1 | tee "$OUT/tests_full.txt" | tail -40 | tee "$OUT/tests.txt" ;;
+             --junitxml="$OUT/tests_junit.xml" -o console_output_style=count 2>&1 | tee "$OUT/tests_full.txt" \
+             | tail -40 | tee "$OUT/tests.txt"
+           python3 benchmarks/junit_summary.py "$OUT/tests_junit.xml" > "$OUT/tests_skips.txt" 2>&1
+           { echo "--- skips and tests run (benchmarks/junit_summary.py)"; cat "$OUT/tests_skips.txt"; } | tee -a "$OUT/tests.txt" \
+             | head -60 ;;
     gemv) timeout 400 python3 benchmarks/sweep_gemv.py 2>&1 | grep -v Warning | tee "$OUT/sweep_gemv.txt" | grep -v "^  " ;;
     sdpa) timeout 200 python3 benchmarks/sweep_sdpa.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/sweep_sdpa.txt" ;;
     sweep) timeout 300 python3 benchmarks/sweep_decode.py 8x16384 1x1700 2>&1 | grep -v Warning | tail -20 | tee "$OUT/sweep.txt" ;;

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
+from typing import NoReturn
 
 import pytest
 import torch
@@ -31,23 +33,76 @@ if TEST_DEVICE != "cpu":
     _engine_module.EngineOptions = _TestEngineOptions
 
 #: Sample photos and clips shared by the project (``../shared/media`` beside the repository, or
-#: ``$PRISM_MEDIA_DIR``).
+#: ``$PRISM_MEDIA_DIR``). They are a required fixture: a test that needs a missing photo fails.
 MEDIA_DIR = pathlib.Path(
     os.environ.get("PRISM_MEDIA_DIR", pathlib.Path(__file__).resolve().parents[2] / "shared" / "media")
 )
 
+#: ``.ci/run`` sets ``PRISM_CI=1``: then an optional tool a test needs (Chromium, Playwright) must be
+#: there, and the only skips allowed are those of tests that need a GPU (:data:`GPU_ONLY_SKIPS`).
+#: Without it (a developer's machine) a missing optional tool skips with its reason.
+CI = os.environ.get("PRISM_CI") == "1"
+
+#: Skip reasons allowed under ``PRISM_CI=1``: tests (or cases) that can only run on a GPU.
+GPU_ONLY_SKIPS = re.compile(r"GPU|CUDA|compute capability|inline assembly|the interpreter's bfloat16 tl\.dot")
+
+
+def missing_fixture(message: str) -> NoReturn:
+    """Report a missing optional test tool: fail under ``PRISM_CI=1``, skip otherwise."""
+    if CI:
+        pytest.fail(f"{message} (PRISM_CI=1: CI must provide it)", pytrace=False)
+    pytest.skip(message)
+
+
+def media_file(name: str) -> pathlib.Path:
+    """The path of sample photo ``name`` in :data:`MEDIA_DIR`; fails the test if it is absent."""
+    path = MEDIA_DIR / name
+    if not path.is_file():
+        pytest.fail(f"sample media {path} is missing: put the project's photos in ../shared/media "
+                    "or point PRISM_MEDIA_DIR at them", pytrace=False)
+    return path
+
 
 @pytest.fixture(scope="session")
 def media_path():
-    """Return a function mapping a file name in :data:`MEDIA_DIR` to its path (skips if absent)."""
+    """Return :func:`media_file` (a name in :data:`MEDIA_DIR` -> its path; fails if absent)."""
+    return media_file
 
-    def find(name: str) -> pathlib.Path:
-        path = MEDIA_DIR / name
-        if not path.is_file():
-            pytest.skip(f"sample media {path} is not available")
-        return path
 
-    return find
+@pytest.fixture(scope="session")
+def media_dir() -> pathlib.Path:
+    """:data:`MEDIA_DIR`; fails the test if the folder is missing (``usefixtures`` it in modules
+    that read the photos directly)."""
+    if not MEDIA_DIR.is_dir():
+        pytest.fail(f"sample media folder {MEDIA_DIR} is missing: put the project's photos in "
+                    "../shared/media or point PRISM_MEDIA_DIR at them", pytrace=False)
+    return MEDIA_DIR
+
+
+_skips: list[tuple[str, str]] = []  # (test id, reason) of every skipped test, for the CI check
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skips.append((report.nodeid, reason))
+
+
+def _stray_skips() -> list[tuple[str, str]]:
+    return [(test, reason) for test, reason in _skips if not GPU_ONLY_SKIPS.search(reason)]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under ``PRISM_CI=1`` a skip that is not a GPU-only test's fails the run."""
+    if CI and _stray_skips():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if CI and _stray_skips():
+        terminalreporter.section("PRISM_CI=1: only GPU-only tests may skip", red=True)
+        for test, reason in _stray_skips():
+            terminalreporter.write_line(f"STRAY SKIP {test}: {reason}")
 
 
 @pytest.fixture(scope="session")

@@ -167,7 +167,10 @@ def test_questions_about_images_miss_then_hit(chat, pictures):
     assert views[0].status == "streaming" and first.status == "done"
     assert first.prefix == "miss" and first.telemetry["vision_encoder_ran"]
     assert first.line.startswith("prefix MISS (now cached) · vision encoder ran · TTFT")
-    assert "".join(v.answer for v in views[-1:]) == first.answer
+    # the streamed text (every delta, in order) is the stored answer
+    streamed = [v.answer for v in views[:-1]]
+    assert len(streamed) > 2 and all(b.startswith(a) for a, b in zip(streamed, streamed[1:], strict=False))
+    assert first.answer and streamed[-1] == first.answer
     _, second = run(chat.ask(session.id, OWNER, "And image 2?", FAST))
     assert second.prefix == "hit" and not second.telemetry["vision_encoder_ran"]
     assert second.telemetry["cached_tokens"] > 0 and "reused" in second.line
@@ -178,6 +181,35 @@ def test_questions_about_images_miss_then_hit(chat, pictures):
     stats = chat.session_stats(session.id)
     assert [r["prefix"] for r in stats["turns"]] == ["miss", "hit"]
     assert 0 < stats["pages"]["compact"] <= stats["pages"]["dense"]
+
+
+def test_each_session_asks_under_its_own_cache_salt(chat, engine, pictures, monkeypatch):
+    """The engine shares cached prefixes (and vision features) only between requests with the same
+    salt, so the chat must send each session's questions under that session's own server-side salt:
+    with one salt for everyone, a user asking about the same photo as another would hit the other's
+    cached prefix (and could time it). Three sessions (two of one owner, one of a stranger) about the
+    same photo: three different salts, each the same for all questions of its session, and every
+    session's first question is a MISS."""
+    salts = []
+    submit = engine.submit
+
+    def recording_submit(messages, sampling=None, *, cache_salt=None):
+        salts.append(cache_salt)
+        return submit(messages, sampling, cache_salt=cache_salt)
+
+    monkeypatch.setattr(engine, "submit", recording_submit)
+    photo = [(pictures[0].name, pictures[0])]
+    a, _ = chat.add_images(None, OWNER, photo)
+    b, _ = chat.add_images(None, OWNER, photo)
+    c, _ = chat.add_images(None, STRANGER, photo)
+    prefixes = []
+    for session, owner in ((a, OWNER), (b, OWNER), (c, STRANGER), (a, OWNER), (c, STRANGER), (b, OWNER)):
+        _, view = run(chat.ask(session.id, owner, "What is in the picture?", FAST))
+        assert view.status == "done"
+        prefixes.append(view.prefix)
+    assert salts == [a.cache_salt, b.cache_salt, c.cache_salt, a.cache_salt, c.cache_salt, b.cache_salt]
+    assert len({a.cache_salt, b.cache_salt, c.cache_salt}) == 3 and all(salts)
+    assert prefixes == ["miss", "miss", "miss", "hit", "hit", "hit"]
 
 
 def test_later_questions_do_not_read_the_stored_images_again(chat, store, pictures):

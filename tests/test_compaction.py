@@ -34,11 +34,41 @@ def test_uniform_count_order_range_and_determinism(h, w, ratio, min_keep):
     n = h * w
     kept = uniform_selector(s, ratio, min_keep)
     assert kept.dtype == torch.int64 and kept.dim() == 1
-    assert len(kept) == min(n, max(min_keep, round(ratio * n)))
+    assert min(n, min_keep) <= len(kept) <= n  # exact counts: test_uniform_kept_counts_written_out
     assert bool((kept[1:] > kept[:-1]).all())  # strictly increasing: no duplicates
     assert int(kept.min()) >= 0 and int(kept.max()) < n
     assert torch.equal(kept, uniform_selector(s, ratio, min_keep))
     assert torch.equal(kept, uniform_selector(span(h, w, start=1234, frame=3), ratio, min_keep))  # offsets
+
+
+# (grid h, grid w, keep_ratio, min_keep, tokens kept), worked out by hand: k = min(n, max(min_keep,
+# round(keep_ratio * n))) with round's ties to the even count (2.5 -> 2, 4.5 -> 4, 7.5 -> 8, 38.5 -> 38),
+# so an implementation rounding half up (or down, or truncating) fails on some row.
+KEPT_COUNTS = [
+    (1, 5, 0.5, 1, 2),  # 2.5: tie, to even (half up would keep 3)
+    (3, 3, 0.5, 1, 4),  # 4.5: tie, to even
+    (5, 5, 0.5, 1, 12),  # 12.5: tie, to even
+    (2, 5, 0.25, 1, 2),  # 2.5: tie, to even
+    (1, 7, 0.5, 1, 4),  # 3.5: tie, to even (up)
+    (3, 5, 0.5, 1, 8),  # 7.5: tie, to even (up)
+    (2, 3, 0.25, 1, 2),  # 1.5: tie, to even (up)
+    (1, 1, 0.5, 1, 1),  # 0.5 -> 0, then min_keep
+    (4, 4, 0.6, 1, 10),  # 9.6
+    (8, 8, 0.6, 16, 38),  # 38.4 (a 256 x 256 photo at the default settings)
+    (7, 11, 0.5, 1, 38),  # 38.5: tie, to even
+    (9, 23, 0.6, 16, 124),  # 124.2
+    (14, 14, 0.6, 16, 118),  # 117.6
+    (32, 32, 0.6, 16, 614),  # 614.4
+    (32, 32, 0.999, 1, 1023),  # 1022.976
+    (8, 8, 0.05, 16, 16),  # 3.2 -> min_keep
+    (2, 3, 0.1, 16, 6),  # min_keep capped at the span's 6 tokens
+    (16, 16, 1.0, 16, 256),
+]
+
+
+@pytest.mark.parametrize("h,w,ratio,min_keep,expected", KEPT_COUNTS)
+def test_uniform_kept_counts_written_out(h, w, ratio, min_keep, expected):
+    assert len(uniform_selector(span(h, w), ratio, min_keep)) == expected
 
 
 def test_uniform_small_spans_keep_everything_up_to_min_keep():
@@ -95,9 +125,15 @@ def test_kept_positions_never_remove_text_or_vision_markers(builder):
     n = prompt.prefix_len
     assert len(prompt.spans) == 3 and min(s.length for s in prompt.spans) == 64
     assert int(ids[n - 1]) == VISION_END_ID
-    configs = (CompactionConfig(), CompactionConfig(keep_ratio=0.2, min_keep=1), CompactionConfig(keep_ratio=1.0),
-               CompactionConfig(keep_ratio=0.3, min_keep=64))
-    for cfg in configs:
+    assert [s.length for s in prompt.spans] == [64, 77, 64] and n - 205 == 26  # 26 text / marker tokens
+    # kept per image, by hand: 0.6 * (64, 77, 64) = 38.4, 46.2, 38.4; 0.2 * ... = 12.8, 15.4, 12.8;
+    # 0.5 * 77 = 38.5, a tie, to even: 38; 0.3 * ... < 64 = min_keep
+    configs = ((CompactionConfig(), 26 + 38 + 46 + 38),
+               (CompactionConfig(keep_ratio=0.2, min_keep=1), 26 + 13 + 15 + 13),
+               (CompactionConfig(keep_ratio=0.5, min_keep=1), 26 + 32 + 38 + 32),
+               (CompactionConfig(keep_ratio=1.0), n),
+               (CompactionConfig(keep_ratio=0.3, min_keep=64), 26 + 64 + 64 + 64))
+    for cfg, expected in configs:
         kept = cfg.kept_positions(n, prompt.spans)
         assert kept.dtype == torch.int64 and bool((kept[1:] > kept[:-1]).all())
         assert int(kept.max()) < n
@@ -109,8 +145,6 @@ def test_kept_positions_never_remove_text_or_vision_markers(builder):
         for s in prompt.spans:  # each image keeps exactly the selector's tokens
             inside = kept[(kept >= s.start) & (kept < s.end)] - s.start
             assert torch.equal(inside, uniform_selector(s, cfg.keep_ratio, cfg.min_keep))
-        expected = n - sum(s.length for s in prompt.spans) + sum(
-            min(s.length, max(cfg.min_keep, round(cfg.keep_ratio * s.length))) for s in prompt.spans)
         assert len(kept) == expected
     # (last config) spans of min_keep = 64 tokens or fewer are kept whole, larger ones keep 64
     for s in prompt.spans:
@@ -153,8 +187,8 @@ def test_video_frames_kept_unless_compact_video(builder):
     assert bool(default[video].all())  # video untouched
     assert int(default[prompt.spans[0].start : prompt.spans[0].end].sum()) == 32  # the image is compacted
     both = kept_mask(CompactionConfig(keep_ratio=0.5, min_keep=1, compact_video=True))
-    for s in prompt.spans[1:]:  # every frame pair compacted on its own grid
-        assert int(both[s.start : s.end].sum()) == round(0.5 * s.length)
+    for s in prompt.spans[1:]:  # every frame pair (4 x 4 tokens) compacted on its own grid: 0.5 * 16
+        assert s.length == 16 and int(both[s.start : s.end].sum()) == 8
     assert bool(both[~video & (ids[:n] != IMAGE_PAD_ID)].all())
 
 

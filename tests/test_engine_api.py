@@ -48,16 +48,24 @@ def engine(tiny_ckpt):
 # --------------------------------------------------------------------------------------------
 
 
+CUDA = torch.cuda.is_available()
+
+
 @pytest.mark.parametrize(
-    ("device", "dtype", "expected"),
-    [(None, None, torch.float32), ("cpu", "float32", torch.float32), ("cpu", torch.bfloat16, torch.bfloat16)],
+    ("device", "dtype", "expected_device", "expected_dtype"),
+    [  # None / "auto": CUDA (bfloat16 by default) where there is one, else the CPU (float32)
+        (None, None, "cuda" if CUDA else "cpu", torch.bfloat16 if CUDA else torch.float32),
+        ("auto", "float32", "cuda" if CUDA else "cpu", torch.float32),
+        ("cpu", None, "cpu", torch.float32),
+        ("cpu", "float32", "cpu", torch.float32),
+        ("cpu", torch.bfloat16, "cpu", torch.bfloat16),
+    ],
 )
-def test_from_pretrained_device_and_dtype(tiny_ckpt, device, dtype, expected):
-    if device is None and torch.cuda.is_available():
-        pytest.skip("device=None picks CUDA here")
+def test_from_pretrained_device_and_dtype(tiny_ckpt, device, dtype, expected_device, expected_dtype):
+    """Runs everywhere: on a GPU machine ``device=None`` must pick CUDA, on a CPU-only one the CPU."""
     with Engine.from_pretrained(tiny_ckpt, device=device, dtype=dtype, progress=False) as eng:
-        assert eng.device.type == "cpu"
-        assert eng.dtype == expected
+        assert eng.device.type == expected_device
+        assert eng.dtype == expected_dtype
         done = eng.generate(ask(question="Hi"), SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(done.token_ids) == 3 and done.finish_reason == "length"
 

@@ -5,10 +5,11 @@ Two measurements, both on the float32 "test" checkpoint with ~64-token photos:
 * attention outputs: a decoder prefill (plus a few decode steps) where every layer stores its K/V
   in an FP8 pool and in a float32 pool and attends over each (:class:`DualStep`); the stream
   continues on the float32 result, so each layer's error is the KV quantisation's alone;
-* the engine end to end: logits of an FP8-only run are finite, and the first greedy token of the
-  FP8 engine agrees with the ``kv_cache_dtype="auto"`` engine on most prompts.
+* the engine end to end: logits of an FP8-only run are finite and close to the
+  ``kv_cache_dtype="auto"`` run's, and the first greedy token of the FP8 engine agrees with the auto
+  engine's on most prompts, differing only where the auto logits nearly tie.
 
-The bounds are about 1.5-2x the values measured when this test was written (numbers in comments).
+The bounds are about 1.2x the values measured when they were set (numbers and method in comments).
 """
 
 from __future__ import annotations
@@ -29,21 +30,33 @@ PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "page.png", "grace_hoppe
 DECODE_STEPS = 2
 BASE = dict(max_pixels=MAX_PIXELS, prefix_cache=False)
 
+# How the bounds below were set: the tests print what they measure; on this CPU (float32 "test"
+# checkpoint, seed 0, the 11 photos, reference ops) the values were those in the comments, and each
+# bound is about 1.2x its measured value (an integer count: one prompt below it). The runs are
+# deterministic, and on CUDA the FP8 pages are the same bytes (the Triton store matches the reference
+# bit for bit there), so only float32 summation order differs.
+
 #: Relative error ||out_fp8 - out_auto|| / ||out_auto|| of one layer's attention output over one
 #: step. Measured (11 photos x 3 layers x (prefill + 2 decode steps)): max 0.0818 (chelsea, a decode
 #: step), mean 0.0334. The K/V themselves round-trip E4M3 with a relative error of 2.2-2.5%; this
 #: checkpoint's attention is sharp (scores' std ~3.6-3.9), which amplifies K errors.
-MAX_ATTN_REL_ERR = 0.15
-MEAN_ATTN_REL_ERR = 0.06
+MAX_ATTN_REL_ERR = 0.10
+MEAN_ATTN_REL_ERR = 0.040
 #: The same with the bfloat16 model (3 photos). Measured: max 0.0540.
-MAX_ATTN_REL_ERR_BF16 = 0.10
+MAX_ATTN_REL_ERR_BF16 = 0.065
 
-#: First greedy token, FP8 engine vs auto engine, 11 photos. Measured: 7 of 11 agree (0.64); where
-#: they differ the FP8 token is the auto run's 2nd or 3rd choice (ranks 1, 1, 1, 2). Random weights
-#: give flat logits (std ~3, top-2 gap often < 0.3) while FP8 moves them by ~5-17% (max |diff|
-#: ~0.7-2.4), so flips are expected here; a trained model's peaked logits flip far less.
-MIN_FIRST_TOKEN_AGREEMENT = 0.5
-MAX_FIRST_TOKEN_RANK = 4
+#: First-token logits, FP8 engine vs auto engine (the same prompt through both pools), relative
+#: error ||fp8 - auto|| / ||auto|| per prompt. Measured: max 0.1734 (rocket), mean 0.0993. Random
+#: weights give flat logits (std ~3, top-2 gap often < 0.3), so FP8 moves them by 5-17%.
+MAX_LOGIT_REL_ERR = 0.21
+MEAN_LOGIT_REL_ERR = 0.12
+#: Greedy first tokens that agree: measured 7 of the 11. Where they differ, the FP8 token was a near
+#: tie in the auto logits: its auto logit is below the auto top by the "flip gap", measured at most
+#: 0.302 (hubble_deep_field; ranks 1, 1, 1, 2), less than the FP8 logits' max shift (0.73-2.4). A
+#: flip past a larger gap is a bug: one scale per token for all KV heads (instead of one per head)
+#: flipped tokens 0.665 and 0.409 below the top (measured when these bounds were set).
+MIN_FIRST_TOKENS_AGREEING = 6
+MAX_FLIP_GAP = 0.36
 
 
 def messages_for(media_path, name: str) -> list[dict]:
@@ -143,7 +156,7 @@ def test_fp8_attention_outputs_stay_close_to_auto(engines, prompts):
 
 def test_fp8_logits_are_finite_and_first_tokens_agree(engines, prompts):
     fp8_engine, auto_engine = engines
-    agree, ranks = 0, []
+    agree, ranks, gaps, logit_errors = 0, [], [], []
     first = SamplingParams(max_tokens=1, ignore_eos=True)
     for messages in prompts.values():
         prompt = fp8_engine.prompts.build(messages)
@@ -159,11 +172,15 @@ def test_fp8_logits_are_finite_and_first_tokens_agree(engines, prompts):
         assert fp8_token == int(fp8_logits[0].argmax()) and auto_token == int(auto_logits.argmax())
         agree += fp8_token == auto_token
         ranks.append(int((auto_logits > auto_logits[fp8_token]).sum()))  # 0: the same token
-    rate = agree / len(prompts)
-    print(f"FP8 vs auto first-token agreement: {agree}/{len(prompts)} = {rate:.2f}; "
-          f"rank of the FP8 token among the auto logits: {ranks}")
-    assert rate >= MIN_FIRST_TOKEN_AGREEMENT
-    assert max(ranks) <= MAX_FIRST_TOKEN_RANK
+        gaps.append(float(auto_logits.max() - auto_logits[fp8_token]))  # 0.0: the same token
+        logit_errors.append(rel_err(fp8_logits[0], auto_logits))
+    mean_logit_error = sum(logit_errors) / len(logit_errors)
+    print(f"FP8 vs auto first-token agreement: {agree}/{len(prompts)}; rank of the FP8 token among the auto "
+          f"logits: {ranks}; flip gaps: max {max(gaps):.3f}; logits rel. error: max {max(logit_errors):.4f}, "
+          f"mean {mean_logit_error:.4f}")
+    assert max(logit_errors) <= MAX_LOGIT_REL_ERR and mean_logit_error <= MEAN_LOGIT_REL_ERR, logit_errors
+    assert agree >= MIN_FIRST_TOKENS_AGREEING
+    assert max(gaps) <= MAX_FLIP_GAP, gaps
 
 
 def test_fp8_with_a_bfloat16_model(tiny_engine_factory, prompts):

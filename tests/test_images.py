@@ -5,22 +5,20 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import resource
 import struct
-import time
+import subprocess
+import sys
 import warnings
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MEDIA_DIR
+from conftest import media_file
 from PIL import Image, ImageFile, ImageOps
 
 from engine.errors import InvalidImageError
 from engine.images import ImageOptions, bytes_sha256, image_sha256, open_image
-
-MEDIA = MEDIA_DIR
 
 # name -> (width, height, mode Pillow opens it in)
 MEDIA_FILES = {
@@ -38,7 +36,7 @@ MEDIA_FILES = {
     "text.png": (448, 172, "L"),
 }
 
-pytestmark = pytest.mark.skipif(not MEDIA.is_dir(), reason=f"test media not found at {MEDIA}")
+pytestmark = pytest.mark.usefixtures("media_dir")  # a missing media folder fails, it does not skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,7 +44,7 @@ pytestmark = pytest.mark.skipif(not MEDIA.is_dir(), reason=f"test media not foun
 
 
 def media(name: str) -> Path:
-    return MEDIA / name
+    return media_file(name)
 
 
 def media_bytes(name: str) -> bytes:
@@ -567,32 +565,67 @@ def test_damaged_header_is_invalid_image():
             open_image(media_bytes(name)[:40])
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+@pytest.fixture
+def pixel_loads(monkeypatch) -> list[tuple[int, int]]:
+    """Records the size of every image whose pixels Pillow decodes (``ImageFile.load``) while the
+    test runs: a guard that refuses before decoding leaves it empty."""
+    loads: list[tuple[int, int]] = []
+    real_load = ImageFile.ImageFile.load
+
+    def load(self):
+        loads.append(self.size)
+        return real_load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    return loads
 
 
-def test_decompression_bomb_rejected_before_decoding():
+# Run in a fresh interpreter: ru_maxrss is the process's high-water mark, so in the test process an
+# earlier, larger test would hide any growth. Prints the growth of the peak in KiB (Linux units). The
+# direct proof that nothing is decoded is the ``pixel_loads`` spy; this bounds the memory too.
+_PEAK_RSS_OF_OPENING = """
+import resource, sys
+from engine.errors import InvalidImageError
+from engine.images import open_image
+data = sys.stdin.buffer.read()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    open_image(data)
+except InvalidImageError as e:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, str(e))
+else:
+    sys.exit("the image was accepted")
+"""
+
+
+def test_decompression_bomb_rejected_before_decoding(pixel_loads):
+    """A 200-byte PNG claiming 20000 x 20000 pixels (1.2 GB decoded) is refused from its header:
+    no pixel is decoded, and opening it in a fresh process does not raise its peak memory."""
     bomb = claimed_size_png(20_000, 20_000)
     assert len(bomb) < 200
-    rss_before = peak_rss_mib()
-    start = time.perf_counter()
     with pytest.raises(InvalidImageError) as info:
         open_image(bomb)
-    assert time.perf_counter() - start < 1.0
-    assert peak_rss_mib() - rss_before < 100  # decoding would need 1.2 GB
+    assert pixel_loads == []  # refused from the header alone
     message = str(info.value)
     assert "400 megapixels" in message and "limit is 50 megapixels" in message
     assert "Resize" in message
     assert isinstance(info.value.__cause__, Image.DecompressionBombError)
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS_OF_OPENING], input=bomb, capture_output=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=120, check=True).stdout.decode()
+    growth_kib, refusal = out.split(" ", 1)
+    assert "400 megapixels" in refusal
+    assert int(growth_kib) < 100 * 1024  # 100 MiB; decoding would touch 1.2 GB
 
 
-def test_bomb_check_does_not_rely_on_pillow_global(monkeypatch):
+def test_bomb_check_does_not_rely_on_pillow_global(monkeypatch, pixel_loads):
+    """With Pillow's own guard off, our header check still refuses the bomb before any decoding."""
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
-    start = time.perf_counter()
     with pytest.raises(InvalidImageError) as info:
         open_image(claimed_size_png(20_000, 20_000))
-    assert time.perf_counter() - start < 1.0
+    assert pixel_loads == []
     assert "20000 × 20000 pixels (400 megapixels); the limit is 50 megapixels" in str(info.value)
+    open_image(media("coffee.png"))  # the spy sees a real decode
+    assert pixel_loads and set(pixel_loads) == {(600, 400)}
 
 
 def test_our_limit_is_below_pillows():

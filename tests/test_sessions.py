@@ -10,6 +10,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from conftest import media_file
 
 from engine.errors import InvalidImageError
 from engine.images import ImageOptions
@@ -24,9 +25,7 @@ from sessions import (
     StoreError,
 )
 
-MEDIA = Path(__file__).resolve().parents[2] / "shared" / "media"
-
-pytestmark = pytest.mark.skipif(not MEDIA.is_dir(), reason=f"test media not found at {MEDIA}")
+pytestmark = pytest.mark.usefixtures("media_dir")  # a missing media folder fails, it does not skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -34,7 +33,7 @@ pytestmark = pytest.mark.skipif(not MEDIA.is_dir(), reason=f"test media not foun
 
 
 def media_bytes(name: str) -> bytes:
-    return (MEDIA / name).read_bytes()
+    return media_file(name).read_bytes()
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 
 On a CPU-only machine the kernels run under ``TRITON_INTERPRET=1`` (set in conftest) at small
 shapes; with CUDA the same tests also run compiled on the GPU over larger shapes. The
-interpreter's FP8 casts are not bit-exact with the GPU's, so stores are compared after
-dequantisation with FP8 tolerances; attention is compared on one shared cache (written by the
-reference store), where both read identical bytes and only the arithmetic differs.
+interpreter's FP8 cast is not bit-exact with the GPU's (a known slip, see ``assert_same_fp8_pages``),
+so there stored FP8 pages may differ from the reference's in exactly that way (scales not at all);
+attention is compared on one shared cache (written by the reference store), where both read
+identical bytes and only the arithmetic differs.
 """
 
 from __future__ import annotations
@@ -168,20 +169,35 @@ def test_store_kv_matches_reference(device, kv, d):
     if kv == "auto":
         assert torch.equal(a.k_cache, b.k_cache) and torch.equal(a.v_cache, b.v_cache)
         return
-    torch.testing.assert_close(b.k_scale, a.k_scale, rtol=0, atol=0)
-    da = ref.dequantize_fp8(a.k_cache, a.k_scale)
-    db = ref.dequantize_fp8(b.k_cache, b.k_scale)
-    assert torch.isfinite(db).all()
-    if device == "cuda":  # compiled: bit for bit
-        assert torch.equal(a.k_cache.view(torch.uint8), b.k_cache.view(torch.uint8))
-        assert torch.equal(a.v_cache.view(torch.uint8), b.v_cache.view(torch.uint8))
-    # The interpreter emulates the FP8 cast and rounds some values differently (measured: up to 0.6%
-    # of elements, by up to two steps near the top of the range): require 99% within one E4M3 step
-    # at the value's own magnitude (1/8), and the rest finite (checked above).
-    close = ((db - da).abs() <= 0.125 * da.abs() + 1e-6).float().mean()
-    assert close >= 0.99
+    assert_same_fp8_pages(b, a, exact=device == "cuda")
+    for x in ("k", "v"):
+        assert torch.isfinite(ref.dequantize_fp8(getattr(b, f"{x}_cache"), getattr(b, f"{x}_scale"))).all(), x
     page, off = divmod(int(slots[5]), 16)
-    assert (db[page, :, off] == 0).all()  # head-major pages: [page, head, offset, dim]
+    assert (ref.dequantize_fp8(b.k_cache, b.k_scale)[page, :, off] == 0).all()  # head-major: [page, head, slot, dim]
+
+
+def assert_same_fp8_pages(got: KVLayerCache, want: KVLayerCache, exact: bool) -> None:
+    """``got``'s FP8 pages hold ``want``'s: K and V scales equal bit for bit (float32 amax and a
+    correctly rounded division, on every device), K and V payloads equal bit for bit when ``exact``
+    (compiled kernels). Under the interpreter the payloads may differ only by its FP8 cast's known
+    slip, measured on these tests' data: a value that rounds up to a power of two (a mantissa carry
+    into the exponent) comes out as half of it (the smallest subnormal, 2^-9, as 0), on at most 0.66%
+    of the elements (seeds 0-5, head dims 16-128); everything else is equal bit for bit."""
+    for x in ("k", "v"):
+        g_scale, w_scale = getattr(got, f"{x}_scale"), getattr(want, f"{x}_scale")
+        assert torch.equal(g_scale, w_scale), f"{x}_scale differs from the reference's"
+        g_q, w_q = getattr(got, f"{x}_cache"), getattr(want, f"{x}_cache")
+        if exact:
+            assert torch.equal(g_q.view(torch.uint8), w_q.view(torch.uint8)), f"{x} pages differ"
+            continue
+        g, w = g_q.float(), w_q.float()
+        off = g != w
+        assert float(off.float().mean()) <= 0.01, f"{x}: {int(off.sum())} values differ"
+        g, w = g[off], w[off]
+        power_of_two = torch.frexp(w)[0].abs() == 0.5
+        carry_slip = power_of_two & ((g * 2 == w) | ((g == 0) & (w.abs() == 2.0**-9)))
+        bad = ~carry_slip
+        assert bool(carry_slip.all()), f"{x}: reference {w[bad][:5].tolist()}, got {g[bad][:5].tolist()}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -189,7 +205,8 @@ def test_store_kv_matches_reference(device, kv, d):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_hands_back_what_the_pages_hold(device, kv, out_dtype):
     """``out=``: the kernel's K/V as stored (FP8: dequantised, rounded once to the out dtype; zeros
-    on padding rows), equal to the reference's, and equal to dequantising the kernel's own pages."""
+    on padding rows), equal to dequantising the kernel's own pages, and to the reference's ``out=``
+    (K and V each; under the interpreter, FP8 pages compared with the reference's pages)."""
     g = torch.Generator().manual_seed(2)
     d = 64
     a = KVLayerCache.allocate(8, 16, 2, d, kv, torch.float32, device)
@@ -205,16 +222,22 @@ def test_store_kv_hands_back_what_the_pages_hold(device, kv, out_dtype):
     assert (kb[4] == 0).all() and (vb[4] == 0).all() and torch.isfinite(kb).all()
     rows = slots >= 0
     page, off = slots[rows] // 16, slots[rows] % 16
-    for got, cache, x in ((kb, b, "k"), (vb, b, "v")):
+    for got, cache, x in ((kb, b, "k"), (vb, b, "v"), (ka, a, "k"), (va, a, "v")):  # kernel's, reference's
         pages = getattr(cache, f"{x}_cache")[page, :, off]  # [N, Hkv, D]
         held = ref.dequantize_fp8(pages, getattr(cache, f"{x}_scale")[page, :, off]) if cache.is_fp8 else pages
         want = held.float().to(out_dtype)
-        if device == "cuda" or out_dtype == torch.float32:  # its own pages, bit for bit
+        if device == "cuda" or out_dtype == torch.float32 or cache is a:  # its own pages, bit for bit
             assert torch.equal(got[rows], want), x
         else:  # the interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest): one ulp
             torch.testing.assert_close(got[rows].float(), want.float(), rtol=2**-7, atol=0)
+    # and the kernel's pages or out= against the reference's
     if device == "cuda" or (kv == "auto" and out_dtype == torch.float32):  # the interpreter's casts differ
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+    elif kv == "auto":  # the interpreter truncates float32 -> bfloat16: one ulp
+        for got, want, x in ((kb, ka, "k"), (vb, va, "v")):
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0, msg=x)
+    else:
+        assert_same_fp8_pages(b, a, exact=False)
 
 
 @pytest.mark.parametrize("device", DEVICES)

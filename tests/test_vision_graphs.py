@@ -1,11 +1,14 @@
 """The vision encoder's CUDA graphs (engine/vision_graphs.py).
 
-On the CPU the capture is replaced by an eager stand-in, so what is tested there is the policy:
-a combination of image sizes runs eagerly when first seen, is captured when seen again, replays
-after that; the least recently used graph is dropped; combinations too large never capture. The
-GPU tests (skipped without CUDA) check real graphs against the eager encoder, an engine's answers
-through them, and that one session's graphs never serve another (tests/test_isolation.py has the
-same property on the CPU).
+On the CPU a captured graph is replaced by a stand-in with a graph's semantics (``FakeGraph``:
+fixed input and output buffers, each replay recomputing the outputs from whatever the input buffer
+holds), while :class:`VisionGraphs`' own replay (copy the pixels in, replay, clone the outputs) runs
+as on the GPU. So the CPU tests check the policy (a combination of image sizes runs eagerly when
+first seen, is captured when seen again, replays after that; the least recently used graph is
+dropped; combinations too large never capture) and that a replay answers for the pixels it was
+given, in tensors a later replay does not overwrite. The GPU tests (skipped without CUDA) check real
+graphs against the eager encoder, an engine's answers through them, and that one session's graphs
+never serve another (tests/test_isolation.py has the same property on the CPU).
 """
 
 from __future__ import annotations
@@ -16,17 +19,33 @@ from conftest import TEST_DEVICE
 from PIL import Image
 
 from engine import SamplingParams, media_first_messages
-from engine.vision_graphs import VisionGraphs
+from engine.vision_graphs import VisionGraphs, _Captured
+
+
+class FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph``: ``replay()`` recomputes the encoder from the captured
+    input buffer into the captured output buffers, as a real replay overwrites them."""
+
+    def __init__(self, model, grids, pixels: torch.Tensor, out):
+        self.model, self.grids, self.pixels, self.out = model, grids, pixels, out
+
+    def replay(self) -> None:
+        fresh = self.model.visual(self.pixels, list(self.grids))
+        for buffer, value in zip((self.out.embeds, *self.out.deepstack), (fresh.embeds, *fresh.deepstack),
+                                 strict=True):
+            buffer.copy_(value)
 
 
 class EagerStandIn(VisionGraphs):
-    """Captures nothing: a "graph" is the grids it was made for, "replay" runs the encoder."""
+    """"Captures" a :class:`FakeGraph` (static input and output buffers like a real capture);
+    replays go through :meth:`VisionGraphs._replay` itself."""
 
+    @torch.inference_mode()
     def _capture(self, grids, pixels):
-        return grids, self.model.encode_vision(pixels, list(grids))
-
-    def _replay(self, entry, pixels):
-        return self.model.encode_vision(pixels, list(entry))
+        static = pixels.to(self.model.device, self.model.dtype).clone()
+        result = self.model.visual(static, list(grids))
+        out = self.model.visual(static, list(grids))
+        return _Captured(FakeGraph(self.model, grids, static, out), static, out), result
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +142,35 @@ def test_out_of_memory_while_capturing_is_retried_later(model, photo_inputs, cap
     assert "out of memory" in caplog.text
 
 
-def test_engines_on_cpu_encode_eagerly(tiny_engine_factory):
+def test_replay_answers_for_its_own_pixels_in_fresh_tensors(model, photo_inputs):
+    """Other pixels with the same grids replay the same graph and get their own features (the
+    pixels are copied into the graph's input); an earlier replay's result is not overwritten (the
+    outputs are cloned out of the graph's buffers)."""
+    graphs = EagerStandIn(model)
+    pixels, grids = photo_inputs["wide"]
+    ref = model.encode_vision(pixels, grids)
+    graphs(pixels, grids)
+    graphs(pixels, grids)  # captured
+    replayed = graphs(pixels, grids)
+    assert (graphs.captures, graphs.replays) == (1, 1)
+    assert_same(replayed, ref, atol=1e-5)
+    other = pixels.flip(0).contiguous()
+    other_ref = model.encode_vision(other, grids)
+    assert not torch.allclose(other_ref.embeds, ref.embeds)
+    assert_same(graphs(other, grids), other_ref, atol=1e-5)
+    assert graphs.replays == 2
+    assert_same(replayed, ref, atol=1e-5)
+
+
+def test_engines_encode_through_graphs_exactly_where_decode_uses_them(tiny_engine_factory):
+    """On CUDA (graphs on by default) the engine's vision encoder is a :class:`VisionGraphs`; with
+    ``cuda_graphs=False``, or on the CPU, it is the eager encoder."""
     engine = tiny_engine_factory()
-    if engine.device.type != "cuda":
+    if engine.device.type == "cuda":
+        assert isinstance(engine.vision_encoder, VisionGraphs) and engine.vision_encoder.model is engine.model
+        eager = tiny_engine_factory(cuda_graphs=False)
+        assert eager.vision_encoder == eager.model.encode_vision
+    else:
         assert engine.vision_encoder == engine.model.encode_vision
 
 

@@ -1,0 +1,276 @@
+"""The curated planted bugs of the mutation check (run by ``tests/mutation/run.py``, see docs/TESTING.md).
+
+Each :class:`Mutant` is one bug a test must catch: a text replacement in one file of a temporary copy
+of the repository (``old`` must occur there exactly once), the tests that must then fail, and any
+environment the run needs. Entries whose ``path`` is a test file or whose change is only ``env`` check
+the test fixtures themselves (a missing photo or browser must fail, not skip).
+
+When a change to the code makes an ``old`` text stale, ``run.py`` reports the entry as not applied:
+update the entry to plant the same bug in the new code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug.
+
+    Attributes:
+        name: short id (``--only NAME``).
+        bug: what is wrong, in words (and what a user would see).
+        path: file to change, relative to the repository root; None for an environment-only entry.
+        old: exact text in ``path`` (occurs exactly once), replaced by ``new``.
+        new: the planted bug.
+        tests: pytest node ids (``file`` or ``file::test``) that must fail; they must pass unchanged.
+        env: extra environment variables for the mutant's run.
+    """
+
+    name: str
+    bug: str
+    path: str | None
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+PREFIX = "tests/test_prefix_cache.py::"
+KERNELS = "tests/test_triton_kernels.py::"
+REFERENCE = "tests/test_ops_reference.py::"
+
+MUTANTS: list[Mutant] = [
+    # ---------------------------------------------------------------- engine: prefix cache, compaction
+    Mutant(
+        "prefix-key-ignores-salt",
+        "the prefix key leaves out the cache salt: one session's question hits another's cached images",
+        "engine/prefix_cache.py",
+        "for part in (namespace, salt, *image_hashes, compaction, str(len(prefix_ids)), ids):",
+        "for part in (namespace, *image_hashes, compaction, str(len(prefix_ids)), ids):",
+        (PREFIX + "test_same_image_under_another_salt_is_a_miss_with_no_shared_work",),
+    ),
+    Mutant(
+        "kept-count-round-half-up",
+        "compaction rounds the kept count half up (2.5 -> 3) instead of to even",
+        "engine/compaction.py",
+        "k = min(n, max(min_keep, round(keep_ratio * n)))",
+        "k = min(n, max(min_keep, int(keep_ratio * n + 0.5)))",
+        ("tests/test_compaction.py",),
+    ),
+    Mutant(
+        "kept-count-ceil",
+        "compaction rounds the kept count up (38.4 -> 39)",
+        "engine/compaction.py",
+        "k = min(n, max(min_keep, round(keep_ratio * n)))",
+        "k = min(n, max(min_keep, -int(-keep_ratio * n // 1)))",
+        (PREFIX + "test_hit_and_miss_telemetry_and_stats",),
+    ),
+    Mutant(
+        "hit-runs-vision-encoder",
+        "a prefix hit still feeds every image of the prompt through the vision path (no skip)",
+        "engine/runner.py",
+        "        items = req.visual_items_in(start, end)\n",
+        "        items = req.visual_items_in(0, end)\n",
+        (PREFIX + "test_hit_and_miss_telemetry_and_stats",
+         PREFIX + "test_video_prefix_is_cached_but_not_compacted_by_default"),
+    ),
+    # ---------------------------------------------------------------- FP8 store: reference
+    Mutant(
+        "ref-store-v-scale-from-k",
+        "the reference FP8 store quantises V with K's scale (K's amax)",
+        "ops/reference.py",
+        "        vq, vs = quantize_fp8(v)\n",
+        "        vs = ks\n        vq = (v.float() / vs.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)\n",
+        (REFERENCE + "test_paged_attention_matches_oracle",),
+    ),
+    Mutant(
+        "ref-store-v-scale-from-k-error-bound",
+        "the same bug, seen by the FP8 error bounds against unquantised K/V (not by the oracle)",
+        "ops/reference.py",
+        "        vq, vs = quantize_fp8(v)\n",
+        "        vs = ks\n        vq = (v.float() / vs.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)\n",
+        (REFERENCE + "test_fp8_error_versus_unquantised",),
+    ),
+    Mutant(
+        "ref-store-k-scale-from-v",
+        "the reference FP8 store quantises K with V's scale (V's amax)",
+        "ops/reference.py",
+        "        kq, ks = quantize_fp8(k)\n        vq, vs = quantize_fp8(v)\n",
+        "        vq, vs = quantize_fp8(v)\n"
+        "        ks = vs\n        kq = (k.float() / ks.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)\n",
+        (REFERENCE + "test_paged_attention_matches_oracle",),
+    ),
+    Mutant(
+        "ref-quantize-one-scale-per-token",
+        "FP8 quantisation takes one scale per token for all KV heads instead of one per (token, head)",
+        "ops/reference.py",
+        "    amax = xf.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)\n",
+        "    amax = xf.abs().amax(dim=-1).amax(dim=-1, keepdim=True).expand(xf.shape[:-1]).clamp(min=AMAX_FLOOR)\n",
+        ("tests/test_fp8_engine.py::test_fp8_logits_are_finite_and_first_tokens_agree",),
+    ),
+    # ---------------------------------------------------------------- FP8 store: Triton (interpreter on CPU)
+    Mutant(
+        "triton-store-v-scale-from-k",
+        "the Triton FP8 store computes V's scale from K's amax",
+        "ops/triton_kernels.py",
+        "vs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor), fp8_max)",
+        "vs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor), fp8_max)",
+        (KERNELS + "test_store_kv_matches_reference",),
+        {"TRITON_INTERPRET": "1"},
+    ),
+    Mutant(
+        "triton-store-k-scale-from-v",
+        "the Triton FP8 store computes K's scale from V's amax",
+        "ops/triton_kernels.py",
+        "ks = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor), fp8_max)",
+        "ks = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor), fp8_max)",
+        (KERNELS + "test_store_kv_matches_reference",),
+        {"TRITON_INTERPRET": "1"},
+    ),
+    Mutant(
+        "triton-store-out-v-with-k-scale",
+        "the Triton store's out= hands back V dequantised with K's scale",
+        "ops/triton_kernels.py",
+        "tl.store(vo_ptr + out, (vq.to(tl.float32) * vs).to(vo_ptr.dtype.element_ty), mask=m)",
+        "tl.store(vo_ptr + out, (vq.to(tl.float32) * ks).to(vo_ptr.dtype.element_ty), mask=m)",
+        (KERNELS + "test_store_kv_hands_back_what_the_pages_hold",),
+        {"TRITON_INTERPRET": "1"},
+    ),
+    # ---------------------------------------------------------------- sessions and the app
+    Mutant(
+        "revoked-share-still-resolves",
+        "a revoked share link still opens the shared session",
+        "sessions/store.py",
+        '"WHERE token_hash = ? AND revoked_at IS NULL",',
+        '"WHERE token_hash = ?",',
+        ("tests/test_sessions.py::test_share_tokens",
+         "tests/test_app_routes.py::test_revoked_and_unknown_tokens_reveal_nothing"),
+    ),
+    Mutant(
+        "revoked-share-still-forks",
+        "a share revoked after the visitor resolved it can still be forked",
+        "sessions/store.py",
+        "if current is None or current.revoked_at is not None:",
+        "if current is None:",
+        ("tests/test_sessions.py::test_fork_session",),
+    ),
+    Mutant(
+        "chat-sends-no-salt",
+        "the chat asks every session's questions under no cache salt (one shared cache for everyone)",
+        "app/chat.py",
+        "cache_salt=session.cache_salt)",
+        "cache_salt=None)",
+        ("tests/test_app_chat.py::test_each_session_asks_under_its_own_cache_salt",),
+    ),
+    Mutant(
+        "store-one-salt-for-all-sessions",
+        "every new session gets the same cache salt",
+        "sessions/store.py",
+        "[session_id, _owner_hash(owner), title, secrets.token_hex(16), now, now],",
+        '[session_id, _owner_hash(owner), title, "0" * 32, now, now],',
+        ("tests/test_app_chat.py::test_each_session_asks_under_its_own_cache_salt",),
+    ),
+    Mutant(
+        "chat-keeps-only-the-last-delta",
+        "the streamed answer keeps only the newest delta instead of the text so far",
+        "app/chat.py",
+        "                self.text += item\n",
+        "                self.text = item\n",
+        ("tests/test_app_chat.py::test_questions_about_images_miss_then_hit",),
+    ),
+    Mutant(
+        "api-ignores-disconnect",
+        "the OpenAI API keeps generating for a client that has gone away",
+        "app/openai_api.py",
+        "if await request.is_disconnected():",
+        "if False and await request.is_disconnected():",
+        ("tests/test_app_openai.py::test_client_disconnect_cancels_the_request",),
+    ),
+    Mutant(
+        "image-route-normalises-dot-segments",
+        "/images/ normalises the path before checking it, so /images/<sha>/../<sha> serves a file",
+        "app/server.py",
+        "        if not (_SHA_RE.fullmatch(sha) and store.owner_has_image(owner_from(request), sha)):\n",
+        '        sha = __import__("posixpath").normpath(sha)\n'
+        "        if not (_SHA_RE.fullmatch(sha) and store.owner_has_image(owner_from(request), sha)):\n",
+        ("tests/test_app_routes.py::test_image_route_refuses_paths_of_stored_files",),
+    ),
+    # ---------------------------------------------------------------- images, vision graphs, loading, sampling
+    Mutant(
+        "bomb-decoded-before-size-check",
+        "an image's pixels are decoded before its claimed size is checked (a decompression bomb is decoded)",
+        "engine/images.py",
+        "    _check_geometry(image.size, options)\n    try:\n        image.load()\n",
+        "    try:\n        image.load()\n        _check_geometry(image.size, options)\n",
+        ("tests/test_images.py::test_bomb_check_does_not_rely_on_pillow_global",),
+    ),
+    Mutant(
+        "vision-graph-replays-stale-pixels",
+        "a vision-graph replay does not copy the new pixels in: it answers for the captured ones",
+        "engine/vision_graphs.py",
+        "        entry.pixels.copy_(pixels)\n",
+        "",
+        ("tests/test_vision_graphs.py::test_replay_answers_for_its_own_pixels_in_fresh_tensors",),
+    ),
+    Mutant(
+        "vision-graph-returns-its-buffers",
+        "a vision-graph replay returns the graph's own output buffers (the next replay overwrites them)",
+        "engine/vision_graphs.py",
+        "return VisionFeatures(entry.out.embeds.clone(), [d.clone() for d in entry.out.deepstack])",
+        "return VisionFeatures(entry.out.embeds, list(entry.out.deepstack))",
+        ("tests/test_vision_graphs.py::test_replay_answers_for_its_own_pixels_in_fresh_tensors",),
+    ),
+    Mutant(
+        "default-dtype-bfloat16-on-cpu",
+        "Engine.from_pretrained(dtype=None) picks bfloat16 on the CPU",
+        "engine/engine.py",
+        'return torch.bfloat16 if device.type == "cuda" else torch.float32',
+        "return torch.bfloat16",
+        ("tests/test_engine_api.py::test_from_pretrained_device_and_dtype",),
+    ),
+    Mutant(
+        "sampler-returns-a-tensor",
+        "the sampler returns a one-element tensor instead of an int token id",
+        "engine/sampling.py",
+        "return int(torch.multinomial(probs, 1, generator=self.generator))",
+        "return torch.multinomial(probs, 1, generator=self.generator)",
+        ("tests/test_sampling.py::test_half_precision_logits",),
+    ),
+    # ---------------------------------------------------------------- the fixtures themselves
+    Mutant(
+        "media-folder-missing",
+        "the sample photos are missing: the tests that read them must fail, not skip",
+        None, "", "",
+        ("tests/test_sessions.py::test_share_tokens", "tests/test_images.py::test_truncated_file",
+         "tests/test_engine_api.py::test_generate_on_a_photo"),
+        {"PRISM_MEDIA_DIR": "/nonexistent/prism-media"},
+    ),
+    Mutant(
+        "tiny-checkpoint-unbuildable",
+        "the tiny checkpoint cannot be built (its tokenizer ranks are missing): its tests must fail, not skip",
+        "engine/tiny.py",
+        'spec = importlib.util.find_spec("dashscope")',
+        'spec = importlib.util.find_spec("no_such_dashscope")',
+        ("tests/test_compaction.py::test_engine_turns_bad_compaction_options_into_invalid_request",),
+    ),
+    Mutant(
+        "chromium-missing-under-ci",
+        "under .ci/run (PRISM_CI=1) a missing Chromium fails the browser test instead of skipping it",
+        "tests/test_e2e_browser.py",
+        'CHROMIUM = "/usr/bin/chromium"',
+        'CHROMIUM = "/nonexistent/chromium"',
+        ("tests/test_e2e_browser.py",),
+        {"PRISM_CI": "1"},
+    ),
+    Mutant(
+        "stray-skip-under-ci",
+        "under .ci/run (PRISM_CI=1) a test that skips for a reason other than needing a GPU fails the run",
+        "tests/test_compaction.py",
+        "def test_selectors_registry():\n",
+        'def test_selectors_registry():\n    pytest.skip("flaky on this machine")\n',
+        ("tests/test_compaction.py::test_selectors_registry",),
+        {"PRISM_CI": "1"},
+    ),
+]
