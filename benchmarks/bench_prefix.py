@@ -83,7 +83,7 @@ def build(args, workdir: pathlib.Path, device: torch.device, dtype: torch.dtype)
         return engine, folder, twin, f"Qwen3-VL-{args.shape.upper()} shape, random weights"
 
     from engine import Engine
-    from engine.tiny import build_tiny_checkpoint
+    from engine.model.tiny import build_tiny_checkpoint
 
     folder = build_tiny_checkpoint(workdir / args.preset, args.preset, seed=0)
     engine = Engine.from_pretrained(folder, device=str(device), dtype=dtype, **options)
@@ -105,7 +105,7 @@ def build(args, workdir: pathlib.Path, device: torch.device, dtype: torch.dtype)
 def run_session(engine, images, salt: str, max_tokens: int) -> list[dict]:
     """Ask the four questions in one session; telemetry of each as a dict."""
     from engine import SamplingParams
-    from engine.inputs import media_first_messages
+    from engine.inputs.prompts import media_first_messages
 
     out = []
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -138,7 +138,7 @@ def bench_ours(engine, images, args, n: int) -> dict:
 
 def bench_transformers(model, processor, images, device, repeats: int) -> dict:
     """Cold TTFT at batch 1: processor call + one prefill forward (last position's logits)."""
-    from engine.inputs import media_first_messages
+    from engine.inputs.prompts import media_first_messages
 
     messages = media_first_messages(images, QUESTIONS[0])
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

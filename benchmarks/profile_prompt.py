@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoProcessor
 
-    from engine.inputs import PromptBuilder, media_first_messages
-    from engine.tiny import build_tiny_checkpoint
+    from engine.inputs.prompts import PromptBuilder, media_first_messages
+    from engine.model.tiny import build_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_tiny_checkpoint(pathlib.Path(tmp), "test", seed=0)

@@ -20,23 +20,23 @@ import torch
 
 from ops.dispatch import warm_up as warm_up_kernels
 
-from .compaction import CompactionConfig
-from .detokenize import TextStream
+from .cache.compaction import CompactionConfig
+from .cache.kv_pool import KV_DTYPES, PagePool
+from .cache.prefix_cache import PrefixCache, prefix_key
+from .cache.vision_cache import VisionCache
 from .errors import EngineOverloadedError, InvalidRequestError, PrismError, RequestTooLargeError
-from .hub import resolve_checkpoint
-from .images import ImageOptions
-from .inputs import Prompt, PromptBuilder
-from .kv_cache import KV_DTYPES, PagePool
-from .model import Qwen3VL, load_model
-from .outputs import Completion
-from .prefix_cache import PrefixCache, prefix_key
-from .request import Request, Status
-from .runner import ModelRunner
-from .sampling import Sampler, SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
-from .vision import VisionFeatures, span_features
-from .vision_cache import VisionCache
-from .vision_graphs import VisionGraphs
+from .graphs.vision import VisionGraphs
+from .inputs.images import ImageOptions
+from .inputs.prompts import Prompt, PromptBuilder
+from .model.hub import resolve_checkpoint
+from .model.qwen3_vl import Qwen3VL, load_model
+from .model.vision import VisionFeatures, span_features
+from .serving.detokenize import TextStream
+from .serving.outputs import Completion
+from .serving.request import Request, Status
+from .serving.runner import ModelRunner
+from .serving.sampling import Sampler, SamplingParams
+from .serving.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class Engine:
     def _capture_graphs(self):
         if not self._graphs_possible():
             return None
-        from .cuda_graphs import DecodeGraphs
+        from .graphs.decode import DecodeGraphs
 
         graphs = DecodeGraphs(
             self.model, self.pool, max(self.options.max_num_seqs, self.options.graph_max_tokens),
@@ -242,7 +242,7 @@ class Engine:
     def _capture_prefill_graphs(self):
         if not (self.options.prefill_graphs and self._graphs_possible()):
             return None
-        from .prefill_graphs import PrefillGraphs
+        from .graphs.prefill import PrefillGraphs
 
         graphs = PrefillGraphs(self.model, self.pool)
         graphs.capture()

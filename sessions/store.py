@@ -57,7 +57,7 @@ from typing import Any
 import sqlite_utils
 
 from engine.errors import InvalidImageError
-from engine.images import ImageOptions, open_image, sniff_format
+from engine.inputs.images import ImageOptions, open_image, sniff_format
 
 __all__ = [
     "DB_FILENAME",

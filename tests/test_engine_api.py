@@ -289,7 +289,7 @@ def test_digests_beside_a_video_and_for_a_missing_file(engine, tmp_path):
 def test_images_taken_from_the_cache_on_a_miss_stay_recently_used(engine, tmp_path):
     """A request with one cached and one new image refreshes the cached one: the new image then
     evicts the least recently used entry, not it."""
-    from engine.inputs import PromptBuilder
+    from engine.inputs.prompts import PromptBuilder
 
     a, b, c = (noise_png(tmp_path, f"{n}.png", 10 + i) for i, n in enumerate("abc"))
     probe = engine.prompts.build(media_first_messages([a], "?")).image_pixels[0]

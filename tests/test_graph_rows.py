@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from engine import Completion, SamplingParams, media_first_messages
-from engine.attention import PagedStep
+from engine.model.attention import PagedStep
 from ops import AttentionMetadata
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -141,7 +141,7 @@ def graph_inputs(max_batch: int = 8, width: int = 6):
     """A DecodeGraphs on the CPU with its graphs replaced: what ``run`` writes to the buffers."""
     from types import SimpleNamespace
 
-    from engine.cuda_graphs import DecodeGraphs
+    from engine.graphs.decode import DecodeGraphs
 
     model = SimpleNamespace(device=torch.device("cpu"))
     graphs = DecodeGraphs(model, None, max_batch, max_pages_per_seq=width, max_seq_len=width * 16)
@@ -203,7 +203,7 @@ def test_graph_rows_of_one_prefill_share_one_table_copy():
 def test_a_prefill_over_a_long_context_is_run_eagerly(tiny_engine_factory, monkeypatch):
     """Every row re-reads its sequence's KV: past GRAPH_PREFILL_READS (rows x KV length) the
     prefill runs eagerly, reading it once; decode steps still replay the graph."""
-    import engine.runner as runner_module
+    import engine.serving.runner as runner_module
 
     eager = tiny_engine_factory(**BASE, prefix_cache=False)
     graphed = tiny_engine_factory(**BASE, prefix_cache=False)

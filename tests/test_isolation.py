@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from engine import InvalidRequestError, SamplingParams, media_first_messages
-from engine.vision_graphs import VisionGraphs
+from engine.graphs.vision import VisionGraphs
 
 GREEDY = SamplingParams(max_tokens=2, ignore_eos=True)
 
@@ -44,7 +44,7 @@ def builder_engine(tiny_engine_factory):
 
 
 def fresh_builder(engine):
-    from engine.inputs import PromptBuilder
+    from engine.inputs.prompts import PromptBuilder
 
     cfg = engine.config
     return PromptBuilder(engine.processor, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,

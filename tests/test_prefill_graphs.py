@@ -9,10 +9,10 @@ import torch
 from conftest import TEST_DEVICE
 
 from engine import SamplingParams
-from engine.attention import PagedStep
-from engine.kv_cache import PagePool
-from engine.prefill_graphs import PrefillGraphs
-from engine.text import VisualInjection
+from engine.cache.kv_pool import PagePool
+from engine.graphs.prefill import PrefillGraphs
+from engine.model.attention import PagedStep
+from engine.model.decoder import VisualInjection
 from ops import AttentionMetadata
 
 

@@ -25,10 +25,10 @@ from conftest import TEST_DEVICE
 from PIL import Image
 
 from engine import Completion, SamplingParams
-from engine.inputs import media_first_messages
-from engine.prefix_cache import prefix_key
-from engine.reference_masked import masked_greedy, masked_greedy_logits
-from engine.request import Status
+from engine.cache.prefix_cache import prefix_key
+from engine.cache.reference_masked import masked_greedy, masked_greedy_logits
+from engine.inputs.prompts import media_first_messages
+from engine.serving.request import Status
 
 N_TOKENS = 12
 SP = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)

@@ -21,9 +21,9 @@ from PIL import Image
 
 import engine.engine as engine_module
 from engine import Completion, PrismError, SamplingParams
-from engine.inputs import media_first_messages
-from engine.kv_cache import PagePool
-from engine.request import Status
+from engine.cache.kv_pool import PagePool
+from engine.inputs.prompts import media_first_messages
+from engine.serving.request import Status
 
 MAX_PIXELS = 128 * 128
 SP = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -27,7 +27,7 @@ from engine import (
     RequestTooLargeError,
     SamplingParams,
 )
-from engine.kv_cache import PagePool
+from engine.cache.kv_pool import PagePool
 
 MAX_PIXELS = 256 * 256  # every photo becomes ~256 x 256 pixels: 64 visual tokens
 GEN = 16

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from engine import tiny
+from engine.model import tiny
 from engine.errors import CheckpointError
 
 # The real Qwen3-VL added tokens, written out independently of engine.tiny's table.

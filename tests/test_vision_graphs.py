@@ -19,7 +19,7 @@ from conftest import TEST_DEVICE
 from PIL import Image
 
 from engine import SamplingParams, media_first_messages
-from engine.vision_graphs import VisionGraphs, _Captured
+from engine.graphs.vision import VisionGraphs, _Captured
 
 
 class FakeGraph:

@@ -142,7 +142,7 @@ class Sample:
 
     def messages(self) -> list[dict]:
         """Chat messages in Prism's media-first layout (``engine.inputs.media_first_messages``)."""
-        from engine.inputs import media_first_messages
+        from engine.inputs.prompts import media_first_messages
 
         return media_first_messages(self.images(), self.question)
 

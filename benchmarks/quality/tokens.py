@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.rope import VisualSpan, mrope_positions
-from engine.tiny import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
+from engine.model.rope import VisualSpan, mrope_positions
+from engine.model.tiny import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "prefix-key-ignores-salt",
         "the prefix key leaves out the cache salt: one session's question hits another's cached images",
-        "engine/prefix_cache.py",
+        "engine/cache/prefix_cache.py",
         "for part in (namespace, salt, *image_hashes, compaction, str(len(prefix_ids)), ids):",
         "for part in (namespace, *image_hashes, compaction, str(len(prefix_ids)), ids):",
         (PREFIX + "test_same_image_under_another_salt_is_a_miss_with_no_shared_work",),
@@ -54,7 +54,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "kept-count-round-half-up",
         "compaction rounds the kept count half up (2.5 -> 3) instead of to even",
-        "engine/compaction.py",
+        "engine/cache/compaction.py",
         "k = min(n, max(min_keep, round(keep_ratio * n)))",
         "k = min(n, max(min_keep, int(keep_ratio * n + 0.5)))",
         ("tests/test_compaction.py",),
@@ -62,7 +62,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "kept-count-ceil",
         "compaction rounds the kept count up (38.4 -> 39)",
-        "engine/compaction.py",
+        "engine/cache/compaction.py",
         "k = min(n, max(min_keep, round(keep_ratio * n)))",
         "k = min(n, max(min_keep, -int(-keep_ratio * n // 1)))",
         (PREFIX + "test_hit_and_miss_telemetry_and_stats",),
@@ -70,7 +70,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "hit-runs-vision-encoder",
         "a prefix hit still feeds every image of the prompt through the vision path (no skip)",
-        "engine/runner.py",
+        "engine/serving/runner.py",
         "        items = req.visual_items_in(start, end)\n",
         "        items = req.visual_items_in(0, end)\n",
         (PREFIX + "test_hit_and_miss_telemetry_and_stats",
@@ -201,7 +201,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "bomb-decoded-before-size-check",
         "an image's pixels are decoded before its claimed size is checked (a decompression bomb is decoded)",
-        "engine/images.py",
+        "engine/inputs/images.py",
         "    _check_geometry(image.size, options)\n    try:\n        image.load()\n",
         "    try:\n        image.load()\n        _check_geometry(image.size, options)\n",
         ("tests/test_images.py::test_bomb_check_does_not_rely_on_pillow_global",),
@@ -209,7 +209,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "vision-graph-replays-stale-pixels",
         "a vision-graph replay does not copy the new pixels in: it answers for the captured ones",
-        "engine/vision_graphs.py",
+        "engine/graphs/vision.py",
         "        entry.pixels.copy_(pixels)\n",
         "",
         ("tests/test_vision_graphs.py::test_replay_answers_for_its_own_pixels_in_fresh_tensors",),
@@ -217,7 +217,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "vision-graph-returns-its-buffers",
         "a vision-graph replay returns the graph's own output buffers (the next replay overwrites them)",
-        "engine/vision_graphs.py",
+        "engine/graphs/vision.py",
         "return VisionFeatures(entry.out.embeds.clone(), [d.clone() for d in entry.out.deepstack])",
         "return VisionFeatures(entry.out.embeds, list(entry.out.deepstack))",
         ("tests/test_vision_graphs.py::test_replay_answers_for_its_own_pixels_in_fresh_tensors",),
@@ -233,7 +233,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sampler-returns-a-tensor",
         "the sampler returns a one-element tensor instead of an int token id",
-        "engine/sampling.py",
+        "engine/serving/sampling.py",
         "return int(torch.multinomial(probs, 1, generator=self.generator))",
         "return torch.multinomial(probs, 1, generator=self.generator)",
         ("tests/test_sampling.py::test_half_precision_logits",),
@@ -250,7 +250,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "tiny-checkpoint-unbuildable",
         "the tiny checkpoint cannot be built (its tokenizer ranks are missing): its tests must fail, not skip",
-        "engine/tiny.py",
+        "engine/model/tiny.py",
         'spec = importlib.util.find_spec("dashscope")',
         'spec = importlib.util.find_spec("no_such_dashscope")',
         ("tests/test_compaction.py::test_engine_turns_bad_compaction_options_into_invalid_request",),

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 from ops import KVLayerCache, kv_bytes_per_token
 from ops.dispatch import copy_pages, move_slots
 
-from .errors import PrismError
+from ..errors import PrismError
 
 KV_DTYPES = ("fp8_e4m3", "auto")
 

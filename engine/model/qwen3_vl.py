@@ -15,10 +15,10 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..errors import CheckpointError
 from .attention import AttentionContext
 from .config import ModelConfig
-from .errors import CheckpointError
-from .text import LMHead, TextDecoder, VisualInjection
+from .decoder import LMHead, TextDecoder, VisualInjection
 from .vision import VisionEncoder, VisionFeatures
 
 # Checkpoint-name prefixes -> our module paths. The first form is what transformers >= 4.52

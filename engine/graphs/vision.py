@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import Qwen3VL
-from .vision import VisionFeatures
+from ..model.qwen3_vl import Qwen3VL
+from ..model.vision import VisionFeatures
 
 Grids = tuple[tuple[int, int, int], ...]
 #: A scope (cache salt) and the ordered grids of the images encoded together.

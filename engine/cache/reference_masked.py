@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import DenseKVCache, DenseStep
-from .text import VisualInjection
+from ..model.attention import DenseKVCache, DenseStep
+from ..model.decoder import VisualInjection
 
 
 class MaskedStep(DenseStep):

@@ -19,12 +19,12 @@ import torch
 
 from ops import AttentionMetadata
 
-from .attention import PagedStep
-from .graph_capture import capture_per_size
-from .kv_cache import PagePool
-from .model import Qwen3VL
-from .text import VisualInjection
-from .vision import VisionFeatures
+from ..cache.kv_pool import PagePool
+from ..model.attention import PagedStep
+from ..model.decoder import VisualInjection
+from ..model.qwen3_vl import Qwen3VL
+from ..model.vision import VisionFeatures
+from .capture import capture_per_size
 
 #: Token-count buckets captured (a prompt of ``n`` tokens takes the smallest bucket ``> n``).
 PREFILL_BUCKETS = (64, 128, 256, 512)

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import PagePool
-from .prefix_cache import PrefixCache
+from ..cache.kv_pool import PagePool
+from ..cache.prefix_cache import PrefixCache
 from .request import Request, Status
 
 

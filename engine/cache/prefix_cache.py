@@ -24,7 +24,7 @@ import hashlib
 import itertools
 from dataclasses import dataclass, field
 
-from .kv_cache import PagePool
+from .kv_pool import PagePool
 
 _clock = itertools.count()
 

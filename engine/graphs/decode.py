@@ -16,9 +16,9 @@ import torch
 from ops import AttentionMetadata
 from ops.triton_kernels import default_decode_splits, paged_decode_attention, store_kv
 
-from .graph_capture import capture_per_size
-from .kv_cache import PagePool
-from .model import Qwen3VL
+from ..cache.kv_pool import PagePool
+from ..model.qwen3_vl import Qwen3VL
+from .capture import capture_per_size
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

@@ -42,7 +42,7 @@ from typing import IO
 import numpy as np
 from PIL import Image, ImageFile, ImageOps
 
-from .errors import InvalidImageError
+from ..errors import InvalidImageError
 
 __all__ = [
     "ImageOptions",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 #: Most tokens a request generates when it sets no ``max_tokens`` (fewer when its prompt leaves
 #: less room in the model's context).

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image as PILImage
 
-from .errors import ImageDigestMismatchError, InvalidImageError, InvalidRequestError
+from ..errors import ImageDigestMismatchError, InvalidImageError, InvalidRequestError
+from ..model.rope import VisualSpan, find_visual_spans, mrope_positions
 from .images import ImageOptions, bytes_sha256, image_sha256, open_image, read_image_bytes
-from .rope import VisualSpan, find_visual_spans, mrope_positions
 
 ROLES = ("system", "user", "assistant")
 _HEX64 = re.compile("[0-9a-fA-F]{64}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from .vision import VisionFeatures
+from ..model.vision import VisionFeatures
 
 
 class VisionCache:

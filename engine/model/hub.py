@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # Files an engine needs; nothing else of a model repository is downloaded.
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.prefix_cache import Match, PrefixEntry
+from ..inputs.prompts import Prompt
+from ..model.vision import VisionFeatures
 from .detokenize import TextStream
-from .inputs import Prompt
 from .outputs import Telemetry
-from .prefix_cache import Match, PrefixEntry
 from .sampling import Sampler, SamplingParams
-from .vision import VisionFeatures
 
 _ids = itertools.count()
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rope import VisualSpan
+from ..model.rope import VisualSpan
 
 Selector = Callable[[VisualSpan, float, int], torch.Tensor]
 

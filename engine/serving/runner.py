@@ -9,13 +9,13 @@ import torch
 
 from ops import AttentionMetadata
 
-from .attention import PagedStep
-from .kv_cache import PagePool
-from .model import Qwen3VL
+from ..cache.kv_pool import PagePool
+from ..model.attention import PagedStep
+from ..model.decoder import VisualInjection
+from ..model.qwen3_vl import Qwen3VL
+from ..model.vision import VisionFeatures, span_features
 from .request import Request
 from .scheduler import Batch
-from .text import VisualInjection
-from .vision import VisionFeatures, span_features
 
 #: A prefill rides the decode graph only while its rows' attention reads stay small: each row reads
 #: its sequence's whole KV, so (new tokens x KV length) is bounded, in tokens (64 rows over 1k-token

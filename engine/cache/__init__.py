@@ -1,0 +1,1 @@
+"""Prism engine: the cache wing (see docs/ARCHITECTURE.md)."""

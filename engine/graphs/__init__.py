@@ -1,0 +1,1 @@
+"""Prism engine: the graphs wing (see docs/ARCHITECTURE.md)."""

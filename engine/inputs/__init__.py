@@ -1,0 +1,1 @@
+"""Prism engine: the inputs wing (see docs/ARCHITECTURE.md)."""

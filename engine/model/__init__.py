@@ -1,0 +1,1 @@
+"""Prism engine: the model wing (see docs/ARCHITECTURE.md)."""

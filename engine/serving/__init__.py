@@ -1,0 +1,1 @@
+"""Prism engine: the serving wing (see docs/ARCHITECTURE.md)."""
