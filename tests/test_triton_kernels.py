@@ -128,11 +128,11 @@ def test_fp8_widening_modes_match_reference(case):
     assert tk._dequant_mode(q, cache, "asm") and not tk._dequant_mode(q, cache, "triton")
     expected = ref.paged_attention(q, cache, meta)
     for mode in ("asm", "triton"):
-        saved, tk.FP8_DEQUANT = tk.FP8_DEQUANT, mode
+        saved, tk.attention.FP8_DEQUANT = tk.attention.FP8_DEQUANT, mode  # the global the kernels read
         try:
             got = tk.paged_attention(q, cache, meta)
         finally:
-            tk.FP8_DEQUANT = saved
+            tk.attention.FP8_DEQUANT = saved
         torch.testing.assert_close(got.float(), expected.float(), **_tol(torch.bfloat16))
     lens = [q + c for q, c in zip(qlens, clens, strict=True)]
     cache, meta, g = _layout("cuda", "fp8_e4m3", hkv, d, page, [1] * len(lens), [n - 1 for n in lens], torch.bfloat16)

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .metadata import AttentionMetadata, KVLayerCache
-from .pdl import launch_args, pdl_sync
-from .reference import AMAX_FLOOR, FP8_MAX, check_store_out
+from ..metadata import AttentionMetadata, KVLayerCache
+from ..pdl import launch_args, pdl_sync
+from ..reference import AMAX_FLOOR, FP8_MAX, check_store_out
 
 # --------------------------------------------------------------------------------------------------
 # KV store
