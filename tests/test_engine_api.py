@@ -425,8 +425,8 @@ def _compiled_variants() -> dict[str, int]:
     """How many compiled variants each eager-step attention kernel holds (Triton's per-device caches)."""
     from ops import triton_kernels as tk
 
-    kernels = {"prefill": tk._paged_attention_kernel, "decode": tk._decode_split_kernel,
-               "merge": tk._decode_merge_kernel}
+    kernels = {"prefill": tk.attention._paged_attention_kernel, "decode": tk.attention._decode_split_kernel,
+               "merge": tk.attention._decode_merge_kernel}
     return {name: sum(len(c[0]) for c in k.device_caches.values()) for name, k in kernels.items()}
 
 

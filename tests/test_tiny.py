@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from engine.model import tiny
 from engine.errors import CheckpointError
+from engine.model import tiny
 
 # The real Qwen3-VL added tokens, written out independently of engine.tiny's table.
 REAL_ADDED_TOKEN_IDS = {

@@ -114,7 +114,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-store-v-scale-from-k",
         "the Triton FP8 store computes V's scale from K's amax",
-        "ops/triton_kernels/attention.py",
+        "ops/triton_kernels/kv_store.py",
         "vs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor), fp8_max)",
         "vs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor), fp8_max)",
         (KERNELS + "test_store_kv_matches_reference",),
@@ -123,7 +123,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-store-k-scale-from-v",
         "the Triton FP8 store computes K's scale from V's amax",
-        "ops/triton_kernels/attention.py",
+        "ops/triton_kernels/kv_store.py",
         "ks = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor), fp8_max)",
         "ks = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor), fp8_max)",
         (KERNELS + "test_store_kv_matches_reference",),
@@ -132,7 +132,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-store-out-v-with-k-scale",
         "the Triton store's out= hands back V dequantised with K's scale",
-        "ops/triton_kernels/attention.py",
+        "ops/triton_kernels/kv_store.py",
         "tl.store(vo_ptr + out, (vq.to(tl.float32) * vs).to(vo_ptr.dtype.element_ty), mask=m)",
         "tl.store(vo_ptr + out, (vq.to(tl.float32) * ks).to(vo_ptr.dtype.element_ty), mask=m)",
         (KERNELS + "test_store_kv_hands_back_what_the_pages_hold",),
