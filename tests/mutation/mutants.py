@@ -142,7 +142,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "revoked-share-still-resolves",
         "a revoked share link still opens the shared session",
-        "sessions/store.py",
+        "sessions/shares.py",
         '"WHERE token_hash = ? AND revoked_at IS NULL",',
         '"WHERE token_hash = ?",',
         ("tests/test_sessions.py::test_share_tokens",
@@ -151,7 +151,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "revoked-share-still-forks",
         "a share revoked after the visitor resolved it can still be forked",
-        "sessions/store.py",
+        "sessions/shares.py",
         "if current is None or current.revoked_at is not None:",
         "if current is None:",
         ("tests/test_sessions.py::test_fork_session",),
@@ -168,8 +168,8 @@ MUTANTS: list[Mutant] = [
         "store-one-salt-for-all-sessions",
         "every new session gets the same cache salt",
         "sessions/store.py",
-        "[session_id, _owner_hash(owner), title, secrets.token_hex(16), now, now],",
-        '[session_id, _owner_hash(owner), title, "0" * 32, now, now],',
+        "[session_id, owner_hash(owner), title, secrets.token_hex(16), now, now],",
+        '[session_id, owner_hash(owner), title, "0" * 32, now, now],',
         ("tests/test_app_chat.py::test_each_session_asks_under_its_own_cache_salt",),
     ),
     Mutant(
