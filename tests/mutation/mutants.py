@@ -250,7 +250,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "tiny-checkpoint-unbuildable",
         "the tiny checkpoint cannot be built (its tokenizer ranks are missing): its tests must fail, not skip",
-        "engine/model/tiny.py",
+        "engine/model/qwen_tokenizer.py",
         'spec = importlib.util.find_spec("dashscope")',
         'spec = importlib.util.find_spec("no_such_dashscope")',
         ("tests/test_compaction.py::test_engine_turns_bad_compaction_options_into_invalid_request",),
