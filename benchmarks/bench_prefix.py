@@ -6,7 +6,7 @@
 
 For each session size (1, 4 and 8 photos from ``../shared/media``, resized to 448x448) a chat
 session asks four different questions about the same photos in Prism's media-first layout
-(:func:`engine.inputs.media_first_messages`): the first is a miss (vision encoder, whole prompt,
+(:func:`engine.inputs.prompts.media_first_messages`): the first is a miss (vision encoder, whole prompt,
 compaction, caching), the next three are prefix-cache hits. Each session has its own cache salt,
 so a session never reuses another's KV or vision features. Reported per size, as the median over
 ``--repeats`` sessions (after one untimed warm-up session):

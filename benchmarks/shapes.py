@@ -75,7 +75,7 @@ def make_folder(shape: str, workdir: pathlib.Path) -> pathlib.Path:
 
 @torch.no_grad()
 def random_model(folder: pathlib.Path, device, dtype, seed: int = 0):
-    """Our :class:`engine.model.Qwen3VL` for ``folder``'s config with random weights on ``device``:
+    """Our :class:`engine.model.qwen3_vl.Qwen3VL` for ``folder``'s config with random weights on ``device``:
     matrices N(0, 1/fan_in), embeddings N(0, 1), norms 1, biases 0."""
     from engine.model.config import ModelConfig
     from engine.model.qwen3_vl import Qwen3VL

@@ -1,4 +1,4 @@
-"""Query-independent visual-token selection (:mod:`engine.compaction`): counts, spread, order,
+"""Query-independent visual-token selection (:mod:`engine.cache.compaction`): counts, spread, order,
 determinism, what is never removed, video handling and configuration errors."""
 
 from __future__ import annotations

@@ -79,9 +79,9 @@ def test_step_budget_defaults_per_device(tiny_ckpt):
     """8,192 tokens a step on CUDA (an 8-photo prompt in one step), 1,024 on the CPU; an explicit
     value wins."""
     with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False) as eng:
-        assert eng.scheduler.config.max_num_batched_tokens == (8192 if TEST_DEVICE == "cuda" else 1024)
+        assert eng.loop.scheduler.config.max_num_batched_tokens == (8192 if TEST_DEVICE == "cuda" else 1024)
     with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False, max_num_batched_tokens=256) as eng:
-        assert eng.scheduler.config.max_num_batched_tokens == 256
+        assert eng.loop.scheduler.config.max_num_batched_tokens == 256
 
 
 def test_unknown_option_raises(tiny_ckpt):

@@ -1,4 +1,4 @@
-"""Short text-only steps as rows of the decode graph (engine/runner.py ``_run_graph``).
+"""Short text-only steps as rows of the decode graph (engine/serving/runner.py ``_run_graph``).
 
 On CUDA the runner replays the captured decode graph for any text-only step of at most
 ``graphs.max_batch`` new tokens: every new token is one row that attends to its sequence's KV up to
@@ -24,7 +24,7 @@ BASE = dict(kv_cache_dtype="auto", max_pixels=256 * 256)
 
 
 class EagerRows:
-    """The interface of :class:`engine.cuda_graphs.DecodeGraphs` without capture: each row is a
+    """The interface of :class:`engine.graphs.decode.DecodeGraphs` without capture: each row is a
     sequence of one new token (the decode op), run eagerly. Records the rows of every call."""
 
     def __init__(self, model, pool, max_batch: int):
@@ -52,7 +52,7 @@ def photos(media_path) -> list[Image.Image]:
 
 def with_rows(engine, max_batch: int = 32) -> EagerRows:
     rows = EagerRows(engine.model, engine.pool, max_batch)
-    engine.runner.graphs = rows
+    engine.loop.runner.graphs = rows
     return rows
 
 
@@ -115,7 +115,7 @@ def test_decode_rows_and_a_prefill_share_one_step(tiny_engine_factory, photos, m
 
     # Submit the second request once the first is decoding, so one step holds both.
     first = graphed.submit(long, GREEDY)
-    real = graphed.runner.execute
+    real = graphed.loop.runner.execute
     state = {"sent": None}
 
     def execute(batch):
@@ -123,9 +123,9 @@ def test_decode_rows_and_a_prefill_share_one_step(tiny_engine_factory, photos, m
             state["sent"] = graphed.submit(short, GREEDY)
         return real(batch)
 
-    monkeypatch.setattr(graphed.runner, "execute", execute)
-    done = [item for item in graphed._drain(first) if isinstance(item, Completion)]
-    second = [item for item in graphed._drain(state["sent"]) if isinstance(item, Completion)]
+    monkeypatch.setattr(graphed.loop.runner, "execute", execute)
+    done = [item for item in graphed.loop.stream(first) if isinstance(item, Completion)]
+    second = [item for item in graphed.loop.stream(state["sent"]) if isinstance(item, Completion)]
 
     assert [done[0].token_ids, second[0].token_ids] == [c.token_ids for c in want]
     n_short = len(graphed.prompts.build(short).input_ids)

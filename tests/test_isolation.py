@@ -117,7 +117,7 @@ def test_vision_graphs_earned_by_one_session_do_not_speed_up_another(tiny_engine
     eager -> capture -> replay on its own sightings, whatever other sessions did. The images are
     all different (the vision-feature cache never answers) and of one size (one grid)."""
     engine = tiny_engine_factory(prefix_cache=False)
-    engine.vision_encoder = graphs = EagerStandIn(engine.model)
+    engine.vision.encoder = graphs = EagerStandIn(engine.model)
     images = [noise_png(10 + i) for i in range(6)]
 
     def paths(salt, batch):

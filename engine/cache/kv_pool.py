@@ -1,13 +1,14 @@
 """The paged KV pool: fixed-size pages for all layers, reference-counted for sharing.
 
-One pool holds, for every decoder layer, ``k`` and ``v`` pages ``[num_pages, page_size, Hkv, D]``,
-stored as float8_e4m3fn with a float32 scale per token and KV head (``kv_cache_dtype="fp8_e4m3"``)
-or in the model dtype (``"auto"``). A page index means the same page in every layer, so a
-sequence's block table (its list of page indices) serves all layers.
+One pool holds, for every decoder layer, ``k`` and ``v`` pages ``[num_pages, Hkv, page_size, D]``
+(head-major: one KV head's keys of a page are contiguous), stored as float8_e4m3fn with a float32
+scale per token and KV head (``kv_cache_dtype="fp8_e4m3"``) or in the model dtype (``"auto"``). A
+page index means the same page in every layer, so a sequence's block table (its list of page
+indices) serves all layers.
 
-Pages carry reference counts so that several sequences (and, later, cached prefixes) can share
-them; a page with more than one reference is never written. Writers that need to append to a
-shared, partly filled last page first take a private copy (copy-on-write, :meth:`PagePool.fork_last`).
+Pages carry reference counts so that several sequences and cached prefixes can share them; a page
+with more than one reference is never written. Writers that need to append to a shared, partly
+filled last page first take a private copy (copy-on-write, :meth:`PagePool.fork_last`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,20 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low indices first
 
     # ------------------------------------------------------------------ sizing
+    @classmethod
+    def sized(cls, budget_bytes: int, *, num_layers, num_kv_heads, head_dim, page_size, kv_cache_dtype,
+              model_dtype, device) -> PagePool:
+        """A pool of as many whole pages as ``budget_bytes`` holds (scales included).
+
+        Raises:
+            ValueError: as the constructor (the budget holds less than one page).
+        """
+        shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        per_page = cls.bytes_per_page(**shape, page_size=page_size, kv_cache_dtype=kv_cache_dtype,
+                                      model_dtype=model_dtype)
+        return cls(**shape, num_pages=budget_bytes // per_page, page_size=page_size, kv_cache_dtype=kv_cache_dtype,
+                   model_dtype=model_dtype, device=device)
+
     @staticmethod
     def bytes_per_page(*, num_layers, num_kv_heads, head_dim, page_size, kv_cache_dtype, model_dtype) -> int:
         """Bytes one page takes across all layers, scales included."""
@@ -95,6 +110,18 @@ class PagePool:
     @property
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
+
+    def counters(self) -> dict:
+        """The pool's part of :meth:`Engine.stats() <engine.Engine.stats>`: pages total, used and
+        free, tokens per page, capacity in tokens, the page format."""
+        return {
+            "pages_total": self.num_pages,
+            "pages_used": self.num_used,
+            "pages_free": self.num_free,
+            "page_size": self.page_size,
+            "capacity_tokens": self.capacity_tokens,
+            "kv_cache_dtype": self.kv_cache_dtype,
+        }
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free pages, each with one reference.

@@ -224,6 +224,22 @@ class PrefixCache:
             for e in victims:
                 self.evict(e)
 
+    def counters(self) -> dict:
+        """The cache's part of :meth:`Engine.stats() <engine.Engine.stats>`: entries (prefixes and
+        conversation extensions), prefixes, pages held, hits, misses, stale fallbacks, evictions and
+        prompt tokens saved."""
+        return {
+            "prefix_cache": True,
+            "cache_entries": len(self.entries),
+            "cache_prefixes": len(self.prefixes),
+            "cache_pages": self.pages_held,
+            "cache_hits": self.stats.hits,
+            "cache_misses": self.stats.misses,
+            "cache_stale": self.stats.stale,
+            "cache_evictions": self.stats.evictions,
+            "prompt_tokens_saved": self.stats.tokens_saved,
+        }
+
     def holders(self) -> list[list[int]]:
         """Page lists of all entries (for pool accounting checks)."""
         return [e.pages for e in self.entries]

@@ -2,11 +2,11 @@
 
 A decode step of ``B`` sequences launches hundreds of small kernels; replaying them as one CUDA
 graph takes the host out of the way. Short text-only prefills replay the same graphs, one row per
-new token (see :meth:`engine.runner.ModelRunner._run_graph`). Graphs are captured once per batch-size bucket over
-fixed-address input buffers (token ids, M-RoPE positions, slot mapping, sequence lengths, block
-tables); a step with ``n`` sequences copies its inputs into the buffers of the smallest bucket
-``>= n`` and pads the rest (slot -1: nothing stored; length 0: attention reads nothing). The only
-host synchronisation of a step is reading the sampled token ids back.
+new token (see :meth:`engine.serving.runner.ModelRunner._run_graph`). Graphs are captured once per
+batch-size bucket over fixed-address input buffers (token ids, M-RoPE positions, slot mapping,
+sequence lengths, block tables); a step with ``n`` sequences copies its inputs into the buffers of
+the smallest bucket ``>= n`` and pads the rest (slot -1: nothing stored; length 0: attention reads
+nothing). The only host synchronisation of a step is reading the sampled token ids back.
 """
 
 from __future__ import annotations

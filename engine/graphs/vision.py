@@ -46,7 +46,7 @@ class _Captured:
 
 class VisionGraphs:
     """Vision encoding through CUDA graphs keyed by scope and the images' grids; a drop-in for
-    :meth:`engine.model.Qwen3VL.encode_vision` with a ``scope`` argument.
+    :meth:`engine.model.qwen3_vl.Qwen3VL.encode_vision` with a ``scope`` argument.
 
     Args:
         model: the model, on CUDA.

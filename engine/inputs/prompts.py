@@ -13,7 +13,7 @@ then neither reads nor hashes them. The digest is checked against the bytes when
 processed, so a wrong one is refused and never enters the processed-image cache; but for an image
 the same session (cache salt) processed before it is taken on trust, so pass digests from your own
 records only, never from a client (whoever knows a digest could otherwise ask about that image
-without having it). Images are opened by :mod:`engine.images` (our safety rules); the chat
+without having it). Images are opened by :mod:`engine.inputs.images` (our safety rules); the chat
 template, tokenizer and pixel processing are the checkpoint's own transformers processor.
 
 The processed-image cache is keyed by the cache salt as well as by the image, like every cache of
@@ -202,7 +202,7 @@ def _normalise(messages) -> tuple[list[dict], list, list[str | None], list[tuple
 @dataclass(frozen=True)
 class ProcessedImage:
     """One image as the processor left it: the SHA-256 of its decoded RGB pixels
-    (:func:`engine.images.image_sha256`), patch grid ``(t, h, w)``, patches
+    (:func:`engine.inputs.images.image_sha256`), patch grid ``(t, h, w)``, patches
     ``[t*h*w, C*T*P*P]`` and the RGB image's ``(width, height)`` in pixels."""
 
     sha256: str
@@ -278,6 +278,23 @@ class PromptBuilder:
         """Images in the processed-image cache (one per salt and image)."""
         return len(self._processed)
 
+    def counters(self) -> dict:
+        """The processed-image cache's part of :meth:`Engine.stats() <engine.Engine.stats>`: hits,
+        entries and cached PIL images refused for another size or grid."""
+        return {"image_cache_hits": self.cache_hits, "image_cache_entries": self.cache_entries,
+                "image_cache_mismatches": self.cache_mismatches}
+
+    def namespace(self) -> str:
+        """Every setting of this builder that changes a prompt's tokens or pixels (the processor's
+        resize bounds, patch, merge and temporal patch sizes, the image-opening rules): part of the
+        keys of the engine's caches."""
+        ip = self.processor.image_processor
+        return "|".join([
+            f"size={sorted(self.size.items())}", f"patch={getattr(ip, 'patch_size', None)}",
+            f"merge={getattr(ip, 'merge_size', None)}", f"temporal={getattr(ip, 'temporal_patch_size', None)}",
+            self.image_options.namespace(),
+        ])
+
     def build(self, messages, salt: str = "") -> Prompt:
         """Tokenise ``messages`` (with the generation prompt) and process their images / videos.
 
@@ -310,7 +327,7 @@ class PromptBuilder:
         the SHA-256 of a PIL image's pixels as the model sees them, or None (opened every time).
 
         Raises:
-            InvalidImageError: a PIL image that cannot be used (as :func:`engine.images.open_image`).
+            InvalidImageError: a PIL image that cannot be used (as :func:`engine.inputs.images.open_image`).
         """
         if isinstance(src, PILImage.Image):
             opened = open_image(src, self.image_options)
@@ -331,7 +348,7 @@ class PromptBuilder:
         same); an object given twice is processed once.
 
         Raises:
-            InvalidImageError: as :func:`engine.images.open_image`.
+            InvalidImageError: as :func:`engine.inputs.images.open_image`.
             InvalidRequestError: a claimed digest does not match the image's bytes.
         """
         found = [self._cached(salt, s) for s in sources]
@@ -387,7 +404,7 @@ class PromptBuilder:
         that key.
 
         Raises:
-            InvalidImageError: as :func:`engine.images.open_image`.
+            InvalidImageError: as :func:`engine.inputs.images.open_image`.
             ImageDigestMismatchError: the bytes do not hash to the claimed digest.
         """
         if source.opened is not None:

@@ -124,7 +124,7 @@ class PagedStep:
     the dequantised values to the model dtype (exact on the CPU in float32).
 
     Args:
-        pool: the :class:`~engine.kv_cache.PagePool`.
+        pool: the :class:`~engine.cache.kv_pool.PagePool`.
         meta: metadata of the sequences attended through their pages (rows after ``fresh``'s), or None.
         fresh: metadata of the leading fresh sequences (``fresh.fresh`` True), or None.
     """

@@ -113,6 +113,19 @@ def _checkpoint_name(ours: str, flat: bool) -> str:
     return ours  # pragma: no cover - every parameter lives under one of the prefixes
 
 
+def eos_token_ids(folder: str | Path, tokenizer) -> set[int]:
+    """The token ids that end generation: ``eos_token_id`` of the checkpoint's
+    ``generation_config.json`` (one id or a list), else the tokenizer's end-of-sequence token."""
+    ids: set[int] = set()
+    gen = Path(folder) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 def load_model(folder: str | Path, *, device="cpu", dtype=torch.float32, progress: bool = True) -> Qwen3VL:
     """Build :class:`Qwen3VL` from a checkpoint folder and load its weights.
 

@@ -54,7 +54,7 @@ def span_features(spans, items: dict, start: int, end: int, device) -> tuple[tor
     """The visual tokens among prompt tokens ``start .. end - 1`` and their features.
 
     Args:
-        spans: the prompt's :class:`~engine.rope.VisualSpan` list.
+        spans: the prompt's :class:`~engine.model.rope.VisualSpan` list.
         items: features per ``(kind, item)`` (one image, or one whole video in frame order).
         start, end: the token range.
         device: where the index tensors go.

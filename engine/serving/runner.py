@@ -14,8 +14,8 @@ from ..model.attention import PagedStep
 from ..model.decoder import VisualInjection
 from ..model.qwen3_vl import Qwen3VL
 from ..model.vision import VisionFeatures, span_features
+from .batch import Batch
 from .request import Request
-from .scheduler import Batch
 
 #: A prefill rides the decode graph only while its rows' attention reads stay small: each row reads
 #: its sequence's whole KV, so (new tokens x KV length) is bounded, in tokens (64 rows over 1k-token
@@ -26,9 +26,10 @@ GRAPH_PREFILL_READS = 1 << 16
 class ModelRunner:
     """Runs batches on ``model`` with K/V in ``pool``.
 
-    ``encode_vision(request, items) -> (features by item, encoder ran)`` computes the features of
-    some of a request's images / videos (``(kind, index)`` keys). It runs when a step first reaches
-    an image's tokens; the features stay with the request (also across preemption), so
+    ``encode_vision(prompt, salt, items) -> (features by item, encoder ran)`` computes the features
+    of some of a request's images / videos (``(kind, index)`` keys; see
+    :meth:`engine.inputs.vision_features.VisionLookup.encode_items`). It runs when a step first
+    reaches an image's tokens; the features stay with the request (also across preemption), so
     recomputation never reruns the encoder.
     """
 
@@ -196,7 +197,7 @@ class ModelRunner:
         if not missing:
             return
         t = time.perf_counter()
-        features, ran = self.encode_vision(req, missing)
+        features, ran = self.encode_vision(req.prompt, req.salt, missing)
         req.vision.update(features)
         if ran:  # cached features: the encoder took no time
             if self.device.type == "cuda":

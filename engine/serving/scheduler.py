@@ -1,5 +1,10 @@
 """Continuous batching: which requests run in the next step, with how many tokens.
 
+One rule explains it: every request's ``num_computed`` (tokens whose K/V is stored) catches up with
+its ``len(tokens)``. A prompt's first chunks, chunked prefill, a prefix hit (which starts with the
+attached prefix counted as computed), recomputation after preemption and decode (one new token a
+step) are all that rule under the step's token budget.
+
 Each step first gives every running request that is decoding one token, then spends the rest of
 the step's token budget on prefill: first on running requests whose prompt is only partly
 computed (chunked prefill), then on waiting requests in arrival order. So a long prompt is
@@ -13,16 +18,18 @@ output does not change).
 Cached prefixes yield to running requests: before anyone is preempted, and before a waiting
 request is kept waiting for pages, unused prefix-cache entries are evicted.
 A request whose public prefix was found in the cache attaches the entry's pages at admission (or
-falls back to computing everything, reported as ``stale``, when the entry was evicted since).
+falls back to computing everything, reported as ``stale``, when the entry was evicted since): the
+scheduler decides when, :class:`~engine.cache.prefix_reuse.PrefixReuse` does the attaching.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..cache.kv_pool import PagePool
-from ..cache.prefix_cache import PrefixCache
+from ..cache.prefix_reuse import PrefixReuse
+from .batch import Batch
 from .request import Request, Status
 
 
@@ -41,27 +48,19 @@ class SchedulerConfig:
     max_waiting: int = 256
 
 
-@dataclass
-class Batch:
-    """The work of one step: ``(request, number of new tokens)`` pairs, decodes first, then prefill
-    chunks in admission order (the runner lays out the flat batch: it puts sequences without cached
-    context first)."""
-
-    items: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
-
-
 class Scheduler:
-    """Owns the waiting queue, the running set and their pages."""
+    """Owns the waiting queue, the running set and their pages.
 
-    def __init__(self, pool: PagePool, config: SchedulerConfig, cache: PrefixCache | None = None):
+    Args:
+        pool: the KV pool.
+        config: the step limits.
+        reuse: the prefix cache's bookkeeping, or None when prefix caching is off.
+    """
+
+    def __init__(self, pool: PagePool, config: SchedulerConfig, reuse: PrefixReuse | None = None):
         self.pool = pool
         self.config = config
-        self.cache = cache
+        self.reuse = reuse
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -120,35 +119,15 @@ class Scheduler:
             n = min(n, req.prompt.prefix_len - req.num_computed)  # compaction happens at the boundary
         return n
 
-    def _undo_intake_hit(self, req: Request) -> None:
-        """The request's match is dropped: report it "stale" and take back the hit counted at
-        intake. Review fix: only a match found at intake was counted (and reported) as a hit; a
-        preempted request's own re-lookup (kept while it waited) has nothing to take back."""
-        if not req.telemetry.preempted:
-            req.telemetry.prefix_cache = "stale"
-            self.cache.stats.stale += 1
-            self.cache.stats.hits -= 1
-
     def _admit(self, req: Request) -> bool:
         """Attach the request's cached prefix (if still there) and check its first chunk can get
         pages. Returns False (nothing changed) when it must keep waiting."""
-        match = req.match
-        if match is not None and not match.entry.alive:
-            req.match = match = None
-            self._undo_intake_hit(req)
-        if match is None and req.telemetry.preempted and req.prefix_key is not None:
-            match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
+        match = self.reuse.admission_match(req) if self.reuse is not None else None
         if match is not None:
             first = min(len(req.tokens) - match.length, self.config.max_num_batched_tokens)
             need = self.pages_for(match.kv_len + first) - self.pages_for(match.kv_len) + 1
-            # Pin the matched entry while making room: unpinned (users == 0) it is itself an
-            # eviction candidate, and evicting it here left acquire() an empty page list, so the
-            # request ran on uninitialised pages while reporting a hit.
-            match.entry.users += 1
-            try:
+            with self.reuse.pinned(match):  # making room must not evict the entry itself
                 room = self._free_pages(need)
-            finally:
-                match.entry.users -= 1
             if not room:
                 if self.running:
                     return False  # running requests will free pages
@@ -157,37 +136,20 @@ class Scheduler:
                 # copy, the parent's own last page, an extension's tail), so waiting spun forever
                 # on a request that fits the pool. Compute it cold instead: the entry becomes
                 # evictable.
-                req.match = match = None
-                self._undo_intake_hit(req)
+                self.reuse.drop(req)
+                match = None
         if match is not None:
-            req.block_table = self.cache.acquire(match)
-            req.attached = match.entry
-            req.num_computed = match.length
-            req.kv_offset = match.entry.kv_offset
-            self._report_hit(req, match)
+            self.reuse.attach(req, match)
             return True
         if req.prefix_key is not None:
             req.cold_prefix = True
         first = self._chunk(req, self.config.max_num_batched_tokens)
         return self._free_pages(self.pages_for(first))
 
-    def _report_hit(self, req: Request, match) -> None:
-        entry, tel = match.entry, req.telemetry
-        if not tel.preempted:  # a re-admission after preemption saves nothing new for the user
-            self.cache.stats.tokens_saved += match.length
-            # Review fix: set at the first admission only. A re-admission's match is not prompt
-            # reuse: it may run into the request's own generated tokens (cached_tokens >
-            # prompt_tokens) or be the request's own prefix (a "miss" reporting cached tokens).
-            tel.cached_tokens = match.length
-            tel.conversation_reuse_tokens = match.length - entry.prefix_len
-        tel.visual_tokens_kept = entry.visual_kept
-        tel.prefix_pages = self.pages_for(entry.prefix_len - entry.kv_offset)
-        tel.prefix_pages_dense = entry.dense_pages
-
     def _free_pages(self, n: int) -> bool:
         if self.pool.num_free >= n:
             return True
-        return self.cache is not None and self.cache.make_room(n)
+        return self.reuse is not None and self.reuse.make_room(n)
 
     def _grow(self, req: Request, num_tokens: int, batch: Batch) -> bool:
         """Give ``req`` pages for its first ``num_tokens`` logical tokens (and a private copy of a
@@ -205,9 +167,8 @@ class Scheduler:
                 # re-admission, a livelock. Drop the attachment (its own page references stay),
                 # evict the now unused entries (everything else was evicted already), and retry
                 # with the copy-on-write need recomputed.
-                self.cache.release_user(req.attached)
-                req.attached = None
-                self.cache.clear()
+                self.reuse.detach(req)
+                self.reuse.cache.clear()
                 return self._grow(req, num_tokens, batch)
             self.preempt(victim)
             batch.preempted.append(victim)
@@ -248,6 +209,5 @@ class Scheduler:
         req.kv_offset = 0
         req.cold_prefix = False
         req.match = None  # a preempted request looks its prefix up again when re-admitted
-        if req.attached is not None:
-            self.cache.release_user(req.attached)
-            req.attached = None
+        if self.reuse is not None:
+            self.reuse.detach(req)

@@ -225,7 +225,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "default-dtype-bfloat16-on-cpu",
         "Engine.from_pretrained(dtype=None) picks bfloat16 on the CPU",
-        "engine/engine.py",
+        "engine/options.py",
         'return torch.bfloat16 if device.type == "cuda" else torch.float32',
         "return torch.bfloat16",
         ("tests/test_engine_api.py::test_from_pretrained_device_and_dtype",),
