@@ -67,8 +67,7 @@ def main(argv=None) -> int:
     messages = media_first_messages(load_photos(args.photos), QUESTION)
 
     def cold():
-        builder._processed.clear()  # a benchmark may reach in: every image processed again
-        builder._cached_bytes = 0
+        builder.images.clear()  # every image processed again
         builder.build(messages)
 
     def hit():

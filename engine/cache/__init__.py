@@ -1,1 +1,3 @@
-"""Prism engine: the cache wing (see docs/ARCHITECTURE.md)."""
+"""The cache wing: the paged KV pool, the compact prefix cache and how requests use it (lookup,
+attach, compact-and-cache, conversation extensions), compaction selectors, the vision-feature
+cache and the masked dense oracle of compaction. It never imports the serving core."""

@@ -13,45 +13,27 @@ then neither reads nor hashes them. The digest is checked against the bytes when
 processed, so a wrong one is refused and never enters the processed-image cache; but for an image
 the same session (cache salt) processed before it is taken on trust, so pass digests from your own
 records only, never from a client (whoever knows a digest could otherwise ask about that image
-without having it). Images are opened by :mod:`engine.inputs.images` (our safety rules); the chat
-template, tokenizer and pixel processing are the checkpoint's own transformers processor.
-
-The processed-image cache is keyed by the cache salt as well as by the image, like every cache of
-the engine: an image another session sent is processed again, so neither the prompt nor its
-timing (``preprocess_ms``, the time to first token) shows what other sessions sent.
+without having it). Images are opened by :mod:`engine.inputs.images` (our safety rules) and
+processed and cached by :mod:`engine.inputs.processed_images`; the chat template, tokenizer and
+pixel processing are the checkpoint's own transformers processor.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import threading
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from PIL import Image as PILImage
 
-from ..errors import ImageDigestMismatchError, InvalidImageError, InvalidRequestError
+from ..errors import InvalidRequestError
 from ..model.rope import VisualSpan, find_visual_spans, mrope_positions
-from .images import ImageOptions, bytes_sha256, image_sha256, open_image, read_image_bytes
+from .images import ImageOptions, image_sha256, open_image
+from .processed_images import BYTE_SOURCES, ProcessedImage, ProcessedImages, Source
 
 ROLES = ("system", "user", "assistant")
 _HEX64 = re.compile("[0-9a-fA-F]{64}")
-#: Image sources that are encoded bytes: read once, hashed, and decoded from what was read.
-_BYTE_SOURCES = (str, os.PathLike, bytes, bytearray, memoryview)
 DEFAULT_VIDEO_FPS = 2.0
-#: Hashes and processes a request's images side by side: SHA-256, Pillow's resampling and numpy's
-#: array work release the GIL. On a prefix hit hashing is the largest part of the host's work
-#: (8 photos: ~2.7 of 6.4 ms one after another on one core); on a miss the pixel processing is.
-_IMAGE_WORKERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prism-images")
-
-
-def _side_by_side(fn, items: list) -> list:
-    """``[fn(x) for x in items]``, in the image worker pool when there are several."""
-    return list(_IMAGE_WORKERS.map(fn, items)) if len(items) > 1 else [fn(x) for x in items]
 
 
 @dataclass
@@ -150,7 +132,7 @@ def _image_claim(part: dict, n: int) -> str | None:
         return None
     if not (isinstance(claim, str) and _HEX64.fullmatch(claim)):
         raise InvalidRequestError(f"message {n}: an image part's sha256 must be 64 hexadecimal digits")
-    if not isinstance(part["image"], _BYTE_SOURCES):
+    if not isinstance(part["image"], BYTE_SOURCES):
         raise InvalidRequestError(f"message {n}: sha256 is for images given as a file path or bytes")
     return claim.lower()
 
@@ -199,45 +181,13 @@ def _normalise(messages) -> tuple[list[dict], list, list[str | None], list[tuple
     return template, images, claims, videos
 
 
-@dataclass(frozen=True)
-class ProcessedImage:
-    """One image as the processor left it: the SHA-256 of its decoded RGB pixels
-    (:func:`engine.inputs.images.image_sha256`), patch grid ``(t, h, w)``, patches
-    ``[t*h*w, C*T*P*P]`` and the RGB image's ``(width, height)`` in pixels."""
-
-    sha256: str
-    grid: tuple[int, int, int]
-    pixels: torch.Tensor
-    size: tuple[int, int] = (0, 0)
-
-    @property
-    def nbytes(self) -> int:
-        return self.pixels.numel() * self.pixels.element_size()
-
-
-@dataclass
-class _Source:
-    """One image part as given: the source, the digest claimed for it, its content key (None: it
-    is processed every time) and, for a PIL image, the image as the model sees it (oriented,
-    transparency composited, RGB; opened once, to take the key) with its pixels' SHA-256."""
-
-    src: object
-    claim: str | None
-    key: str | None
-    opened: PILImage.Image | None = None
-    opened_sha: str | None = None
-
 
 class PromptBuilder:
     """Applies the checkpoint's processor to chat messages.
 
-    Processed images are kept in a bounded LRU keyed by the cache salt and the image: the SHA-256
-    of a file's or bytes' content, or, for a PIL image, of the RGB pixels the model sees (after
-    EXIF orientation and compositing transparency, so two palette images with the same indices
-    but other colours, or the same pixels with another orientation, are different images). Asking
-    again in the same session about the same images then skips decoding and pixel processing:
-    only the chat template and the tokenizer run. A cached PIL image is used only when its size
-    and patch grid match what the processor gives the image at hand (a mismatch re-processes).
+    Images go through :class:`~engine.inputs.processed_images.ProcessedImages` (``images``): asking
+    again in the same session about the same images skips decoding and pixel processing, and only
+    the chat template and the tokenizer run.
 
     Args:
         processor: a transformers ``Qwen3VLProcessor``.
@@ -249,15 +199,15 @@ class PromptBuilder:
             processor's float32). Rounding here gives the same values as rounding on the device,
             and half the bytes to cache and to copy there in bfloat16.
 
-    Counters: ``cache_hits`` (images taken from the cache), ``cache_mismatches`` (cached PIL
-    images refused because their size or grid did not match the image given).
+    Counters (of ``images``): ``cache_hits`` (images taken from the cache), ``cache_mismatches``
+    (cached PIL images refused because their size or grid did not match the image given),
+    ``cache_entries``.
     """
 
     def __init__(self, processor, *, image_token_id, video_token_id, merge_size, image_options=None,
                  min_pixels=None, max_pixels=None, cache_bytes: int = 256 << 20,
                  pixel_dtype: torch.dtype | None = None):
         self.processor = processor
-        self.pixel_dtype = pixel_dtype
         self.image_token_id, self.video_token_id, self.merge_size = image_token_id, video_token_id, merge_size
         self.image_options = image_options or ImageOptions()
         size = dict(getattr(processor.image_processor, "size", None) or {})
@@ -266,17 +216,21 @@ class PromptBuilder:
         if max_pixels is not None:
             size["longest_edge"] = int(max_pixels)
         self.size = size
-        self.cache_bytes = cache_bytes
-        self._processed: OrderedDict[tuple[str, str], ProcessedImage] = OrderedDict()
-        self._cached_bytes = 0
-        self.cache_hits = 0
-        self.cache_mismatches = 0
-        self._lock = threading.Lock()  # build() runs in every caller's thread
+        self.images = ProcessedImages(processor.image_processor, size=size, image_options=self.image_options,
+                                      pixel_dtype=pixel_dtype, cache_bytes=cache_bytes)
+
+    @property
+    def cache_hits(self) -> int:
+        return self.images.cache_hits
+
+    @property
+    def cache_mismatches(self) -> int:
+        return self.images.cache_mismatches
 
     @property
     def cache_entries(self) -> int:
         """Images in the processed-image cache (one per salt and image)."""
-        return len(self._processed)
+        return self.images.cache_entries
 
     def counters(self) -> dict:
         """The processed-image cache's part of :meth:`Engine.stats() <engine.Engine.stats>`: hits,
@@ -308,117 +262,17 @@ class PromptBuilder:
         template, raw_images, claims, raw_videos = _normalise(messages)
         text = self.processor.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
         _check_marker_counts(text, len(raw_images), len(raw_videos))
-        sources = self._sources(raw_images, claims)
+        sources = self.images.sources(raw_images, claims)
         if raw_videos:
             return self._build_with_videos(text, sources, raw_videos, salt)
-        return self._build_from_cache(text, self._images(sources, salt))
+        return self._build_from_cache(text, self.images.get(sources, salt))
 
-    def _sources(self, images: list, claims: list[str | None]) -> list[_Source]:
-        """Each image part with its cache key: its claimed digest, else :meth:`_source` (side by
-        side; an object given twice is read once: a lazily decoded PIL image must not be decoded
-        by two threads at once)."""
-        pairs = list(zip(images, claims, strict=True))
-        distinct = list({id(src): src for src, claim in pairs if claim is None}.values())
-        made = dict(zip(map(id, distinct), _side_by_side(self._source, distinct), strict=True))
-        return [_Source(src, claim, claim) if claim else made[id(src)] for src, claim in pairs]
 
-    def _source(self, src) -> _Source:
-        """An image source with its key: the SHA-256 of a file's or bytes' content, ``"pil:"`` and
-        the SHA-256 of a PIL image's pixels as the model sees them, or None (opened every time).
 
-        Raises:
-            InvalidImageError: a PIL image that cannot be used (as :func:`engine.inputs.images.open_image`).
-        """
-        if isinstance(src, PILImage.Image):
-            opened = open_image(src, self.image_options)
-            sha = image_sha256(opened)
-            return _Source(src, None, "pil:" + sha, opened, sha)
-        if isinstance(src, (bytes, bytearray, memoryview)):
-            return _Source(src, None, bytes_sha256(src))
-        if isinstance(src, (str, os.PathLike)):
-            try:
-                return _Source(src, None, bytes_sha256(read_image_bytes(src, self.image_options)))
-            except InvalidImageError:
-                return _Source(src, None, None)  # opening it again gives the user the message
-        return _Source(src, None, None)
 
-    def _images(self, sources: list[_Source], salt: str) -> list[ProcessedImage]:
-        """Each image from the salt's cache, or opened, processed and hashed on its own, side by
-        side (the processor treats the images of a batch one by one, so the patches are the
-        same); an object given twice is processed once.
 
-        Raises:
-            InvalidImageError: as :func:`engine.inputs.images.open_image`.
-            InvalidRequestError: a claimed digest does not match the image's bytes.
-        """
-        found = [self._cached(salt, s) for s in sources]
-        todo: dict[tuple[int, str | None], _Source] = {}
-        for source, item in zip(sources, found, strict=True):
-            if item is None:
-                todo.setdefault((id(source.src), source.claim), source)
-        done = dict(zip(todo, _side_by_side(lambda source: self._process(source, salt), list(todo.values())),
-                        strict=True))
-        return [item or done[(id(s.src), s.claim)] for s, item in zip(sources, found, strict=True)]
 
-    def _cached(self, salt: str, source: _Source) -> ProcessedImage | None:
-        """The salt's processed image for ``source``, or None. A PIL image's entry must match its
-        size and patch grid (else it is dropped and the image processed again)."""
-        if source.key is None:
-            return None
-        key = (salt, source.key)
-        with self._lock:
-            item = self._processed.get(key)
-            if item is None:
-                return None
-            if source.opened is not None and not self._matches(item, source.opened):
-                self.cache_mismatches += 1
-                del self._processed[key]
-                self._cached_bytes -= item.nbytes
-                return None
-            self._processed.move_to_end(key)
-            self.cache_hits += 1
-            return item
 
-    def _matches(self, item: ProcessedImage, image: PILImage.Image) -> bool:
-        """Whether a cached processed image fits ``image``: same size, the grid the processor
-        gives that size, and one row of patches per grid cell."""
-        grid = self.grid_for(image.size)
-        return item.size == image.size and item.grid == grid and item.pixels.shape[0] == grid[0] * grid[1] * grid[2]
-
-    def grid_for(self, size: tuple[int, int]) -> tuple[int, int, int]:
-        """The patch grid ``(1, h, w)`` the processor gives an image of ``size`` = (width, height)
-        pixels: transformers' ``smart_resize`` (of the Qwen2-VL image processor, which Qwen3-VL's
-        uses) to multiples of patch x merge pixels within this builder's pixel bounds."""
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
-        ip = self.processor.image_processor
-        patch = ip.patch_size
-        height, width = smart_resize(size[1], size[0], factor=patch * ip.merge_size,
-                                     min_pixels=self.size["shortest_edge"], max_pixels=self.size["longest_edge"])
-        return (1, height // patch, width // patch)
-
-    def _open(self, source: _Source) -> tuple[PILImage.Image, str | None, str]:
-        """``source`` opened, the key to cache its processed pixels under, and its pixels'
-        SHA-256. A file or bytes is read once (bounded) and the key is the digest of exactly the
-        bytes decoded, so a file changed since its key was taken cannot put other pixels under
-        that key.
-
-        Raises:
-            InvalidImageError: as :func:`engine.inputs.images.open_image`.
-            ImageDigestMismatchError: the bytes do not hash to the claimed digest.
-        """
-        if source.opened is not None:
-            return source.opened, source.key, source.opened_sha
-        src, key = source.src, None
-        if isinstance(src, _BYTE_SOURCES):
-            src = read_image_bytes(src, self.image_options)
-            key = bytes_sha256(src)
-            if source.claim is not None and key != source.claim:
-                raise ImageDigestMismatchError(
-                    "an image's sha256 does not match its bytes; send the image without it"
-                )
-        image = open_image(src, self.image_options)
-        return image, key, image_sha256(image)
 
     def _build_from_cache(self, text: str, images: list[ProcessedImage]) -> Prompt:
         """The processor's token expansion (each image pad repeated once per merged patch), without
@@ -436,9 +290,9 @@ class PromptBuilder:
             input_ids += rest
         return self._prompt(input_ids, images, [], None, [])
 
-    def _build_with_videos(self, text: str, sources: list[_Source], raw_videos, salt: str) -> Prompt:
+    def _build_with_videos(self, text: str, sources: list[Source], raw_videos, salt: str) -> Prompt:
         """With videos the processor takes the images and videos of the prompt in one call."""
-        opened = [self._open(source) for source in sources]
+        opened = [self.images.open(source) for source in sources]
         images = [im for im, _, _ in opened]
         videos = [([open_image(f, self.image_options) for f in frames], fps) for frames, fps in raw_videos]
         kwargs = {"return_tensors": "pt"}
@@ -459,36 +313,16 @@ class PromptBuilder:
             grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
             pixels = out["pixel_values"].split([t * h * w for t, h, w in grids])
             for (im, key, sha), g, px in zip(opened, grids, pixels, strict=True):
-                processed.append(ProcessedImage(sha, g, self._keep(px), im.size))
-                self._remember(salt, key, processed[-1])
+                processed.append(ProcessedImage(sha, g, self.images.keep(px), im.size))
+                self.images.remember(salt, key, processed[-1])
         video_grids = [tuple(g) for g in out["video_grid_thw"].tolist()]
         return self._prompt(
             out["input_ids"][0].tolist(), processed, video_grids, out.get("pixel_values_videos"),
             [_video_sha256(frames, fps) for frames, fps in videos],
         )
 
-    def _process(self, source: _Source, salt: str) -> ProcessedImage:
-        image, key, sha = self._open(source)
-        out = self.processor.image_processor(images=[image], size=self.size, return_tensors="pt")
-        grid = tuple(out["image_grid_thw"][0].tolist())
-        item = ProcessedImage(sha, grid, self._keep(out["pixel_values"]), image.size)
-        self._remember(salt, key, item)
-        return item
 
-    def _keep(self, pixels: torch.Tensor) -> torch.Tensor:
-        return pixels if self.pixel_dtype is None else pixels.to(self.pixel_dtype)
 
-    def _remember(self, salt: str, key: str | None, item: ProcessedImage) -> None:
-        if key is None:
-            return
-        with self._lock:
-            if (salt, key) in self._processed or item.nbytes > self.cache_bytes:
-                return
-            self._processed[salt, key] = item
-            self._cached_bytes += item.nbytes
-            while self._cached_bytes > self.cache_bytes:
-                _, old = self._processed.popitem(last=False)
-                self._cached_bytes -= old.nbytes
 
     def _prompt(self, input_ids, images: list[ProcessedImage], video_grids, video_pixels, video_hashes) -> Prompt:
         image_grids = [im.grid for im in images]
