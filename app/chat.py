@@ -35,8 +35,9 @@ DEFAULT_TITLE = "New chat"
 #: A chat is titled by its first question, up to the store's title limit: the sidebar shortens it
 #: on screen and shows all of it on hover.
 TITLE_FROM_QUESTION_CHARS = MAX_TITLE_LENGTH
-#: How the title of a continued copy of a shared chat ends.
-COPY_SUFFIX = " (copy)"
+#: How the title of a continued copy of a shared chat starts (in front, so that the sidebar, which
+#: shortens long titles, still shows it).
+COPY_PREFIX = "Copy of "
 _TURN_ID_RE = re.compile(r"[1-9][0-9]{0,17}")
 
 
@@ -179,13 +180,12 @@ def _checked_question(question) -> str:
 
 
 def copy_title(title: str) -> str:
-    """The title of a continued copy of a chat titled ``title``: ``"<title> (copy)"``, shortened
+    """The title of a continued copy of a chat titled ``title``: ``"Copy of <title>"``, shortened
     to fit the store's title limit; a copy of a copy is not marked twice."""
-    if title.endswith(COPY_SUFFIX):
+    if title.startswith(COPY_PREFIX):
         return title
-    room = MAX_TITLE_LENGTH - len(COPY_SUFFIX)
-    base = title if len(title) <= room else title[: room - 1].rstrip() + "…"
-    return base + COPY_SUFFIX
+    room = MAX_TITLE_LENGTH - len(COPY_PREFIX)
+    return COPY_PREFIX + (title if len(title) <= room else title[: room - 1].rstrip() + "…")
 
 
 class ActiveTurn:
@@ -326,7 +326,7 @@ class ChatService:
         return self.store.rename_session(self._owned(session_id, owner).id, owner, title)
 
     def fork(self, share, owner: str) -> Session:
-        """The visitor's own copy of a "continue" share, titled as a copy (``"<title> (copy)"``),
+        """The visitor's own copy of a "continue" share, titled as a copy (``"Copy of <title>"``),
         so the original and the copy can be told apart in the sidebar.
 
         Raises:
@@ -521,6 +521,11 @@ class ChatService:
             if engine is not None:
                 engine.cancel(req, wait=False)
         return bool(requests)
+
+    def answering(self, session_id: str | None) -> bool:
+        """Whether an answer of the session is in progress (no ownership check)."""
+        with self._lock:
+            return bool(session_id and self._active.get(session_id))
 
     def cancel_all(self) -> int:
         """Cancel every answer in progress (shutdown)."""

@@ -279,6 +279,10 @@ class PrismUI:
         earlier = [v for v in self.chat.turns(active.session.id) if v.turn_id != active.turn.id]
         first = True
         for view in active:
+            if view.status != "streaming" and self.chat.store.get_turn(active.turn.id) is None:
+                # edited or regenerated while it streamed: the answer that replaced it owns the chat
+                yield active.session.id, *(gr.skip() for _ in range(5))
+                continue
             question = "" if (first and clear_question) else gr.skip()
             buttons = _IDLE if view.status != "streaming" else _BUSY if first else (gr.skip(), gr.skip())
             yield active.session.id, chat_messages([*earlier, view]), notice if first else gr.skip(), question, *buttons
@@ -289,10 +293,13 @@ class PrismUI:
 
     def after_answer(self, session_id: str | None, request: gr.Request):
         """Refresh the panels once an answer is finished: (sessions, title, plot, pages, engine,
-        Send, Stop); Send is back whatever ended the answer."""
+        Send, Stop); Send is back whatever ended the answer, unless another answer of the chat
+        is streaming."""
         owner = owner_of(request)
         out = self.session_outputs(session_id, owner)
-        return out[1], out[2], out[5], out[6], render.engine_panel(self.loader.status()), *_IDLE
+        # another answer of this chat may have started meanwhile (an edit stops this one): Stop stays
+        buttons = (gr.skip(), gr.skip()) if self.chat.answering(session_id) else _IDLE
+        return out[1], out[2], out[5], out[6], render.engine_panel(self.loader.status()), *buttons
 
     def tick(self):
         """Periodic refresh: banner and engine panel."""

@@ -812,7 +812,33 @@ def test_copy_title_marks_a_copy_once_and_fits():
     from app.chat import copy_title
     from sessions import MAX_TITLE_LENGTH
 
-    assert copy_title("Cats") == "Cats (copy)"
-    assert copy_title("Cats (copy)") == "Cats (copy)"
+    assert copy_title("Cats") == "Copy of Cats"
+    assert copy_title("Copy of Cats") == "Copy of Cats"
     long = copy_title("x" * MAX_TITLE_LENGTH)
-    assert len(long) <= MAX_TITLE_LENGTH and long.endswith("… (copy)")
+    assert len(long) <= MAX_TITLE_LENGTH and long.startswith("Copy of x") and long.endswith("x…")
+
+
+def test_editing_while_an_answer_streams_hands_the_chat_to_the_new_answer(ui, chat, engine):
+    """Editing the question whose answer is streaming stops that answer and asks the edited one.
+    The stopped stream must then leave the chat and the buttons alone: its last update used to put
+    the replaced turn back on screen and Send back in Stop's place while the new answer streamed."""
+    skip = {"__type__": "update"}
+    old = ui.answer(None, "Talk for a long time", 0.0, 2000, False, request())
+    sid = next(old)[0]
+    next(old)
+    evt = types.SimpleNamespace(index=0, value="Short instead?", previous_value="Talk for a long time")
+    new = ui.edit(sid, 0.0, 6, False, evt, request())
+    assert next(new)[5]["visible"] is True  # Stop shows for the new answer
+    assert list(old)[-1][1:] == (skip,) * 5
+    assert ui.after_answer(sid, request())[-2:] == (skip, skip)  # the old stream's refresh keeps Stop
+    final = list(new)[-1]
+    assert [m["content"] for m in final[1][::2]] == ["Short instead?"]
+    assert (final[4]["visible"], final[5]["visible"]) == (True, False)
+    assert ui.after_answer(sid, request())[-2:] == _idle_buttons()
+    assert [t.question for t in chat.turns(sid)] == ["Short instead?"] and engine.stats()["running"] == 0
+
+
+def _idle_buttons():
+    from app.ui import _IDLE
+
+    return _IDLE

@@ -312,9 +312,11 @@ def test_delete_turns_from_drops_that_turn_and_later_ones_only(store, alice, bob
     simply unknown are refused with NotFound / PermissionDenied, and nothing is deleted."""
     chat = store.create_session(alice, "chat")
     other = store.create_session(alice, "other chat")
-    turns = [store.add_turn(chat.id, f"q{i}") for i in range(4)]
-    elsewhere = store.add_turn(other.id, "other q")
+    turns = [store.add_turn(chat.id, f"q{i}") for i in range(2)]
+    elsewhere = store.add_turn(other.id, "other q")  # an id between this chat's turns
+    turns += [store.add_turn(chat.id, f"q{i}") for i in range(2, 4)]
     ids = [t.id for t in turns]
+    assert ids[1] < elsewhere.id < ids[2]
     for bad in (elsewhere.id, -1, 0, 2**63, 10**30, ids[-1] + 100, "3", 2.0, True, None):
         with pytest.raises(NotFound):
             store.delete_turns_from(chat.id, alice, bad)
