@@ -8,9 +8,9 @@ images, share links) send their clicks back through ``gr.HTML``'s ``trigger``.
 The owner key comes from the HttpOnly cookie that :mod:`app.server` gives every browser.
 
 Asking again: a question can be edited in place (Gradio's own editor on user messages, whose
-event names the message by its index in the chat) and any answer regenerated (prism.js puts an
-"Ask again" button on each answer, naming its turn id through a hidden ``gr.HTML`` bridge). Both
-come from the browser, so they are checked against the session's own turns
+event names the message by its index in the chat) and any answer regenerated (prism.js puts a
+"↻ Regenerate" button on each answer, naming its turn id through a hidden ``gr.HTML`` bridge).
+Both come from the browser, so they are checked against the session's own turns
 (:meth:`app.chat.ChatService.edit`); the turn and every later one are replaced.
 """
 
@@ -44,8 +44,8 @@ element.addEventListener('click', (event) => {
   if (el) { event.preventDefault(); trigger('click', {%(key)s: el.dataset.%(key)s}); }
 });
 """
-# The bridge from prism.js's "Ask again" buttons to the server (see the module docstring). The
-# latest mount's trigger wins: Gradio may mount the component again.
+# The bridge from prism.js's per-answer Regenerate buttons to the server (see the module
+# docstring). The latest mount's trigger wins: Gradio may mount the component again.
 _ACTIONS_JS = """
 window.prismActions = { regenerate: (turn) => trigger('click', {regenerate: String(turn)}) };
 """
@@ -232,7 +232,7 @@ class PrismUI:
 
     def regenerate_turn(self, session_id, temperature, max_tokens, history, evt: gr.EventData,
                         request: gr.Request):
-        """"Ask again" on any answer (its turn id comes from the page's bridge); that turn and the
+        """Regenerate on any answer (its turn id comes from the page's bridge); that turn and the
         later ones are replaced. Yields like :meth:`answer`."""
         turn_id = event_value(evt, "regenerate") or ""  # "" is refused like any other unknown turn
         yield from self._again(session_id, turn_id, None, _options(temperature, max_tokens, history), request)
