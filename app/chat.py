@@ -11,18 +11,34 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import Completion, ImageDigestMismatchError, PrismError, SamplingParams, media_first_messages
-from sessions import InvalidImageError, LimitExceeded, NotFound, PermissionDenied, Session, SessionStore, StoreError
+from sessions import (
+    MAX_TITLE_LENGTH,
+    InvalidImageError,
+    LimitExceeded,
+    NotFound,
+    PermissionDenied,
+    Session,
+    SessionStore,
+    StoreError,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TITLE = "New chat"
-TITLE_FROM_QUESTION_CHARS = 60
+#: A chat is titled by its first question, up to the store's title limit: the sidebar shortens it
+#: on screen and shows all of it on hover.
+TITLE_FROM_QUESTION_CHARS = MAX_TITLE_LENGTH
+#: How the title of a continued copy of a shared chat starts (in front, so that the sidebar, which
+#: shortens long titles, still shows it).
+COPY_PREFIX = "Copy of "
+_TURN_ID_RE = re.compile(r"[1-9][0-9]{0,17}")
 
 
 class ChatError(Exception):
@@ -145,13 +161,43 @@ def build_messages(images: list, question: str, history: list[tuple[str, str]] |
     return messages
 
 
+_GONE = "That question is no longer part of this chat (it was edited or deleted, maybe in another tab)."
+
+
+def _checked_question(question) -> str:
+    """The question, stripped.
+
+    Raises:
+        ChatError: empty, not text, or not valid Unicode.
+    """
+    question = (question if isinstance(question, str) else "").strip()
+    if not question:
+        raise ChatError("Please type a question first.")
+    if not is_unicode_text(question):
+        raise ChatError("The question contains a broken character (an unpaired UTF-16 surrogate, as left by "
+                        "a bad copy and paste); remove it and send the question again.")
+    return question
+
+
+def copy_title(title: str) -> str:
+    """The title of a continued copy of a chat titled ``title``: ``"Copy of <title>"``, shortened
+    to fit the store's title limit; a copy of a copy is not marked twice."""
+    if title.startswith(COPY_PREFIX):
+        return title
+    room = MAX_TITLE_LENGTH - len(COPY_PREFIX)
+    return COPY_PREFIX + (title if len(title) <= room else title[: room - 1].rstrip() + "…")
+
+
 class ActiveTurn:
     """A question being answered. Iterate it for :class:`TurnView` snapshots (one per text delta,
-    then the final one); :meth:`ChatService.stop` ends it early with the text so far."""
+    then the final one); :meth:`ChatService.stop` ends it early with the text so far.
+    ``replaced``: how many earlier turns it replaced (an edited or regenerated turn and the ones
+    after it; 0 for a new question)."""
 
     def __init__(self, service: ChatService, session: Session, turn, request=None, error: str | None = None):
         self.service, self.session, self.turn = service, session, turn
         self.request, self.error = request, error
+        self.replaced = 0
         self.text = ""
         self.final: TurnView | None = None
 
@@ -169,21 +215,25 @@ class ActiveTurn:
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, Completion):
+                    self.service.observe(item)
                     self.final = self._record(completion=item)
                     yield self.final
                     return
                 self.text += item
                 yield TurnView(self.turn.id, self.turn.question, self.text, "streaming", line="generating ...")
         except PrismError as exc:
+            self.service.observe(None, "error")
             self.final = self._record(error=str(exc) or type(exc).__name__)
             yield self.final
         except Exception as exc:  # a bug must not leave the turn unfinished
             log.exception("answer failed")
+            self.service.observe(None, "error")
             self.final = self._record(error=f"internal error: {exc}")
             yield self.final
         finally:
             self.service._forget(self.session.id, req, self.turn.id)
             if self.final is None:  # the reader went away (browser closed): free the engine at once
+                self.service.observe(None, "abort")
                 if engine is not None:
                     engine.cancel(req)  # returns once its KV pages are free
                 self._record(cancelled=True)
@@ -212,12 +262,16 @@ class ChatService:
         engine_source: an object with an ``engine`` attribute (the :class:`~app.model_loader.ModelLoader`),
             None while the model is loading.
         max_upload_bytes: uploads larger than this are refused before being read.
+
+    ``metrics`` (an :class:`~app.metrics.Metrics`, set by :func:`app.server.create_app`; None:
+    not counted) counts every answer that reached the engine.
     """
 
     def __init__(self, store: SessionStore, engine_source, *, max_upload_bytes: int = 50 * 2**20):
         self.store = store
         self.engine_source = engine_source
         self.max_upload_bytes = max_upload_bytes
+        self.metrics = None
         self._active: dict[str, list] = {}
         self._active_turns: set[int] = set()
         self._lock = threading.Lock()
@@ -234,6 +288,16 @@ class ChatService:
                 raise ChatError(f"The model could not be loaded: {getattr(self.engine_source, 'error', '')}")
             raise ChatError("The model is still loading; try again in a moment (progress is shown in the terminal).")
         return engine
+
+    def observe(self, completion: Completion | None, failure: str = "error") -> None:
+        """Count a finished answer in :attr:`metrics` (``failure``, ``"error"`` or ``"abort"``,
+        when it ended without a completion)."""
+        if self.metrics is None:
+            return
+        if completion is not None:
+            self.metrics.observe(completion)
+        else:
+            self.metrics.observe_failure(failure)
 
     # ------------------------------------------------------------------ sessions
     def sessions(self, owner: str) -> list[Session]:
@@ -260,6 +324,16 @@ class ChatService:
 
     def rename(self, session_id: str, owner: str, title: str) -> Session:
         return self.store.rename_session(self._owned(session_id, owner).id, owner, title)
+
+    def fork(self, share, owner: str) -> Session:
+        """The visitor's own copy of a "continue" share, titled as a copy (``"Copy of <title>"``),
+        so the original and the copy can be told apart in the sidebar.
+
+        Raises:
+            NotFound, PermissionDenied, ValueError: as :meth:`SessionStore.fork_session`.
+        """
+        session = self.store.fork_session(share, owner)
+        return self.store.rename_session(session.id, owner, copy_title(session.title))
 
     def delete(self, session_id: str, owner: str) -> None:
         session = self._owned(session_id, owner)
@@ -305,6 +379,18 @@ class ChatService:
             return None, problems
         return self.store.get_session(session.id, owner=owner) or session, problems
 
+    def upscale_notice(self, name: str, width: int, height: int) -> str | None:
+        """A note for an image smaller than the model's minimum (its processor then upscales it,
+        so the model sees little detail), or None; None too while the model is loading."""
+        engine = self.engine_or_none()
+        if engine is None:
+            return None
+        minimum = int(engine.prompts.size.get("shortest_edge") or 0)
+        if int(width) * int(height) >= minimum:
+            return None
+        return (f"{name} is only {int(width)}×{int(height)} pixels, under the model's minimum of {minimum:,} pixels: "
+                "it was upscaled, so the model sees little detail in it.")
+
     def _read_upload(self, source) -> bytes:
         if isinstance(source, (bytes, bytearray, memoryview)):
             data = bytes(source)
@@ -337,12 +423,7 @@ class ChatService:
                 errors (a request too long, a bad image) do not raise: the turn records them and
                 the returned :class:`ActiveTurn` shows them beside that answer.
         """
-        question = (question or "").strip()
-        if not question:
-            raise ChatError("Please type a question first.")
-        if not is_unicode_text(question):
-            raise ChatError("The question contains a broken character (an unpaired UTF-16 surrogate, as left by "
-                            "a bad copy and paste); remove it and send the question again.")
+        question = _checked_question(question)
         options = options or ChatOptions()
         engine = self._engine()
         session = self.ensure_session(session_id, owner)
@@ -373,14 +454,61 @@ class ChatService:
             self._active.setdefault(session.id, []).append(req)
         return ActiveTurn(self, session, turn, request=req)
 
-    def regenerate(self, session_id: str | None, owner: str, options: ChatOptions | None = None) -> ActiveTurn:
-        """Ask the session's last question again (its old answer is deleted)."""
+    def edit(self, session_id: str | None, owner: str, turn_id, question: str,
+             options: ChatOptions | None = None) -> ActiveTurn:
+        """Ask ``question`` in place of turn ``turn_id``'s question: that turn and every later one
+        are deleted, and the chat goes on from there. The cache reuses what still matches: the
+        image prefix and, with history on, the KV of the turns before it (conversation reuse).
+
+        ``turn_id`` comes from the browser: an int or a string of digits naming one of this
+        session's turns.
+
+        Raises:
+            ChatError: the chat is not the owner's, ``turn_id`` is not one of its turns (another
+                chat's, gone, negative, huge, not a number), the question is empty or broken, or
+                the model is not loaded. Nothing is deleted then.
+        """
         session = self._owned(session_id, owner)
+        question = _checked_question(question)
+        self._engine()  # a loading model refuses before anything is deleted
+        turn = self._turn_of(session, turn_id)
         self.stop(session.id, owner)
-        last = self.store.delete_last_turn(session.id, owner)
-        if last is None:
-            raise ChatError("There is no question to ask again yet.")
-        return self.ask(session.id, owner, last.question, options)
+        try:
+            replaced = self.store.delete_turns_from(session.id, owner, turn.id)
+        except NotFound:  # another tab got there first
+            raise ChatError(_GONE) from None
+        active = self.ask(session.id, owner, question, options)
+        active.replaced = len(replaced)
+        return active
+
+    def regenerate(self, session_id: str | None, owner: str, options: ChatOptions | None = None, *,
+                   turn_id=None) -> ActiveTurn:
+        """Ask turn ``turn_id``'s question again (default: the last turn's); its old answer and
+        every later turn are deleted. Refusals as :meth:`edit`."""
+        session = self._owned(session_id, owner)
+        if turn_id is None:
+            turns = self.store.list_turns(session.id)
+            if not turns:
+                raise ChatError("There is no question to ask again yet.")
+            turn = turns[-1]
+        else:
+            turn = self._turn_of(session, turn_id)
+        return self.edit(session.id, owner, turn.id, turn.question, options)
+
+    def _turn_of(self, session: Session, turn_id):
+        """The session's turn ``turn_id`` (an int, or a string of digits, from the browser).
+
+        Raises:
+            ChatError: anything else, or a turn of another session: the same message whether or
+                not that id exists elsewhere.
+        """
+        if isinstance(turn_id, str) and _TURN_ID_RE.fullmatch(turn_id):
+            turn_id = int(turn_id)
+        if isinstance(turn_id, int) and not isinstance(turn_id, bool):
+            for turn in self.store.list_turns(session.id):
+                if turn.id == turn_id:
+                    return turn
+        raise ChatError(_GONE)
 
     def stop(self, session_id: str | None, owner: str) -> bool:
         """Cancel the session's answers in progress (the engine frees them at once)."""
@@ -393,6 +521,11 @@ class ChatService:
             if engine is not None:
                 engine.cancel(req, wait=False)
         return bool(requests)
+
+    def answering(self, session_id: str | None) -> bool:
+        """Whether an answer of the session is in progress (no ownership check)."""
+        with self._lock:
+            return bool(session_id and self._active.get(session_id))
 
     def cancel_all(self) -> int:
         """Cancel every answer in progress (shutdown)."""

@@ -4,6 +4,17 @@ Messages may mix text parts and ``image_url`` parts whose URL is a base64 ``data
 URLs are refused: the server never fetches anything). ``stream: true`` answers with server-sent
 events. A client that disconnects mid-answer cancels its request in the engine.
 
+``model`` may be left out (the served model answers); a model this server does not serve is a
+404 with code ``model_not_found``, as OpenAI and vLLM answer. ``GET /v1/models`` lists the one
+served model.
+
+An answer cut short never looks finished. Stopped before its end (the server shutting down, a
+cancel in the engine), a stream's last chunk has ``finish_reason: "abort"`` (vLLM's reason for
+an aborted request) and is followed by an error event, ``data: {"error": {..., "code":
+"aborted"}}``, before ``data: [DONE]``; a failure inside the engine sends the error event alone
+(as vLLM does), never a ``finish_reason``. The same without streaming: 503 (code ``aborted``) or
+500, in OpenAI's error shape.
+
 Who may call, and what is shared (see README, "What stays with its owner"):
 
 * With API keys configured (``--api-key``, ``PRISM_API_KEYS``, ``--api-key-file``), every ``/v1``
@@ -30,6 +41,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import logging
 import queue
 import re
 import secrets
@@ -49,6 +61,10 @@ from engine import (
     PrismError,
     SamplingParams,
 )
+
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 #: Most tokens an answer gets when the request sets neither ``max_tokens`` nor
 #: ``max_completion_tokens`` (fewer when the prompt leaves less room in the context).
@@ -186,7 +202,24 @@ def _usage(completion: Completion) -> dict:
 
 
 def _finish_reason(completion: Completion) -> str:
-    return "length" if completion.finish_reason == "length" else "stop"
+    """OpenAI's ``finish_reason`` (``stop``, ``length``), or vLLM's ``abort`` for an answer
+    cancelled before its end."""
+    return {"stop": "stop", "length": "length"}.get(completion.finish_reason, "abort")
+
+
+def _sse_error(error: APIError) -> str:
+    """An error as a server-sent event, in OpenAI's error shape."""
+    body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _failure(exc: BaseException) -> APIError:
+    """The 500 for a request that failed inside the engine (a bug is logged, and named only by
+    its type)."""
+    if isinstance(exc, PrismError):
+        return APIError(500, f"the request failed: {exc}", "server_error")
+    log.error("API request failed", exc_info=exc)
+    return APIError(500, f"the request failed: internal error ({type(exc).__name__})", "server_error")
 
 
 def prompt_cache_key_of(body: dict) -> str | None:
@@ -223,14 +256,18 @@ class OpenAIAPI:
             none: cross-origin preflights are not answered, so browsers on other origins cannot
             send JSON here.
         secret: the server secret salts are derived from (random per process by default).
+        metrics: where finished and refused requests are counted (a private one by default).
     """
 
-    def __init__(self, loader, *, max_image_bytes: int, api_keys=(), cors_origins=(), secret: bytes | None = None):
+    def __init__(self, loader, *, max_image_bytes: int, api_keys=(), cors_origins=(), secret: bytes | None = None,
+                 metrics: Metrics | None = None):
         self.loader = loader
         self.max_image_bytes = max_image_bytes
+        self.metrics = metrics or Metrics(loader)
         self._keys = [_digest(k) for k in api_keys]
         self._secret = secret or secrets.token_bytes(32)
         self._active: set = set()
+        self._stopping = False
         self.app = FastAPI(title="Prism API", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_api_route("/models", self.models, methods=["GET"])
         self.app.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
@@ -239,7 +276,9 @@ class OpenAIAPI:
                                     allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     def cancel_all(self) -> int:
-        """Cancel every API request in progress (shutdown); their streams end at once."""
+        """Cancel every API request in progress (shutdown): their streams end at once, as aborted
+        (see the module docstring), and later requests get 503."""
+        self._stopping = True
         engine, requests = self.loader.engine, list(self._active)
         for req in requests:
             if engine is not None:
@@ -279,10 +318,31 @@ class OpenAIAPI:
     def _model_id(self) -> str:
         return self.loader.model_id or "prism"
 
+    def check_model(self, body: dict) -> None:
+        """The request's ``model`` must be the served one; absent or null means the served one.
+
+        Raises:
+            APIError: 400 when ``model`` is not a string; 404 (code ``model_not_found``) when it
+                names a model this server does not serve. While the model is still being chosen
+                any name passes (the request then gets the 503 of a loading server).
+        """
+        model = body.get("model")
+        if model is None:
+            return
+        if not isinstance(model, str):
+            raise _bad("model must be a string (the id GET /v1/models lists), or left out", "model")
+        served = self.loader.model_id
+        if served is not None and model != served:
+            shown = model if len(model) <= 200 else model[:199] + "…"
+            raise APIError(404, f"The model `{shown}` does not exist on this server; it serves `{served}` "
+                                "(GET /v1/models lists it; leave model out to use it).", param="model",
+                           code="model_not_found")
+
     async def models(self, request: Request):
         try:
             self.authorize(request)
         except APIError as exc:
+            self.metrics.observe_rejected(exc.status)
             return exc.response()
         engine_ready = getattr(self.loader, "engine", None) is not None
         data = [{"id": self._model_id(), "object": "model", "created": int(time.time()), "owned_by": "prism"}]
@@ -295,6 +355,7 @@ class OpenAIAPI:
                 raise APIError(415, "the request body must be JSON, sent with Content-Type: application/json",
                                code="unsupported_media_type")
             body = await self._body(request)
+            self.check_model(body)
             messages = convert_messages(body.get("messages"), self.max_image_bytes)
             sampling = sampling_from(body)
             salt = self.salt_for(api_key, prompt_cache_key_of(body))
@@ -303,26 +364,37 @@ class OpenAIAPI:
                 raise _bad("stream must be true or false", "stream")
             options = body.get("stream_options") or {}
             include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+            if self._stopping:
+                raise APIError(503, "the server is shutting down", "server_error")
             engine = self.loader.engine
             if engine is None:
                 raise APIError(503, "the model is still loading; retry shortly", "server_error")
             req = await run_in_threadpool(self._submit, engine, messages, sampling, salt)
         except APIError as exc:
+            self.metrics.observe_rejected(exc.status)
             return exc.response()
         rid = "chatcmpl-" + secrets.token_hex(12)
         if stream:
             return StreamingResponse(self._sse(request, engine, req, rid, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text = []
+        return await self._complete(request, engine, req, rid)
+
+    def _aborted(self) -> APIError:
+        """The error of an answer cancelled before its end (503: retry, elsewhere or later)."""
+        why = "the server is shutting down" if self._stopping else "it was cancelled in the engine"
+        return APIError(503, f"the answer was stopped before it was finished: {why}", "server_error", code="aborted")
+
+    async def _complete(self, request: Request, engine, req, rid: str):
+        """The non-streaming answer: the whole completion, or the error that ended it."""
         try:
             async for item in self._items(request, engine, req):
-                if isinstance(item, str):
-                    text.append(item)
-                else:
+                if isinstance(item, Completion):
+                    if _finish_reason(item) == "abort":
+                        return self._aborted().response()
                     return self._completion_body(rid, item)
-        except PrismError as exc:
-            return APIError(500, f"the request failed: {exc}", "server_error").response()
+        except Exception as exc:
+            return _failure(exc).response()
         return APIError(499, "client closed the request", "server_error").response()
 
     @staticmethod
@@ -347,7 +419,8 @@ class OpenAIAPI:
             raise APIError(500, str(exc), "server_error") from None
 
     async def _items(self, request: Request, engine, req) -> AsyncIterator:
-        """The request's deltas and completion; cancels it if the client goes away or we stop early."""
+        """The request's deltas and completion (an error from the engine is raised); cancels it if
+        the client goes away or we stop early. Counts the outcome in :attr:`metrics`."""
         finished = False
         last_check = time.monotonic()
         self._active.add(req)
@@ -364,15 +437,18 @@ class OpenAIAPI:
                     continue
                 if isinstance(item, BaseException):
                     finished = True
+                    self.metrics.observe_failure("error")
                     raise item
                 if isinstance(item, Completion):
                     finished = True
+                    self.metrics.observe(item)
                 yield item
                 if finished:
                     return
         finally:
             self._active.discard(req)
             if not finished:
+                self.metrics.observe_failure("abort")
                 engine.cancel(req, wait=False)
 
     def _completion_body(self, rid: str, completion: Completion) -> dict:
@@ -398,13 +474,14 @@ class OpenAIAPI:
                 if isinstance(item, str):
                     yield chunk({"content": item})
                     continue
-                yield chunk({}, _finish_reason(item), prism={"telemetry": item.telemetry.to_dict()})
+                reason = _finish_reason(item)
+                yield chunk({}, reason, prism={"telemetry": item.telemetry.to_dict()})
                 if include_usage:
                     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": _usage(item)}
                     yield f"data: {json.dumps(body)}\n\n"
-        except PrismError as exc:
-            error = {"error": {"message": f"the request failed: {exc}", "type": "server_error", "param": None,
-                               "code": None}}
-            yield f"data: {json.dumps(error)}\n\n"
+                if reason == "abort":  # a client reading only finish_reason "stop"/"length" still sees it
+                    yield _sse_error(self._aborted())
+        except Exception as exc:  # the engine failed the request (or a bug): an error event, no finish_reason
+            yield _sse_error(_failure(exc))
         yield "data: [DONE]\n\n"

@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from .chat import TurnView
 
-STATIC_VERSION = "3"  # bump to make browsers refetch static/prism.css and prism.js
+STATIC_VERSION = "4"  # bump to make browsers refetch static/prism.css and prism.js
 
 #: A text-only chat's thumbnail: a speech bubble drawn inline (an emoji needs an emoji font, which
 #: many machines lack, and then shows as an empty box).
@@ -61,11 +61,13 @@ def chip_kind(view: TurnView) -> str:
 
 
 def telemetry_chip(view: TurnView) -> str:
-    """The telemetry line beside an answer, as a styled chip (``<div class="prism-tel ...">``)."""
+    """The telemetry line beside an answer, as a styled chip (``<div class="prism-tel ...">``);
+    its ``prism-turn-<id>`` class names its turn for the page's Regenerate button (a class, not a
+    ``data-`` attribute: the chat's HTML sanitizer drops those)."""
     kind = chip_kind(view)
     icon = {"error": "⚠ ", "streaming": ""}.get(kind, "")
     text = view.line or ("error" if kind == "error" else "")
-    return (f'<div class="prism-tel prism-tel-{_e(kind)}" data-prefix="{_e(kind)}">'
+    return (f'<div class="prism-tel prism-tel-{_e(kind)} prism-turn-{int(view.turn_id)}" data-prefix="{_e(kind)}">'
             f"{icon}{_e(text)}</div>")
 
 
@@ -129,10 +131,13 @@ def images_strip(records, *, editable: bool = True, url: Callable[[str], str] = 
         remove = (f'<button type="button" class="prism-remove" data-remove="{_e(r.sha256)}" '
                   f'title="Remove image {n}" aria-label="Remove image {n}">×</button>') if editable else ""
         name = r.filename or f"image {n}"
+        size = f"{int(r.width)}×{int(r.height)}"
+        # the remove button sits in the caption, beside the name: over the photo it hid part of it
         figures.append(
             f'<figure class="prism-image"><img src="{_e(url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
-            f'{remove}<figcaption><b>Image {n}</b> · {int(r.width)}×{int(r.height)}'
-            f'<span class="prism-image-name">{_e(name)}</span></figcaption></figure>'
+            f'<figcaption><span class="prism-image-label" title="Image {n} · {size}"><b>Image {n}</b> · {size}</span>'
+            f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>{remove}'
+            f"</span></figcaption></figure>"
         )
     return '<div class="prism-images">' + "".join(figures) + "</div>"
 
@@ -212,6 +217,15 @@ def _cache_entries(stats: dict) -> str:
     return text + (f" + {turns} turn{'s' if turns != 1 else ''} kept for reuse" if turns else "")
 
 
+def _evictions(stats: dict) -> str:
+    """``3 image prefixes · 12 turns kept for reuse``: entries evicted, by kind (an evicted
+    image prefix costs the vision encoder and the prefix prefill again, an evicted turn only its
+    conversation's recompute)."""
+    prefixes, turns = int(stats.get("cache_prefix_evictions", 0)), int(stats.get("cache_extension_evictions", 0))
+    return (f"{prefixes:,} image prefix{'es' if prefixes != 1 else ''} · "
+            f"{turns:,} turn{'s' if turns != 1 else ''} kept for reuse")
+
+
 def engine_panel(status: dict) -> str:
     """The engine panel: model, device, KV pool use (running / cached / free), cache counters."""
     if status.get("status") != "ok" or "engine" not in status:
@@ -231,7 +245,7 @@ def engine_panel(status: dict) -> str:
         ("Prefix cache", f"{_cache_entries(s)} · hit rate {hit_rate} "
                          f"({s.get('cache_hits', 0)} hit / {s.get('cache_misses', 0)} miss / "
                          f"{s.get('cache_stale', 0)} stale)"),
-        ("Evictions", f"{s.get('cache_evictions', 0):,}"),
+        ("Evictions", _evictions(s)),
         ("Tokens saved", f"{s.get('prompt_tokens_saved', 0):,} prompt tokens"),
     ]
     table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)

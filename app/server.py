@@ -4,6 +4,8 @@ Gradio page mounted at ``/``.
 Routes (ours are registered before Gradio's mount, so they take precedence):
 
 * ``GET /healthz``: JSON with the model id, device, KV dtype and engine state; 503 until loaded.
+* ``GET /metrics``: Prometheus metrics (:mod:`app.metrics`); with API keys configured it needs
+  one (``Authorization: Bearer KEY``), like ``/v1``; without, it is open like ``/healthz``.
 * ``GET /images/<sha256>``: an uploaded image by its hash (64 lowercase hex digits), only to an
   owner of a session that holds it (the owner cookie; same-origin ``<img>`` requests send it).
 * ``GET /s/<token>``: a shared session, read-only; ``POST /s/<token>/fork`` copies a
@@ -48,8 +50,9 @@ from .gradio_guard import (
     sweep_periodically,
 )
 from .guards import BodyCaps, BodySizeLimit, SameOriginGuard, SecurityHeaders
+from .metrics import Metrics
 from .model_loader import ModelLoader
-from .openai_api import OpenAIAPI
+from .openai_api import APIError, OpenAIAPI
 from .settings import Settings
 from .ui import OWNER_COOKIE, PrismUI, theme
 
@@ -116,8 +119,13 @@ def _not_found() -> Response:
 
 def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, chat: ChatService | None = None,
                *, mount_ui: bool = True) -> FastAPI:
-    """Build the whole web app. ``mount_ui=False`` leaves out the Gradio page (API tests)."""
+    """Build the whole web app. ``mount_ui=False`` leaves out the Gradio page (API tests).
+
+    The app's :class:`~app.metrics.Metrics` (its own registry) counts the chat's and the API's
+    requests: it is attached to ``chat`` here."""
     chat = chat or ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
+    metrics = Metrics(loader)
+    chat.metrics = metrics
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -130,7 +138,9 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
             tasks.cancel_scope.cancel()
 
     app = FastAPI(title="Prism", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.chat, app.state.loader, app.state.store = chat, loader, store
+    app.state.chat, app.state.loader, app.state.store, app.state.metrics = chat, loader, store, metrics
+    api = OpenAIAPI(loader, max_image_bytes=settings.max_upload_bytes, api_keys=settings.api_keys,
+                    cors_origins=settings.cors_origins, metrics=metrics)
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD for load balancers' health checks
     def healthz():
@@ -138,6 +148,16 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
         status = loader.status()
         return JSONResponse(status, status_code=200 if status["status"] == "ok" else 503,
                             headers={"Cache-Control": "no-store"})
+
+    @app.get("/metrics")
+    def prometheus_metrics(request: Request):
+        """Prometheus' text format; behind the API key when keys are configured (401 otherwise)."""
+        try:
+            api.authorize(request)
+        except APIError as exc:
+            return exc.response()
+        body, content_type = metrics.exposition(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type, "Cache-Control": "no-store"})
 
     def image_response(sha: str, cache_control: str) -> Response:
         path = store.image_path(sha)
@@ -181,19 +201,17 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
 
     @app.post("/s/{token}/fork")
     def fork(token: str, request: Request):
-        """Copy a "continue" share into the visitor's sessions and open it."""
+        """Copy a "continue" share into the visitor's sessions (titled as a copy) and open it."""
         share = store.resolve_share(token)
         if share is None or share.mode != "continue":
             return HTMLResponse(render.not_found_page(), status_code=404, headers=_PRIVATE)
         try:
-            session = store.fork_session(share, owner_from(request))
+            session = chat.fork(share, owner_from(request))
         except (NotFound, PermissionDenied, ValueError):
             return HTMLResponse(render.not_found_page(), status_code=404, headers=_PRIVATE)
         return RedirectResponse(f"/?session={session.id}", status_code=303, headers=_PRIVATE)
 
     app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="prism-static")
-    api = OpenAIAPI(loader, max_image_bytes=settings.max_upload_bytes, api_keys=settings.api_keys,
-                    cors_origins=settings.cors_origins)
     app.mount("/v1", api.app)
     app.state.openai = api
     app.add_middleware(OwnerCookieMiddleware)

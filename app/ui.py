@@ -6,6 +6,12 @@ functions of :class:`PrismUI` so tests can call them directly; lists rendered as
 images, share links) send their clicks back through ``gr.HTML``'s ``trigger``.
 
 The owner key comes from the HttpOnly cookie that :mod:`app.server` gives every browser.
+
+Asking again: a question can be edited in place (Gradio's own editor on user messages, whose
+event names the message by its index in the chat) and any answer regenerated (prism.js puts a
+"↻ Regenerate" button on each answer, naming its turn id through a hidden ``gr.HTML`` bridge).
+Both come from the browser, so they are checked against the session's own turns
+(:meth:`app.chat.ChatService.edit`); the turn and every later one are replaced.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ element.addEventListener('click', (event) => {
   if (el) { event.preventDefault(); trigger('click', {%(key)s: el.dataset.%(key)s}); }
 });
 """
+# The bridge from prism.js's per-answer Regenerate buttons to the server (see the module
+# docstring). The latest mount's trigger wins: Gradio may mount the component again.
+_ACTIONS_JS = """
+window.prismActions = { regenerate: (turn) => trigger('click', {regenerate: String(turn)}) };
+"""
 _SHARES_JS = """
 const absolute = () => element.querySelectorAll('input.prism-link').forEach(
   (input) => { input.value = window.location.origin + input.dataset.path; });
@@ -65,6 +76,30 @@ def event_value(evt: gr.EventData | None, key: str) -> str | None:
     data = getattr(evt, "_data", None) or {}
     value = data.get(key) if isinstance(data, dict) else None
     return value if isinstance(value, str) else None
+
+
+#: The Send and Stop buttons (one shows at a time) while an answer streams, and after it.
+_BUSY = ({"__type__": "update", "visible": False}, {"__type__": "update", "visible": True})
+_IDLE = ({"__type__": "update", "visible": True}, {"__type__": "update", "visible": False})
+
+
+def turn_at(views: list[TurnView], index, previous_value=None) -> int:
+    """The turn id of the user message at chat position ``index`` (as Gradio's edit event names
+    it: two messages per turn, the question first), checked: an int, even, within the chat, and,
+    when the browser sends the text it showed, that text is the turn's question (a stale tab
+    must not edit another question than the one it showed).
+
+    Raises:
+        ChatError: anything else.
+    """
+    stale = ChatError("This chat has changed (in another tab?); it is shown again as it is now. Edit the "
+                      "question again.")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0 or index % 2 or index // 2 >= len(views):
+        raise stale
+    view = views[index // 2]
+    if isinstance(previous_value, str) and previous_value != view.question:
+        raise stale
+    return view.turn_id
 
 
 def chat_messages(views: list[TurnView]) -> list[dict]:
@@ -150,16 +185,27 @@ class PrismUI:
         uploads = [(_name_of(f), _path_of(f)) for f in (files or []) if _path_of(f)]
         notice = ""
         try:
+            before = self.chat.session(session_id, owner)
             session, problems = self.chat.add_images(session_id, owner, uploads)
             session_id = session.id if session is not None else session_id
             if problems:
                 notice = _notice("Not added: " + " ".join(problems), "error")
+            notice += self._upscale_notes(session, set(before.image_shas) if before else set())
         except ChatError as exc:
             notice = _notice(str(exc), "error")
         finally:
             for _, path in uploads:
                 _discard_upload(path)
         return (*self.session_outputs(session_id, owner), notice, None)
+
+    def _upscale_notes(self, session, known: set[str]) -> str:
+        """A notice naming the newly added images that are under the model's minimum size."""
+        if session is None:
+            return ""
+        notes = [self.chat.upscale_notice(r.filename or "an image", r.width, r.height)
+                 for r in self.chat.store.list_images(session.id) if r.sha256 not in known]
+        notes = [n for n in notes if n]
+        return _notice(" ".join(notes), "info") if notes else ""
 
     def remove_image(self, session_id: str | None, evt: gr.EventData, request: gr.Request):
         owner = owner_of(request)
@@ -170,42 +216,90 @@ class PrismUI:
 
     # ------------------------------------------------------------------ questions
     def answer(self, session_id, question, temperature, max_tokens, history, request: gr.Request):
-        """Stream the answer to ``question``: yields (session id, chat, notice, question box)."""
+        """Stream the answer to ``question``: yields (session id, chat, notice, question box,
+        Send, Stop); Send turns into Stop while the answer streams."""
         options = _options(temperature, max_tokens, history)
         try:
             active = self.chat.ask(session_id, owner_of(request), question, options)
         except ChatError as exc:
-            yield session_id, gr.skip(), _notice(str(exc), "info"), gr.skip()
+            yield session_id, gr.skip(), _notice(str(exc), "info"), gr.skip(), *_IDLE
             return
         yield from self._stream(active, clear_question=True)
 
     def regenerate(self, session_id, temperature, max_tokens, history, request: gr.Request):
         """Ask the last question again; yields like :meth:`answer`."""
-        options = _options(temperature, max_tokens, history)
-        try:
-            active = self.chat.regenerate(session_id, owner_of(request), options)
-        except ChatError as exc:
-            yield session_id, gr.skip(), _notice(str(exc), "info"), gr.skip()
-            return
-        yield from self._stream(active, clear_question=False)
+        yield from self._again(session_id, None, None, _options(temperature, max_tokens, history), request)
 
-    def _stream(self, active, clear_question: bool):
+    def regenerate_turn(self, session_id, temperature, max_tokens, history, evt: gr.EventData,
+                        request: gr.Request):
+        """Regenerate on any answer (its turn id comes from the page's bridge); that turn and the
+        later ones are replaced. Yields like :meth:`answer`."""
+        turn_id = event_value(evt, "regenerate") or ""  # "" is refused like any other unknown turn
+        yield from self._again(session_id, turn_id, None, _options(temperature, max_tokens, history), request)
+
+    def edit(self, session_id, temperature, max_tokens, history, evt: gr.EditData, request: gr.Request):
+        """A question edited in the chat: asked again from there (later turns are replaced).
+        Yields like :meth:`answer`."""
+        options = _options(temperature, max_tokens, history)
+        owner = owner_of(request)
+        value = getattr(evt, "value", None)
+        session = self.chat.session(session_id, owner)
+        try:
+            turn_id = turn_at(self.chat.turns(session.id) if session else [], getattr(evt, "index", None),
+                              getattr(evt, "previous_value", None))
+        except ChatError as exc:
+            yield from self._refused(session_id, owner, exc)
+            return
+        yield from self._again(session_id, turn_id, value if isinstance(value, str) else "", options, request)
+
+    def _again(self, session_id, turn_id, question: str | None, options: ChatOptions, request: gr.Request):
+        """Regenerate (``question`` None) or edit turn ``turn_id`` (None: the last turn)."""
+        owner = owner_of(request)
+        try:
+            if question is None:
+                active = self.chat.regenerate(session_id, owner, options, turn_id=turn_id)
+            else:
+                active = self.chat.edit(session_id, owner, turn_id, question, options)
+        except ChatError as exc:
+            yield from self._refused(session_id, owner, exc)
+            return
+        later = active.replaced - 1
+        removed = ("the question after it and its answer" if later == 1
+                   else f"the {later} questions after it and their answers")
+        notice = _notice(f"Asked again from there: {removed} were removed.", "info") if later > 0 else ""
+        yield from self._stream(active, clear_question=False, notice=notice)
+
+    def _refused(self, session_id, owner: str, exc: ChatError):
+        """The chat as stored (the browser may show an edit that was refused) and why."""
+        sid = session_id if self.chat.session(session_id, owner) else None
+        yield session_id, chat_messages(self.chat.turns(sid)), _notice(str(exc), "info"), gr.skip(), *_IDLE
+
+    def _stream(self, active, clear_question: bool, notice: str = ""):
         """The chat so far plus the answer being generated, once per text delta."""
         earlier = [v for v in self.chat.turns(active.session.id) if v.turn_id != active.turn.id]
         first = True
         for view in active:
+            if view.status != "streaming" and self.chat.store.get_turn(active.turn.id) is None:
+                # edited or regenerated while it streamed: the answer that replaced it owns the chat
+                yield active.session.id, *(gr.skip() for _ in range(5))
+                continue
             question = "" if (first and clear_question) else gr.skip()
-            yield active.session.id, chat_messages([*earlier, view]), "", question
+            buttons = _IDLE if view.status != "streaming" else _BUSY if first else (gr.skip(), gr.skip())
+            yield active.session.id, chat_messages([*earlier, view]), notice if first else gr.skip(), question, *buttons
             first = False
 
     def stop(self, session_id: str | None, request: gr.Request):
         self.chat.stop(session_id, owner_of(request))
 
     def after_answer(self, session_id: str | None, request: gr.Request):
-        """Refresh the panels once an answer is finished: (sessions, title, plot, pages, engine)."""
+        """Refresh the panels once an answer is finished: (sessions, title, plot, pages, engine,
+        Send, Stop); Send is back whatever ended the answer, unless another answer of the chat
+        is streaming."""
         owner = owner_of(request)
         out = self.session_outputs(session_id, owner)
-        return out[1], out[2], out[5], out[6], render.engine_panel(self.loader.status())
+        # another answer of this chat may have started meanwhile (an edit stops this one): Stop stays
+        buttons = (gr.skip(), gr.skip()) if self.chat.answering(session_id) else _IDLE
+        return out[1], out[2], out[5], out[6], render.engine_panel(self.loader.status()), *buttons
 
     def tick(self):
         """Periodic refresh: banner and engine panel."""
@@ -277,17 +371,18 @@ class PrismUI:
         c.upload = gr.File(file_count="multiple", file_types=["image"], type="filepath", height=76,
                            show_label=False, label="Add images", elem_id="prism-upload")
         c.notice = gr.HTML("", elem_id="prism-notice")
-        c.chat = gr.Chatbot(elem_id="prism-chat", height=440, show_label=False, buttons=[],
+        c.chat = gr.Chatbot(elem_id="prism-chat", height=440, show_label=False, buttons=[], editable="user",
                             placeholder="Ask anything about your images. Answers stream here, each with its "
                                         "cache and latency telemetry.",
                             feedback_options=None, layout="bubble", group_consecutive_messages=False)
+        c.actions = gr.HTML("", elem_id="prism-chat-actions", js_on_load=_ACTIONS_JS)
         with gr.Row(elem_id="prism-inputrow"):
             c.question = gr.Textbox(label="Question", show_label=False,
                                     placeholder="Ask about the images… (Enter to send)", scale=8,
                                     lines=1, max_lines=6, elem_id="prism-question", container=False, autofocus=True)
             button = {"size": "md", "scale": 0}
             c.send = gr.Button("Send", variant="primary", min_width=70, elem_id="prism-send", **button)
-            c.stop = gr.Button("Stop", variant="stop", min_width=64, elem_id="prism-stop", **button)
+            c.stop = gr.Button("Stop", variant="stop", min_width=70, elem_id="prism-stop", visible=False, **button)
             c.regen = gr.Button("↻ Regenerate", min_width=132, elem_id="prism-regenerate", **button)
 
     @staticmethod
@@ -343,12 +438,14 @@ class PrismUI:
 
         streaming = {"concurrency_limit": CHAT_CONCURRENCY, "concurrency_id": "chat", "show_progress": "hidden"}
         after = {"fn": self.after_answer, "inputs": [c.session],
-                 "outputs": [c.sessions, c.title, c.plot, c.pages, c.engine], **quiet}
+                 "outputs": [c.sessions, c.title, c.plot, c.pages, c.engine, c.send, c.stop], **quiet}
         settings = [c.temperature, c.max_tokens, c.history]
-        answer_out = [c.session, c.chat, c.notice, c.question]
+        answer_out = [c.session, c.chat, c.notice, c.question, c.send, c.stop]
         for event in (c.send.click, c.question.submit):
             event(self.answer, [c.session, c.question, *settings], answer_out, **streaming).then(**after)
         c.regen.click(self.regenerate, [c.session, *settings], answer_out, **streaming).then(**after)
+        c.actions.click(self.regenerate_turn, [c.session, *settings], answer_out, **streaming).then(**after)
+        c.chat.edit(self.edit, [c.session, *settings], answer_out, **streaming).then(**after)
         c.stop.click(self.stop, [c.session], None, queue=False, **quiet)
 
         c.share.click(self.open_share, [c.session], [c.dialog, c.shares, c.notice], **quiet)
@@ -390,9 +487,12 @@ def _notice(message: str, kind: str = "info") -> str:
 
 
 def theme() -> gr.themes.Base:
-    """System fonts only: Gradio's default themes fetch web fonts from an external service."""
+    """System fonts only: Gradio's default themes fetch web fonts from an external service.
+
+    A primary button under the mouse turns darker: Soft's lighter hover shade made "+ New chat"
+    and Send look disabled right after a click (the pointer is still on them)."""
     return gr.themes.Soft(
         primary_hue="indigo", neutral_hue="slate",
         font=["system-ui", "-apple-system", "Segoe UI", "Roboto", "Helvetica Neue", "Arial", "sans-serif"],
         font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "Liberation Mono", "monospace"],
-    )
+    ).set(button_primary_background_fill_hover="*primary_600", button_primary_background_fill_hover_dark="*primary_700")

@@ -639,6 +639,26 @@ class SessionStore:
             db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", [self._now(), session_id])
             return turn_from_row(rows[0])
 
+    def delete_turns_from(self, session_id: str, owner: str, turn_id: int) -> list[Turn]:
+        """Delete turn ``turn_id`` and every later turn of the session (editing or asking again
+        from that turn on); return them, oldest first.
+
+        Raises:
+            NotFound: no such session, or ``turn_id`` is not one of its turns (nothing deleted).
+            PermissionDenied: ``owner`` does not own the session.
+        """
+        with self._write() as db:
+            self._owned(db, session_id, owner)
+            if not isinstance(turn_id, int) or isinstance(turn_id, bool) or not 0 < turn_id < 2**63:
+                raise NotFound("This question is not part of this chat.")
+            rows = list(db.query("SELECT * FROM turns WHERE session_id = ? AND id >= ? ORDER BY id",
+                                 [session_id, turn_id]))
+            if not rows or rows[0]["id"] != turn_id:
+                raise NotFound("This question is not part of this chat.")
+            db.execute("DELETE FROM turns WHERE session_id = ? AND id >= ?", [session_id, turn_id])
+            db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", [self._now(), session_id])
+            return [turn_from_row(row) for row in rows]
+
     # -- shares -------------------------------------------------------------------------------
 
     def create_share(self, session_id: str, owner: str, mode: str) -> tuple[str, Share]:

@@ -82,20 +82,38 @@
     return text.trim();
   }
 
+  // "Regenerate" on every answer, not only the last: asks that answer's question again (the page's
+  // bridge, app/ui.py's _ACTIONS_JS, sends the turn id named by the chip's prism-turn-<id> class).
+  function regenerate(message) {
+    var chip = message.querySelector(".prism-tel");
+    var turn = chip && /(?:^|\s)prism-turn-(\d+)(?:\s|$)/.exec(chip.className);
+    if (turn && window.prismActions) window.prismActions.regenerate(turn[1]);
+  }
+
+  function actionButton(label, className, title, onClick) {
+    var button = document.createElement("button");
+    button.type = "button";
+    button.className = "prism-copy " + className;
+    button.textContent = label;
+    button.title = title;
+    button.addEventListener("click", function (event) {
+      event.stopPropagation();
+      onClick(button);
+    });
+    return button;
+  }
+
   function decorateAnswers() {
     document.querySelectorAll("#prism-chat .message.bot").forEach(function (message) {
-      if (message.querySelector(".prism-copy-answer")) return;
+      if (message.querySelector(".prism-answer-actions")) return;
       if (!message.querySelector(".prism-tel") || message.querySelector(".prism-tel-streaming")) return;
-      var button = document.createElement("button");
-      button.type = "button";
-      button.className = "prism-copy prism-copy-answer";
-      button.textContent = "Copy";
-      button.title = "Copy this answer";
-      button.addEventListener("click", function (event) {
-        event.stopPropagation();
-        copyText(answerText(message), button);
-      });
-      message.appendChild(button);
+      var bar = document.createElement("div");
+      bar.className = "prism-answer-actions";
+      bar.appendChild(actionButton("↻ Regenerate", "prism-regenerate-answer",
+        "Ask this question again (the questions after it are removed)", function () { regenerate(message); }));
+      bar.appendChild(actionButton("Copy", "prism-copy-answer", "Copy this answer",
+        function (button) { copyText(answerText(message), button); }));
+      message.appendChild(bar);
     });
   }
 

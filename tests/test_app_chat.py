@@ -582,3 +582,263 @@ def test_engine_panel_says_what_the_prefix_cache_holds(chat, engine, pictures):
     turns = stats["cache_entries"] - 1
     html = render.engine_panel({"status": "ok", "model": "m", "device": "cpu", "dtype": "float32", "engine": stats})
     assert f"1 image prefix + {turns} turn{'s' if turns != 1 else ''} kept for reuse" in html
+
+
+# ---------------------------------------------------------------------------------- issue 22: asking again
+HISTORY = ChatOptions(max_tokens=6, history=True)
+
+
+def three_turns(chat, pictures, options=FAST):
+    session, _ = chat.add_images(None, OWNER, [(pictures[0].name, pictures[0])])
+    for q in ("One?", "Two?", "Three?"):
+        assert run(chat.ask(session.id, OWNER, q, options))[1].status == "done"
+    return session, chat.turns(session.id)
+
+
+def test_editing_a_past_question_asks_again_from_there_and_reuses_what_matches(chat, pictures):
+    """Editing question 2 of 3 (history on): turns 2 and 3 are replaced by the edited question's
+    turn, whose prompt is the images, turn 1 and the new question. The cache reuses what still
+    matches: the image prefix (a hit, no vision encoder) and turn 1's KV (conversation reuse).
+    Before, only the last question could be asked again, and never changed."""
+    session, turns = three_turns(chat, pictures, HISTORY)
+    active = chat.edit(session.id, OWNER, turns[1].turn_id, "Two, edited?", HISTORY)
+    assert active.replaced == 2
+    _, final = run(active)
+    assert final.status == "done" and final.prefix == "hit" and not final.telemetry["vision_encoder_ran"]
+    assert final.telemetry["conversation_reuse_tokens"] > 0  # turn 1's question and answer
+    after = chat.turns(session.id)
+    assert [t.question for t in after] == ["One?", "Two, edited?"]
+    assert after[0].turn_id == turns[0].turn_id and after[0].answer == turns[0].answer  # turn 1 untouched
+
+
+def test_regenerating_an_older_answer_drops_the_later_turns(chat, pictures):
+    """Regenerate works on any answer, not only the last: asking question 1 of 3 again replaces
+    its answer and drops turns 2 and 3; without history the image prefix is still a hit."""
+    session, turns = three_turns(chat, pictures)
+    active = chat.regenerate(session.id, OWNER, ChatOptions(temperature=1.0, max_tokens=6), turn_id=turns[0].turn_id)
+    _, final = run(active)
+    assert final.status == "done" and final.prefix == "hit" and final.question == "One?"
+    assert [t.question for t in chat.turns(session.id)] == ["One?"]
+    assert chat.turns(session.id)[0].turn_id != turns[0].turn_id  # a new turn in its place
+    # the last turn, as before, by default
+    run(chat.ask(session.id, OWNER, "Two?", FAST))
+    _, last = run(chat.regenerate(session.id, OWNER, FAST))
+    assert [t.question for t in chat.turns(session.id)] == ["One?", "Two?"] and last.status == "done"
+
+
+@pytest.mark.parametrize("bad", ["other-session", "stranger", -1, 0, 2**63, 10**40, "abc", "1.5", "-3", "", None,
+                                 True, 2.0, [1], {"id": 1}, "00001", "9" * 30])
+def test_turn_ids_from_the_browser_are_checked(chat, pictures, store, bad):
+    """Edit and regenerate take a turn id from the browser. A turn of another chat (the same
+    owner's or a stranger's), an id that is negative, zero, huge, not a number or malformed is
+    refused with a clear message, and nothing is deleted or asked; the attacker learns nothing
+    about the other chat (the same message as for an id that does not exist)."""
+    session, turns = three_turns(chat, pictures)
+    mine_elsewhere, _ = chat.add_images(None, OWNER, [("x.png", png_bytes(colour=(9, 9, 9)))])
+    foreign = store.create_session(STRANGER)
+    if bad == "other-session":
+        run(chat.ask(mine_elsewhere.id, OWNER, "Elsewhere?", FAST))
+        bad = chat.turns(mine_elsewhere.id)[0].turn_id
+    elif bad == "stranger":
+        bad = store.add_turn(foreign.id, "Stranger's question").id
+    before = [(t.turn_id, t.question, t.answer) for t in chat.turns(session.id)]
+    elsewhere = [(t.id, t.answer) for s in (mine_elsewhere, foreign) for t in store.list_turns(s.id)]
+    attempts = [lambda: chat.edit(session.id, OWNER, bad, "Hijack?", FAST)]
+    if bad is not None:  # regenerate's turn_id=None is "the last turn"
+        attempts.append(lambda: chat.regenerate(session.id, OWNER, FAST, turn_id=bad))
+    for attempt in attempts:
+        with pytest.raises(ChatError, match="no longer part of this chat"):
+            attempt()
+    assert [(t.turn_id, t.question, t.answer) for t in chat.turns(session.id)] == before
+    assert [(t.id, t.answer) for s in (mine_elsewhere, foreign) for t in store.list_turns(s.id)] == elsewhere
+
+
+def test_edit_refuses_other_owners_and_bad_questions_and_keeps_everything(chat, pictures):
+    """A stranger cannot edit or regenerate someone's chat (even with valid turn ids), and an
+    empty or broken edited question is refused before anything is dropped."""
+    session, turns = three_turns(chat, pictures)
+    before = [(t.turn_id, t.answer) for t in chat.turns(session.id)]
+    with pytest.raises(ChatError, match="no longer exists"):
+        chat.edit(session.id, STRANGER, turns[0].turn_id, "Mine now?", FAST)
+    with pytest.raises(ChatError, match="no longer exists"):
+        chat.regenerate(session.id, STRANGER, FAST, turn_id=turns[0].turn_id)
+    for question in ("   ", "\ud800 broken"):
+        with pytest.raises(ChatError):
+            chat.edit(session.id, OWNER, turns[0].turn_id, question, FAST)
+    assert [(t.turn_id, t.answer) for t in chat.turns(session.id)] == before
+
+
+def test_page_edit_maps_the_chat_position_to_the_turn_and_checks_it(ui, chat, pictures):
+    """Gradio's edit event names the edited message by its position in the chat (client data):
+    only a user message's position within this chat, whose text is the one the tab showed, is
+    accepted; anything else shows a notice and the chat as stored (the browser had already put
+    the edit on screen), and nothing is lost."""
+    from app.ui import turn_at
+
+    session, turns = three_turns(chat, pictures)
+    assert turn_at(turns, 2, "Two?") == turns[1].turn_id
+    for index, previous in ((1, None), (3, None), (-2, None), (6, None), (10**9, None), ("2", None), (True, None),
+                            (2.0, None), ((0, 0), None), (None, None), (2, "Three?")):
+        evt = types.SimpleNamespace(index=index, value="Hijack?", previous_value=previous)
+        steps = list(ui.edit(session.id, 0.0, 6, False, evt, request()))
+        assert len(steps) == 1, index
+        sid, shown, notice, _, send, stop = steps[0]
+        assert "changed" in notice and [m["content"] for m in shown[::2]] == ["One?", "Two?", "Three?"]
+        assert send["visible"] is True and stop["visible"] is False
+    assert [t.turn_id for t in chat.turns(session.id)] == [t.turn_id for t in turns]
+    # a stranger's page gets an empty chat, not this one
+    evt = types.SimpleNamespace(index=0, value="Hijack?", previous_value="One?")
+    assert list(ui.edit(session.id, 0.0, 6, False, evt, request(STRANGER)))[0][1] == []
+    # a real edit: Send turns into Stop while it streams, and back; a notice says what was replaced
+    evt = types.SimpleNamespace(index=2, value="Two, edited?", previous_value="Two?")
+    steps = list(ui.edit(session.id, 0.0, 6, False, evt, request()))
+    assert steps[0][4]["visible"] is False and steps[0][5]["visible"] is True
+    assert steps[-1][4]["visible"] is True and steps[-1][5]["visible"] is False
+    assert "the question after it and its answer were removed" in steps[0][2]
+    assert [m["content"] for m in steps[-1][1][::2]] == ["One?", "Two, edited?"]
+
+
+def test_page_regenerate_any_answer_through_the_bridge(ui, chat, pictures):
+    """The page's per-answer Regenerate button sends the answer's turn id (a string) through the
+    hidden bridge; the handler asks that turn again, and refuses a turn of another chat."""
+    session, turns = three_turns(chat, pictures)
+    other, _ = chat.add_images(None, OWNER, [("y.png", png_bytes(colour=(3, 3, 3)))])
+    run(chat.ask(other.id, OWNER, "Other?", FAST))
+    foreign = chat.turns(other.id)[0].turn_id
+    refused = list(ui.regenerate_turn(session.id, 0.0, 6, False, types.SimpleNamespace(_data={"regenerate":
+                                                                                           str(foreign)}), request()))
+    assert len(refused) == 1 and "no longer part of this chat" in refused[0][2]
+    assert len(chat.turns(session.id)) == 3 and len(chat.turns(other.id)) == 1
+    evt = types.SimpleNamespace(_data={"regenerate": str(turns[1].turn_id)})
+    steps = list(ui.regenerate_turn(session.id, 0.0, 6, False, evt, request()))
+    assert [m["content"] for m in steps[-1][1][::2]] == ["One?", "Two?"]
+    assert "prefix HIT" in steps[-1][1][-1]["content"]
+    assert [t.question for t in chat.turns(session.id)] == ["One?", "Two?"]
+
+
+def test_each_answer_names_its_turn_for_the_page(chat, pictures):
+    """The telemetry chip carries its turn id as a ``prism-turn-<id>`` class (the chat's HTML
+    sanitizer drops ``data-`` attributes), which prism.js reads for the answer's Regenerate."""
+    from app import render
+
+    session, turns = three_turns(chat, pictures)
+    html = render.assistant_markdown(turns[1])
+    assert f"prism-turn-{turns[1].turn_id}" in html
+
+
+def test_send_turns_into_stop_while_an_answer_streams(ui, chat):
+    """While an answer streams only Stop shows in Send's place, then Send again; a refused
+    question leaves Send."""
+    steps = list(ui.answer(None, "Say something", 0.0, 6, False, request()))
+    assert (steps[0][4]["visible"], steps[0][5]["visible"]) == (False, True)
+    assert all(s[4] == s[5] == {"__type__": "update"} for s in steps[1:-1])  # unchanged meanwhile
+    assert (steps[-1][4]["visible"], steps[-1][5]["visible"]) == (True, False)
+    refused = list(ui.answer(None, "  ", 0.0, 6, False, request()))
+    assert (refused[0][4]["visible"], refused[0][5]["visible"]) == (True, False)
+    after = ui.after_answer(steps[-1][0], request())
+    assert (after[-2]["visible"], after[-1]["visible"]) == (True, False)
+
+
+def test_a_long_title_is_kept_whole_for_the_hover(chat):
+    """A chat is titled by its first question; it used to be cut to 60 characters with "…", so the
+    sidebar's hover (the button's title) could not show it in full. Now it keeps up to the store's
+    limit; the sidebar shortens it on screen only."""
+    from app import render
+
+    question = "What is in the first picture, and how does it compare with everything else in the second one?"
+    active = chat.ask(None, OWNER, question, ChatOptions(max_tokens=2))
+    run(active)
+    assert chat.session(active.session.id, OWNER).title == question
+    html = render.sessions_list(chat.sessions(OWNER), None)
+    assert f'title="{question}"' in html.replace("&#x27;", "'")
+
+
+def test_a_tiny_image_gets_a_notice_that_it_was_upscaled(ui, engine):
+    """A 1×1 image is upscaled by the processor to the model's minimum size: the upload says so
+    (the model sees almost nothing of it); a normal image gets no such notice."""
+    minimum = engine.prompts.size["shortest_edge"]
+    out = ui.add_images(None, [_write(png_bytes((1, 1)), "dot.png")], request())
+    notice = out[-2]
+    assert "dot.png" in notice and "1×1" in notice and "upscaled" in notice and f"{minimum:,}" in notice
+    assert "prism-notice-info" in notice
+    side = int(minimum ** 0.5) + 1
+    normal = ui.add_images(out[0], [_write(png_bytes((side, side)), "big-enough.png")], request())
+    assert normal[-2] == ""
+
+
+def _write(data: bytes, name: str) -> str:
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp()) / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_the_engine_tab_shows_prefix_and_extension_evictions_apart():
+    from app import render
+
+    stats = {"pages_total": 10, "pages_used": 2, "pages_free": 8, "page_size": 16, "kv_cache_dtype": "fp8_e4m3",
+             "running": 0, "waiting": 0, "cache_evictions": 3, "cache_prefix_evictions": 1,
+             "cache_extension_evictions": 2}
+    html = render.engine_panel({"status": "ok", "model": "m", "device": "cpu", "dtype": "float32", "engine": stats})
+    assert "1 image prefix · 2 turns kept for reuse" in html
+
+
+def test_primary_buttons_get_darker_under_the_mouse():
+    """Soft's hover shade of a primary button is lighter than the button: with the pointer still on
+    "+ New chat" (or Send) after a click, it looked disabled. Prism's theme darkens it instead."""
+    from app.ui import theme
+
+    t = theme()
+    shade = lambda ref: int(ref.rsplit("_", 1)[1])  # noqa: E731  "*primary_600" -> 600
+    assert shade(t.button_primary_background_fill_hover) > shade(t.button_primary_background_fill)
+    assert shade(t.button_primary_background_fill_hover_dark) > shade(t.button_primary_background_fill_dark)
+
+
+def test_image_cards_keep_the_remove_button_off_the_photo():
+    """The remove × sat over the photo's corner; it is now in the caption, beside the file name,
+    and "Image N · W×H" is one label (the browser test checks they do not overlap or wrap)."""
+    from app import render
+    from sessions import ImageRecord
+
+    html = render.images_strip([ImageRecord("a" * 64, "astronaut.png", 512, 512, 1, "image/png")])
+    caption = html[html.index("<figcaption>"):html.index("</figcaption>")]
+    assert 'class="prism-remove"' in caption and '<span class="prism-image-label"' in caption
+    assert "<b>Image 1</b> · 512×512</span>" in caption
+
+
+def test_copy_title_marks_a_copy_once_and_fits():
+    from app.chat import copy_title
+    from sessions import MAX_TITLE_LENGTH
+
+    assert copy_title("Cats") == "Copy of Cats"
+    assert copy_title("Copy of Cats") == "Copy of Cats"
+    long = copy_title("x" * MAX_TITLE_LENGTH)
+    assert len(long) <= MAX_TITLE_LENGTH and long.startswith("Copy of x") and long.endswith("x…")
+
+
+def test_editing_while_an_answer_streams_hands_the_chat_to_the_new_answer(ui, chat, engine):
+    """Editing the question whose answer is streaming stops that answer and asks the edited one.
+    The stopped stream must then leave the chat and the buttons alone: its last update used to put
+    the replaced turn back on screen and Send back in Stop's place while the new answer streamed."""
+    skip = {"__type__": "update"}
+    old = ui.answer(None, "Talk for a long time", 0.0, 2000, False, request())
+    sid = next(old)[0]
+    next(old)
+    evt = types.SimpleNamespace(index=0, value="Short instead?", previous_value="Talk for a long time")
+    new = ui.edit(sid, 0.0, 6, False, evt, request())
+    assert next(new)[5]["visible"] is True  # Stop shows for the new answer
+    assert list(old)[-1][1:] == (skip,) * 5
+    assert ui.after_answer(sid, request())[-2:] == (skip, skip)  # the old stream's refresh keeps Stop
+    final = list(new)[-1]
+    assert [m["content"] for m in final[1][::2]] == ["Short instead?"]
+    assert (final[4]["visible"], final[5]["visible"]) == (True, False)
+    assert ui.after_answer(sid, request())[-2:] == _idle_buttons()
+    assert [t.question for t in chat.turns(sid)] == ["Short instead?"] and engine.stats()["running"] == 0
+
+
+def _idle_buttons():
+    from app.ui import _IDLE
+
+    return _IDLE

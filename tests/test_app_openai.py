@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import queue
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from app.model_loader import ModelChoice, ModelLoader
 from app.openai_api import OpenAIAPI
 from app.server import create_app
 from app.settings import Settings
-from engine import Completion, SamplingParams
+from engine import Completion, PrismError, SamplingParams
 from sessions import SessionStore
 
 
@@ -215,3 +216,142 @@ def types_loader(engine):
     import types
 
     return types.SimpleNamespace(engine=engine, model_id="tiny-test")
+
+
+# ---------------------------------------------------------------------------------- issue 22: model
+def test_a_model_that_is_not_served_is_a_404_model_not_found(client):
+    """OpenAI and vLLM answer a model they do not serve with 404 ``model_not_found``. Before, any
+    name was answered by the served model, so a client that asked for "gpt-4o" by mistake got a
+    random model's answer as if it were GPT-4o's. Without ``model`` (the README's curl sends
+    none) the served model answers; GET /v1/models lists exactly what may be named."""
+    hi = [{"role": "user", "content": "Hi"}]
+    served = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert served == ["tiny-test"]
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": hi, "stream": stream})
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert err["type"] == "invalid_request_error" and "gpt-4o" in err["message"] and "tiny-test" in err["message"]
+    r = client.post("/v1/chat/completions", json={"model": 7, "messages": hi})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    for body in ({"messages": hi}, {"model": None, "messages": hi}, {"model": "tiny-test", "messages": hi}):
+        r = client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "tiny-test"
+
+
+# ---------------------------------------------------------------------------------- issue 22: cut short
+class PresentClient:
+    """A request whose client stays connected."""
+
+    headers: dict = {}
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def sse_events(api, engine, req, include_usage=False, midway=None) -> list:
+    """Every server-sent event of ``req``'s stream, parsed (``"[DONE]"`` kept as the string);
+    ``midway()`` is called once the first text delta has been sent."""
+    async def read():
+        stream = api._sse(PresentClient(), engine, req, "chatcmpl-test", include_usage)
+        lines = [await anext(stream), await anext(stream)]  # the role chunk, then the first delta
+        if midway is not None:
+            midway()
+        return lines + [line async for line in stream]
+
+    events = []
+    for raw in asyncio.run(read()):
+        assert raw.startswith("data: ") and raw.endswith("\n\n"), raw
+        data = raw[6:].strip()
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def finish_reasons(events) -> list:
+    return [e["choices"][0]["finish_reason"] for e in events
+            if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]]
+
+
+def test_a_stream_cut_short_by_a_shutdown_does_not_end_like_a_finished_answer(engine):
+    """At shutdown (``cancel_all``, what Ctrl-C calls) a stream used to end with
+    ``finish_reason: "stop"`` and ``[DONE]``: the client took a half answer for a whole one. Now
+    its last chunk has vLLM's ``finish_reason: "abort"``, then an error event (code ``aborted``,
+    which the OpenAI SDK raises), then ``[DONE]``; and the server refuses new requests (503)."""
+    api = OpenAIAPI(types_loader(engine), max_image_bytes=1 << 20)
+    req = engine.submit([{"role": "user", "content": "Talk for a long time"}],
+                        SamplingParams(max_tokens=2000, ignore_eos=True))
+    cancelled = []
+    events = sse_events(api, engine, req, include_usage=True, midway=lambda: cancelled.append(api.cancel_all()))
+    assert cancelled == [1]
+    assert events[-1] == "[DONE]"
+    assert finish_reasons(events) == ["abort"]
+    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["code"] == "aborted" and "shutting down" in errors[0]["message"]
+    assert events.index({"error": errors[0]}) == len(events) - 2  # the error is the last event before [DONE]
+    usage = [e for e in events if isinstance(e, dict) and e.get("usage")]
+    assert usage and 0 < usage[0]["usage"]["completion_tokens"] < 2000
+    assert api.metrics.requests.labels("abort")._value.get() == 1
+    refused = asyncio.run(api.chat_completions(JSONRequest({"messages": [{"role": "user", "content": "Hi"}]})))
+    assert refused.status_code == 503 and b"shutting down" in refused.body
+
+
+class FakeRequest:
+    """Stands in for an engine request whose outbox holds ``items`` (deltas, then an error)."""
+
+    def __init__(self, *items):
+        self.outbox = queue.Queue()
+        for item in items:
+            self.outbox.put(item)
+
+
+class NoEngine:
+    def cancel(self, req, wait=True):
+        pass
+
+
+@pytest.mark.parametrize("failure", [PrismError("the engine stopped"), RuntimeError("a bug")])
+def test_a_stream_that_fails_in_the_engine_ends_with_an_error_event_only(failure):
+    """A request the engine fails mid-answer: the stream sends what it had, then an error event
+    and ``[DONE]``, and no ``finish_reason`` at all (as vLLM). Before, an error that was not a
+    PrismError (a bug) broke the stream off with no event at all, which clients read as a normal
+    end."""
+    api = OpenAIAPI(types_loader(None), max_image_bytes=1 << 20)
+    events = sse_events(api, NoEngine(), FakeRequest("Hel", "lo", failure))
+    assert events[-1] == "[DONE]" and finish_reasons(events) == []
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    assert text == "Hello"
+    error = events[-2]["error"]
+    assert error["type"] == "server_error" and "the request failed" in error["message"]
+    assert "a bug" not in error["message"]  # a bug is logged; the client sees only its type
+    assert api.metrics.requests.labels("error")._value.get() == 1
+
+
+def test_non_streaming_answers_cut_short_get_an_error_status(engine):
+    """Without streaming: an answer cancelled before its end is a 503 (code ``aborted``), a
+    failure in the engine a 500, both in OpenAI's error shape; before, a cancelled answer came
+    back as a 200 with ``finish_reason: "stop"`` and a bug escaped as an unhandled exception."""
+    api = OpenAIAPI(types_loader(engine), max_image_bytes=1 << 20)
+    req = engine.submit([{"role": "user", "content": "Talk for a long time"}],
+                        SamplingParams(max_tokens=2000, ignore_eos=True))
+    engine.cancel(req)
+    r = asyncio.run(api._complete(PresentClient(), engine, req, "chatcmpl-test"))
+    assert r.status_code == 503 and json.loads(r.body)["error"]["code"] == "aborted"
+    for failure in (PrismError("the engine stopped"), RuntimeError("a bug")):
+        r = asyncio.run(api._complete(PresentClient(), NoEngine(), FakeRequest("Hel", failure), "chatcmpl-test"))
+        err = json.loads(r.body)["error"]
+        assert r.status_code == 500 and err["type"] == "server_error" and "the request failed" in err["message"]
+
+
+class JSONRequest:
+    """A connected client's POST of ``body`` as JSON (for calling the route handler directly)."""
+
+    def __init__(self, body: dict):
+        self._body = json.dumps(body).encode()
+        self.headers = {"content-type": "application/json"}
+
+    async def body(self) -> bytes:
+        return self._body
+
+    async def is_disconnected(self) -> bool:
+        return False

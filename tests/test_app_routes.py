@@ -182,6 +182,10 @@ def test_continue_share_forks_into_the_visitors_own_session(env):
     fork = env.store.get_session(new_id, owner=visitor_owner)
     assert fork is not None and fork.id != env.session.id
     assert fork.image_shas == env.session.image_shas and fork.cache_salt == env.session.cache_salt
+    # marked as a copy in its title (it used to carry the original's title unchanged, so a visitor
+    # who also owned the original could not tell them apart in the sidebar)
+    original = env.store.get_session(env.session.id).title
+    assert fork.title == f"Copy of {original}" and not original.startswith("Copy of")
     assert env.store.get_session(new_id, owner=env.owner) is None
     # the visitor's first question hits the warm prefix of the original
     final = list(env.chat.ask(fork.id, visitor_owner, "Another question?", ChatOptions(max_tokens=4)))[-1]

@@ -3,10 +3,13 @@ through Debian's Chromium.
 
 Uploads two sample photos, asks two questions, and checks that the first answer's telemetry says
 MISS (the vision encoder ran) and the second HIT (no encoder, the cached prefix reused, only the
-question computed), that the page shows no error and loads
+question computed), that Send turns into Stop while an answer streams, that the image cards keep
+their remove button off the photo and their labels on one line, that "+ New chat" gets darker
+(not lighter, which looked disabled) under the mouse, that the page shows no error and loads
 nothing from outside, then opens a read-only share link in a second browser context, continues a
-"continue" link there (its first question hits the warm prefix), and pastes and removes an image
-in the first. Screenshots
+"continue" link there (its first question hits the warm prefix, the copy is titled as a copy),
+pastes a small image in the first (a notice says it was upscaled) and removes it, regenerates an
+older answer (the later turns go, the prefix still hits) and edits a past question. Screenshots
 and the server log go to ``artifacts/e2e/`` (``PRISM_UPDATE_SCREENSHOTS=1`` also copies the main
 one to ``docs/screenshot.png``). Finally Ctrl-C (SIGINT) must stop the server cleanly.
 """
@@ -39,6 +42,25 @@ IMAGES_LOADED = """() => Array.from(document.querySelectorAll('.prism-image img'
 # the last telemetry chip is final (not "generating ...") and there are at least n of them
 ANSWERED = """(n) => { const c = document.querySelectorAll('#prism-chat .prism-tel');
   return c.length >= n && !c[c.length - 1].classList.contains('prism-tel-streaming'); }"""
+# exactly n answers, none still streaming (after a regenerate or an edit replaced later turns)
+ANSWERED_EXACTLY = """(n) => { const c = document.querySelectorAll('#prism-chat .prism-tel');
+  return c.length === n && !document.querySelector('#prism-chat .prism-tel-streaming'); }"""
+# remember whether Stop ever showed in Send's place (an answer of the tiny model streams for well
+# under a second: a one-off check could miss it)
+WATCH_STOP = """() => { window.prismSawStop = false;
+  const shown = (sel) => { const el = document.querySelector(sel); return !!el && el.offsetParent !== null; };
+  new MutationObserver(() => { if (shown('#prism-stop') && !shown('#prism-send')) window.prismSawStop = true; })
+    .observe(document.body, {subtree: true, childList: true, attributes: true}); }"""
+# per image card: does the remove button overlap the photo, and does the "Image N · WxH" label wrap?
+CARD_LAYOUT = """() => Array.from(document.querySelectorAll('#prism-images .prism-image')).map((card) => {
+  const img = card.querySelector('img').getBoundingClientRect();
+  const x = card.querySelector('.prism-remove').getBoundingClientRect();
+  const label = card.querySelector('.prism-image-label');
+  const overlap = x.left < img.right && x.right > img.left && x.top < img.bottom && x.bottom > img.top;
+  const lines = label.getBoundingClientRect().height / parseFloat(getComputedStyle(label).lineHeight);
+  return {overlap, lines, text: label.innerText}; })"""
+LUMINANCE = """(sel) => { const [r, g, b] = getComputedStyle(document.querySelector(sel)).backgroundColor
+  .match(/[\\d.]+/g).map(Number); return 0.2126 * r + 0.7152 * g + 0.0722 * b; }"""
 
 pytestmark = pytest.mark.slow
 
@@ -142,12 +164,31 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
 
             _short_answers(page)
 
+            # "+ New chat" right after a click (the pointer still on it) must not look disabled
+            page.mouse.move(0, 0)
+            page.wait_for_timeout(400)
+            at_rest = page.evaluate(LUMINANCE, "#prism-new")
+            page.click("#prism-new")
+            page.wait_for_timeout(400)  # past the colour transition
+            assert page.evaluate(LUMINANCE, "#prism-new") <= at_rest, "the hovered button is lighter (looks disabled)"
+            page.locator("#prism-sidebar").screenshot(path=str(ARTIFACTS / "new-chat-hover.png"))
+            page.mouse.move(0, 0)
+
             page.set_input_files("#prism-upload input[type=file]", [str(p) for p in pictures])
             page.wait_for_function("() => document.querySelectorAll('#prism-images .prism-image').length === 2")
+            page.wait_for_function(IMAGES_LOADED)
+            cards = page.evaluate(CARD_LAYOUT)
+            assert [c["text"] for c in cards] == ["Image 1 · 512×512", "Image 2 · 600×400"], cards
+            assert not any(c["overlap"] for c in cards) and all(c["lines"] < 1.5 for c in cards), cards
+            page.locator("#prism-images").screenshot(path=str(ARTIFACTS / "image-cards.png"))
 
+            page.evaluate(WATCH_STOP)
             page.fill("#prism-question textarea", "What is in the first picture?")
             page.click("#prism-send")
             page.wait_for_function(ANSWERED, arg=1, timeout=120_000)
+            page.wait_for_selector("#prism-send", state="visible")
+            assert page.evaluate("window.prismSawStop"), "Stop never showed in Send's place while the answer streamed"
+            assert not page.is_visible("#prism-stop")
             page.fill("#prism-question textarea", "And what is in the second one?")
             page.press("#prism-question textarea", "Enter")
             page.wait_for_function(ANSWERED, arg=2, timeout=120_000)
@@ -224,6 +265,8 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             viewer.wait_for_function(ANSWERED, arg=3, timeout=120_000)
             chips = [c.inner_text() for c in viewer.query_selector_all("#prism-chat .prism-tel")]
             assert chips[2].startswith("prefix HIT"), chips
+            assert viewer.input_value("#prism-title textarea").startswith("Copy of ")  # told apart from the original
+            assert viewer.inner_text("#prism-sessions .prism-session-title").startswith("Copy of ")
             viewer.screenshot(path=str(ARTIFACTS / "forked.png"))
             viewer_ctx.close()
 
@@ -237,8 +280,39 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             }""")
             page.wait_for_function("() => document.querySelectorAll('#prism-images .prism-image').length === 3")
             assert "pasted.png" in page.inner_text("#prism-images")
+            notice = page.inner_text("#prism-notice")  # 48×32 is under the model's minimum size
+            assert "pasted.png" in notice and "48×32" in notice and "upscaled" in notice, notice
+            page.screenshot(path=str(ARTIFACTS / "tiny-image.png"))
             page.click("#prism-images .prism-image:nth-child(3) .prism-remove")
             page.wait_for_function("() => document.querySelectorAll('#prism-images .prism-image').length === 2")
+
+            # regenerate an older answer: the later turns go, the image prefix still hits
+            page.fill("#prism-question textarea", "Anything else?")
+            page.press("#prism-question textarea", "Enter")
+            page.wait_for_function(ANSWERED, arg=3, timeout=120_000)
+            page.hover("#prism-chat .message.bot >> nth=0")
+            page.click("#prism-chat .message.bot >> nth=0 >> .prism-regenerate-answer")
+            page.wait_for_function(ANSWERED_EXACTLY, arg=1, timeout=120_000)
+            assert [m.inner_text() for m in page.query_selector_all("#prism-chat .message.user")] == [
+                "What is in the first picture?"]
+            assert page.inner_text("#prism-chat .prism-tel").startswith("prefix HIT")
+            assert "the 2 questions after it and their answers were removed" in page.inner_text("#prism-notice")
+            page.screenshot(path=str(ARTIFACTS / "regenerated.png"))
+
+            # edit a past question: asked again from there
+            page.fill("#prism-question textarea", "And what is in the second one?")
+            page.press("#prism-question textarea", "Enter")
+            page.wait_for_function(ANSWERED_EXACTLY, arg=2, timeout=120_000)
+            page.click("#prism-chat button[aria-label=Edit] >> nth=0")  # the first question's
+            page.fill("#prism-chat textarea", "What is in the first picture, exactly?")
+            page.screenshot(path=str(ARTIFACTS / "editing.png"))
+            page.click("#prism-chat button[aria-label=Submit]")
+            page.wait_for_function(ANSWERED_EXACTLY, arg=1, timeout=120_000)
+            page.wait_for_function("() => document.querySelector('#prism-chat .message.user').innerText"
+                                   ".includes('exactly')")
+            assert page.inner_text("#prism-chat .prism-tel").startswith("prefix HIT")
+            assert page.query_selector(".prism-tel-error") is None
+            page.screenshot(path=str(ARTIFACTS / "edited.png"))
             assert not outside, f"the page asked for outside resources: {outside}"
         finally:
             browser.close()

@@ -555,6 +555,46 @@ def test_hit_and_miss_telemetry_and_stats(make, photos):
     assert stats["cache_evictions"] == 1 and stats["vision_cache_hits"] == 1 and stats["cache_misses"] == 2
 
 
+def test_prefix_and_extension_evictions_are_counted_apart():
+    """Evicting a conversation extension (a finished turn kept for reuse) and evicting an image
+    prefix are counted apart, and ``evictions`` stays their sum. Model-free: a cache over a bare
+    page pool. With one shared counter, the Engine tab could not tell a cache that drops old turns
+    (cheap: one question recomputed) from one that drops the images' KV (the vision encoder and
+    the whole prefix run again)."""
+    from engine.kv_cache import PagePool
+    from engine.prefix_cache import PrefixCache
+
+    pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=8, num_pages=8, page_size=4,
+                    kv_cache_dtype="auto", model_dtype=torch.float32)
+    cache = PrefixCache(pool)
+    prefix_pages = pool.allocate(2)
+    prefix = cache.add_prefix("key", "salt", list(range(8)), prefix_pages, 8, 2, 4)
+    turn_pages = prefix_pages + pool.allocate(1)
+    cache.add_extension(prefix, list(range(12)), turn_pages, 12)
+    pool.release(turn_pages)  # the request is done: only the cache holds the pages now
+    assert cache.evictable() == [prefix.children[0]]  # the turn goes first: the prefix is extended
+    cache.make_room(pool.num_free + 1)
+    assert (cache.stats.prefix_evictions, cache.stats.extension_evictions, cache.stats.evictions) == (0, 1, 1)
+    cache.clear()
+    assert (cache.stats.prefix_evictions, cache.stats.extension_evictions, cache.stats.evictions) == (1, 1, 2)
+    assert pool.num_free == 8
+
+
+def test_engine_stats_split_evictions(make, photos):
+    """``Engine.stats()`` reports prefix and extension evictions apart, their sum as
+    ``cache_evictions``: a two-turn conversation (one prefix, one extension), then a clear."""
+    engine = make(**BASE)
+    img = photos["coffee"]
+    first = gen(engine, media_first_messages([img], Q1))
+    gen(engine, media_first_messages([img], Q2, history=[(Q1, first.text)]))
+    before = engine.stats()
+    assert before["cache_prefixes"] == 1 and before["cache_entries"] == 3  # the prefix and two kept turns
+    engine.clear_prefix_cache()
+    stats = engine.stats()
+    assert (stats["cache_prefix_evictions"], stats["cache_extension_evictions"]) == (1, 2)
+    assert stats["cache_evictions"] == 3
+
+
 def test_text_only_and_disabled_cache_report_off(make, photos):
     engine = make(**BASE)
     text = gen(engine, [{"role": "user", "content": "Hello there."}])

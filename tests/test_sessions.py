@@ -305,6 +305,34 @@ def test_turns_add_finish_list_delete_last(store, alice, bob):
     assert store.delete_last_turn(session.id, alice) is None
 
 
+def test_delete_turns_from_drops_that_turn_and_later_ones_only(store, alice, bob):
+    """Editing (or asking again) from turn N deletes turn N and every later turn of that session,
+    and nothing else. Turn ids come from the browser, so a turn of another session (even the
+    caller's own), another owner's session, and ids that are negative, zero, huge, not an int or
+    simply unknown are refused with NotFound / PermissionDenied, and nothing is deleted."""
+    chat = store.create_session(alice, "chat")
+    other = store.create_session(alice, "other chat")
+    turns = [store.add_turn(chat.id, f"q{i}") for i in range(2)]
+    elsewhere = store.add_turn(other.id, "other q")  # an id between this chat's turns
+    turns += [store.add_turn(chat.id, f"q{i}") for i in range(2, 4)]
+    ids = [t.id for t in turns]
+    assert ids[1] < elsewhere.id < ids[2]
+    for bad in (elsewhere.id, -1, 0, 2**63, 10**30, ids[-1] + 100, "3", 2.0, True, None):
+        with pytest.raises(NotFound):
+            store.delete_turns_from(chat.id, alice, bad)
+    with pytest.raises(PermissionDenied):
+        store.delete_turns_from(chat.id, bob, ids[1])
+    with pytest.raises(NotFound):
+        store.delete_turns_from("no-such-session", alice, ids[1])
+    assert [t.id for t in store.list_turns(chat.id)] == ids and len(store.list_turns(other.id)) == 1
+    dropped = store.delete_turns_from(chat.id, alice, ids[1])
+    assert [t.question for t in dropped] == ["q1", "q2", "q3"]
+    assert [t.id for t in store.list_turns(chat.id)] == [ids[0]]
+    assert [t.id for t in store.list_turns(other.id)] == [elsewhere.id]
+    with pytest.raises(NotFound):  # already gone
+        store.delete_turns_from(chat.id, alice, ids[2])
+
+
 def test_turns_bump_updated_at(store, alice):
     old = store.create_session(alice, "old")
     new = store.create_session(alice, "new")

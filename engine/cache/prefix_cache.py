@@ -83,12 +83,20 @@ class Match:
 
 @dataclass
 class CacheStats:
+    """Counters of a :class:`PrefixCache` (lookups, and entries evicted by kind)."""
+
     hits: int = 0
     misses: int = 0
     stale: int = 0
-    evictions: int = 0
+    prefix_evictions: int = 0  # public prefixes (the images' KV) evicted
+    extension_evictions: int = 0  # conversation extensions (finished turns kept for reuse) evicted
     tokens_saved: int = 0
     conversation_hits: int = 0
+
+    @property
+    def evictions(self) -> int:
+        """Entries evicted, of both kinds."""
+        return self.prefix_evictions + self.extension_evictions
 
 
 def prefix_key(namespace: str, salt: str, image_hashes: list[str], compaction: str, prefix_ids: list[int]) -> str:
@@ -214,9 +222,10 @@ class PrefixCache:
         if entry.parent is None:
             if self.prefixes.get(entry.key) is entry:
                 del self.prefixes[entry.key]
+            self.stats.prefix_evictions += 1
         else:
             entry.parent.children.remove(entry)
-        self.stats.evictions += 1
+            self.stats.extension_evictions += 1
 
     def clear(self) -> None:
         """Evict every entry that no running request uses."""
@@ -237,6 +246,8 @@ class PrefixCache:
             "cache_misses": self.stats.misses,
             "cache_stale": self.stats.stale,
             "cache_evictions": self.stats.evictions,
+            "cache_prefix_evictions": self.stats.prefix_evictions,
+            "cache_extension_evictions": self.stats.extension_evictions,
             "prompt_tokens_saved": self.stats.tokens_saved,
         }
 

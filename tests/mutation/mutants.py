@@ -197,6 +197,31 @@ MUTANTS: list[Mutant] = [
         "        if not (_SHA_RE.fullmatch(sha) and store.owner_has_image(owner_from(request), sha)):\n",
         ("tests/test_app_routes.py::test_image_route_refuses_paths_of_stored_files",),
     ),
+    Mutant(
+        "api-abort-looks-finished",
+        "an API answer cut short (shutdown, cancel) ends with finish_reason \"stop\", like a finished one",
+        "app/openai_api.py",
+        'return {"stop": "stop", "length": "length"}.get(completion.finish_reason, "abort")',
+        'return "length" if completion.finish_reason == "length" else "stop"',
+        ("tests/test_app_openai.py::test_a_stream_cut_short_by_a_shutdown_does_not_end_like_a_finished_answer",
+         "tests/test_app_openai.py::test_non_streaming_answers_cut_short_get_an_error_status"),
+    ),
+    Mutant(
+        "store-drops-turns-of-another-chat",
+        "editing from a turn id of another chat deletes this chat's later turns",
+        "sessions/store.py",
+        'if not rows or rows[0]["id"] != turn_id:',
+        "if not rows:",
+        ("tests/test_sessions.py::test_delete_turns_from_drops_that_turn_and_later_ones_only",),
+    ),
+    Mutant(
+        "edit-trusts-a-stale-tab",
+        "an edit from a tab showing an older chat replaces whichever question is now at that position",
+        "app/ui.py",
+        "if isinstance(previous_value, str) and previous_value != view.question:",
+        "if False:",
+        ("tests/test_app_chat.py::test_page_edit_maps_the_chat_position_to_the_turn_and_checks_it",),
+    ),
     # ---------------------------------------------------------------- images, vision graphs, loading, sampling
     Mutant(
         "bomb-decoded-before-size-check",

@@ -1,0 +1,174 @@
+"""Prometheus metrics of one app, served at ``GET /metrics`` in Prometheus' text format.
+
+Names follow vLLM's where vLLM has the same quantity, under a ``prism:`` prefix instead of
+``vllm:`` (a dashboard built for vLLM needs only the prefix changed, and nobody mistakes Prism's
+series for a vLLM server's): ``prism:time_to_first_token_seconds``,
+``prism:request_time_per_output_token_seconds``, ``prism:e2e_request_latency_seconds``,
+``prism:request_success_total{finished_reason}``, ``prism:prompt_tokens_total``,
+``prism:generation_tokens_total``, ``prism:prefix_cache_queries_total`` /
+``prism:prefix_cache_hits_total`` (in tokens, as vLLM counts them), ``prism:num_requests_running``,
+``prism:num_requests_waiting`` and ``prism:kv_cache_usage_perc`` (a fraction, 1 = full). Prism's
+own quantities have their own names: ``prism:prefix_cache_lookups_total{result}`` (requests whose
+image prefix was a hit, a miss or stale), ``prism:prefix_cache_evictions_total{kind}`` (image
+prefixes and conversation extensions apart), ``prism:prefix_cache_entries{kind}``,
+``prism:kv_cache_pages{state}`` and ``prism:vision_encoder_time_seconds``.
+
+Two sources: each finished request (chat turn or API call) is observed once, by the code that
+read its answer, into the request counters and histograms; the engine's own counters and gauges
+(:meth:`engine.Engine.stats`) are read when ``/metrics`` is scraped. Only aggregates: no label
+names a session, an owner, a key or a prompt.
+
+Each :class:`Metrics` has its own :class:`~prometheus_client.CollectorRegistry`, so several apps
+in one process (the tests build many) never share or double-register a series.
+"""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+
+from engine import Completion
+
+# No "<name>_created" series beside each counter and histogram (vLLM turns them off too): they
+# double the page and no dashboard reads them. A process-wide switch of prometheus_client.
+prometheus_client.disable_created_metrics()
+
+__all__ = ["FINISHED_REASONS", "Metrics", "finished_reason"]
+
+#: Values of ``prism:request_success_total``'s ``finished_reason`` label: vLLM's ``stop``,
+#: ``length`` and ``abort`` (cancelled: the user's Stop, a client that went away, a shutdown),
+#: and ``error`` (the request failed in the engine).
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+# Seconds. TTFT spans a prefix hit on a GPU (~10 ms) to a cold multi-image prompt on a CPU (~1 min).
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_VISION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def finished_reason(completion: Completion) -> str:
+    """The ``finished_reason`` label of a completion: ``stop``, ``length`` or ``abort``."""
+    return {"stop": "stop", "length": "length"}.get(completion.finish_reason, "abort")
+
+
+class Metrics:
+    """The app's Prometheus series over ``loader`` (its ``engine`` attribute, None while loading).
+
+    Call :meth:`observe` once per finished request and :meth:`observe_failure` for a request that
+    ended without a :class:`~engine.Completion`; :meth:`exposition` renders everything.
+    """
+
+    def __init__(self, loader):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("prism:request_success", "Requests finished, by finished_reason "
+                                "(stop, length, abort: cancelled before the end, error: failed in the engine).",
+                                ["finished_reason"], registry=r)
+        for reason in FINISHED_REASONS:  # every outcome shows, 0 until it happens
+            self.requests.labels(reason)
+        self.rejected = Counter("prism:api_requests_rejected", "API requests refused before reaching the engine, "
+                                "by HTTP status (400 bad input, 401 no or wrong key, 404 unknown model, 429 busy, "
+                                "503 loading or shutting down).", ["status"], registry=r)
+        self.ttft = Histogram("prism:time_to_first_token_seconds", "Time to first token (from submission).",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("prism:request_time_per_output_token_seconds", "Per request: mean time per output "
+                              "token after the first (TPOT).", buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("prism:e2e_request_latency_seconds", "Time from submission to the last token.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.vision = Histogram("prism:vision_encoder_time_seconds", "Per request whose vision encoder ran: time "
+                                "spent in it (a prefix hit skips it).", buckets=_VISION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("prism:prompt_tokens", "Prompt tokens of finished requests (visual tokens "
+                                     "included).", registry=r)
+        self.generation_tokens = Counter("prism:generation_tokens", "Tokens generated by finished requests.",
+                                         registry=r)
+        self.prefix_queries = Counter("prism:prefix_cache_queries", "Prefix cache queries, in prompt tokens of "
+                                      "finished requests (as vLLM counts them).", registry=r)
+        self.prefix_hits = Counter("prism:prefix_cache_hits", "Prefix cache hits, in prompt tokens whose KV was "
+                                   "reused (image prefix and conversation).", registry=r)
+        r.register(_EngineCollector(loader))
+
+    def observe(self, completion: Completion) -> None:
+        """Count one finished request and its timings (seconds) and tokens."""
+        tel = completion.telemetry
+        self.requests.labels(finished_reason(completion)).inc()
+        if tel.ttft_ms > 0:  # a request cancelled before its first token has none
+            self.ttft.observe(tel.ttft_ms / 1e3)
+        if tel.generated_tokens > 1:
+            self.tpot.observe(tel.tpot_ms / 1e3)
+        self.e2e.observe(tel.e2e_ms / 1e3)
+        if tel.vision_encoder_ran:
+            self.vision.observe(tel.vision_ms / 1e3)
+        self.prompt_tokens.inc(tel.prompt_tokens)
+        self.generation_tokens.inc(tel.generated_tokens)
+        self.prefix_queries.inc(tel.prompt_tokens)
+        self.prefix_hits.inc(tel.cached_tokens)
+
+    def observe_failure(self, reason: str) -> None:
+        """Count a request that ended without a completion: ``"error"`` (failed in the engine)
+        or ``"abort"`` (its reader went away)."""
+        self.requests.labels(reason if reason in FINISHED_REASONS else "error").inc()
+
+    def observe_rejected(self, status: int) -> None:
+        """Count an API request refused with HTTP ``status`` before it reached the engine."""
+        self.rejected.labels(str(int(status))).inc()
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """Every series, and the content type, in the format the scraper's ``Accept`` header asks
+        for (prometheus_client's negotiation: Prometheus' text format unless it asks for
+        OpenMetrics)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+class _EngineCollector:
+    """The engine's counters and gauges, read from :meth:`engine.Engine.stats` at each scrape
+    (nothing while the model loads or after the engine closed)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def collect(self):
+        engine = getattr(self.loader, "engine", None)
+        try:
+            s = engine.stats() if engine is not None else None
+        except Exception:  # closed during shutdown
+            s = None
+        if s is None:
+            return
+        yield _gauge("prism:num_requests_running", "Requests in the engine's running batch.", s["running"])
+        yield _gauge("prism:num_requests_waiting", "Requests waiting for the engine.", s["waiting"])
+        total = s["pages_total"] or 1
+        yield _gauge("prism:kv_cache_usage_perc", "KV pool pages in use, prefix-cache entries included, as a "
+                     "fraction (1 = full).", s["pages_used"] / total)
+        cached = s.get("cache_pages", 0)
+        pages = GaugeMetricFamily("prism:kv_cache_pages", "KV pool pages: held by running requests only, held "
+                                  "by prefix-cache entries, free.", labels=["state"])
+        pages.add_metric(["running"], max(0, s["pages_used"] - cached))
+        pages.add_metric(["cached"], cached)
+        pages.add_metric(["free"], s["pages_free"])
+        yield pages
+        if not s.get("prefix_cache"):
+            return
+        lookups = CounterMetricFamily("prism:prefix_cache_lookups", "Requests with images, by what their image "
+                                      "prefix was: hit (reused), miss (computed and cached), stale (found, then "
+                                      "evicted before the request ran: computed again).", labels=["result"])
+        for result, key in (("hit", "cache_hits"), ("miss", "cache_misses"), ("stale", "cache_stale")):
+            lookups.add_metric([result], s[key])
+        yield lookups
+        evictions = CounterMetricFamily("prism:prefix_cache_evictions", "Prefix-cache entries evicted: image "
+                                        "prefixes, and conversation extensions (finished turns kept for reuse).",
+                                        labels=["kind"])
+        evictions.add_metric(["prefix"], s["cache_prefix_evictions"])
+        evictions.add_metric(["extension"], s["cache_extension_evictions"])
+        yield evictions
+        entries = GaugeMetricFamily("prism:prefix_cache_entries", "Prefix-cache entries held: image prefixes, "
+                                    "conversation extensions.", labels=["kind"])
+        entries.add_metric(["prefix"], s["cache_prefixes"])
+        entries.add_metric(["extension"], s["cache_entries"] - s["cache_prefixes"])
+        yield entries
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
