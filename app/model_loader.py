@@ -63,7 +63,7 @@ def cached_snapshot(model_id: str) -> str | None:
     """The local folder of ``model_id`` in the Hugging Face cache, or None (never uses the network)."""
     from huggingface_hub import snapshot_download
 
-    from engine.hub import CHECKPOINT_PATTERNS
+    from engine.model.hub import CHECKPOINT_PATTERNS
 
     try:
         return snapshot_download(model_id, allow_patterns=CHECKPOINT_PATTERNS, local_files_only=True)
@@ -99,7 +99,7 @@ def hub_reachable(model_id: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
 
 def demo_checkpoint(data_dir: Path) -> Path:
     """The tiny demo checkpoint under ``data_dir/models``, built on first use."""
-    from engine.tiny import build_tiny_checkpoint
+    from engine.model.tiny import build_tiny_checkpoint
 
     folder = data_dir / "models" / "tiny-demo"
     if not (folder / "model.safetensors").is_file() or not (folder / "tokenizer.json").is_file():

@@ -101,7 +101,7 @@ class Settings:
 
     def image_options(self):
         """The :class:`engine.images.ImageOptions` every uploaded image is checked against."""
-        from engine.images import ImageOptions
+        from engine.inputs.images import ImageOptions
 
         return ImageOptions(max_image_pixels=self.max_image_pixels, max_bytes=self.max_upload_bytes)
 

@@ -172,7 +172,7 @@ def record_steps(engine):
     request's own TPOT (first token to last) also counts the prefill steps of the others that ran
     after its first token. This wraps the runner to time the steady decode steps instead.
     """
-    runner = engine.runner
+    runner = engine.loop.runner
     steps = []
     execute = runner.execute
 
@@ -230,7 +230,7 @@ def bench_ttft(engine, hf, n_images: int, tflops: float) -> dict:
         for j in range(3)
     ]
     app_cold, app_hits = _as_the_app_asks(engine, ims, sp, f"app{n_images}")
-    enc = engine.vision_encoder
+    enc = engine.vision.encoder
     log(f"   cold vision ms {[round(t.vision_ms, 1) for t in cold]}, "
         f"prefill ms {[round(t.prefill_ms, 1) for t in cold]}; vision graphs captured "
         f"{getattr(enc, 'captures', '-')}, replayed {getattr(enc, 'replays', '-')}")

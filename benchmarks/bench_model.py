@@ -70,7 +70,7 @@ def prepare_checkpoint(args, workdir: pathlib.Path) -> tuple[pathlib.Path, str]:
     """Return (checkpoint folder, description)."""
     if args.checkpoint:
         return pathlib.Path(args.checkpoint), str(args.checkpoint)
-    from engine.tiny import build_tiny_checkpoint
+    from engine.model.tiny import build_tiny_checkpoint
 
     if args.shape == "8b":  # config and tokenizer only: the weights are drawn in device memory
         sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -6,7 +6,7 @@
 
 For each session size (1, 4 and 8 photos from ``../shared/media``, resized to 448x448) a chat
 session asks four different questions about the same photos in Prism's media-first layout
-(:func:`engine.inputs.media_first_messages`): the first is a miss (vision encoder, whole prompt,
+(:func:`engine.inputs.prompts.media_first_messages`): the first is a miss (vision encoder, whole prompt,
 compaction, caching), the next three are prefix-cache hits. Each session has its own cache salt,
 so a session never reuses another's KV or vision features. Reported per size, as the median over
 ``--repeats`` sessions (after one untimed warm-up session):
@@ -83,7 +83,7 @@ def build(args, workdir: pathlib.Path, device: torch.device, dtype: torch.dtype)
         return engine, folder, twin, f"Qwen3-VL-{args.shape.upper()} shape, random weights"
 
     from engine import Engine
-    from engine.tiny import build_tiny_checkpoint
+    from engine.model.tiny import build_tiny_checkpoint
 
     folder = build_tiny_checkpoint(workdir / args.preset, args.preset, seed=0)
     engine = Engine.from_pretrained(folder, device=str(device), dtype=dtype, **options)
@@ -105,7 +105,7 @@ def build(args, workdir: pathlib.Path, device: torch.device, dtype: torch.dtype)
 def run_session(engine, images, salt: str, max_tokens: int) -> list[dict]:
     """Ask the four questions in one session; telemetry of each as a dict."""
     from engine import SamplingParams
-    from engine.inputs import media_first_messages
+    from engine.inputs.prompts import media_first_messages
 
     out = []
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -138,7 +138,7 @@ def bench_ours(engine, images, args, n: int) -> dict:
 
 def bench_transformers(model, processor, images, device, repeats: int) -> dict:
     """Cold TTFT at batch 1: processor call + one prefill forward (last position's logits)."""
-    from engine.inputs import media_first_messages
+    from engine.inputs.prompts import media_first_messages
 
     messages = media_first_messages(images, QUESTIONS[0])
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

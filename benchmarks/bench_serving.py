@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         if args.checkpoint:
             folder = args.checkpoint
         else:
-            from engine.tiny import build_tiny_checkpoint
+            from engine.model.tiny import build_tiny_checkpoint
 
             folder = build_tiny_checkpoint(workdir / "ckpt", args.preset or "demo", seed=0)
         engine = Engine.from_pretrained(folder, device=device, dtype=dtype, **options)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from media import MEDIA_DIR as MEDIA  # noqa: E402
 
 from engine import Engine, SamplingParams, media_first_messages  # noqa: E402
-from engine.tiny import build_tiny_checkpoint  # noqa: E402
+from engine.model.tiny import build_tiny_checkpoint  # noqa: E402
 
 
 def run(engine, prompts, salt_prefix="s"):

@@ -43,16 +43,16 @@ def profile_hit(eng) -> None:
         eng.model.encode_vision(pixels, prompt.image_grids)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
-    graphs = eng.runner.graphs
+    graphs = eng.loop.runner.graphs
     for mode in ("graph rows", "eager", "graph rows"):
-        eng.runner.graphs = graphs if mode == "graph rows" else None
+        eng.loop.runner.graphs = graphs if mode == "graph rows" else None
         asks = [media_first_messages(ims, f"{QUESTION} Variant {j}{mode}?") for j in range(5)]
         tels = [eng.generate(m, one, cache_salt="hit").telemetry for m in asks]
         t = sorted(tels, key=lambda x: x.ttft_ms)[2]
         print(f"prefix hit, question {mode}: TTFT {t.ttft_ms:.1f} ms (queue {t.queue_ms:.1f} ms, of which prompt "
               f"building {t.preprocess_ms:.1f} ms; prefill {t.prefill_ms:.1f} ms, computed {t.computed_tokens} "
               f"tokens, {t.prefix_cache})")
-    eng.runner.graphs = graphs
+    eng.loop.runner.graphs = graphs
     build = cuda_time(lambda: eng.prompts.build(media_first_messages(ims, QUESTION)), repeats=5, warmup=1)
     print(f"prompt building alone (8 photos, cached pixels): {build:.1f} ms")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -73,15 +73,15 @@ def main(argv=None) -> int:
                                    max_num_seqs=8, gpu_memory_utilization=0.3)
         c = eng.generate(text_prompt(eng, 1700, 0), SamplingParams(max_tokens=64, ignore_eos=True))
         print(f"engine TPOT {c.telemetry.tpot_ms:.2f} ms at batch 1, context {c.telemetry.prompt_tokens}")
-        graphs = eng.runner.graphs
+        graphs = eng.loop.runner.graphs
         graph = graphs._graphs[1][0]
         replay = cuda_time(graph.replay, repeats=50)
         print(f"graph replay alone {replay:.2f} ms  -> host work per step ~{c.telemetry.tpot_ms - replay:.2f} ms")
-        eng.runner.graphs = None  # eager steps for the profile
+        eng.loop.runner.graphs = None  # eager steps for the profile
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             eng.generate(text_prompt(eng, 1700, 1), SamplingParams(max_tokens=9, ignore_eos=True))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-        eng.runner.graphs = graphs
+        eng.loop.runner.graphs = graphs
         profile_hit(eng)
         eng.close()
     return 0

@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoProcessor
 
-    from engine.inputs import PromptBuilder, media_first_messages
-    from engine.tiny import build_tiny_checkpoint
+    from engine.inputs.prompts import PromptBuilder, media_first_messages
+    from engine.model.tiny import build_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_tiny_checkpoint(pathlib.Path(tmp), "test", seed=0)
@@ -67,8 +67,7 @@ def main(argv=None) -> int:
     messages = media_first_messages(load_photos(args.photos), QUESTION)
 
     def cold():
-        builder._processed.clear()  # a benchmark may reach in: every image processed again
-        builder._cached_bytes = 0
+        builder.images.clear()  # every image processed again
         builder.build(messages)
 
     def hit():

@@ -1,5 +1,5 @@
 """Where the vision step of a cold request goes on the GPU (run by hand): the encoder on eight
-448×448 photos eagerly and through its CUDA graph (engine/vision_graphs.py), wall-clock from the
+448×448 photos eagerly and through its CUDA graph (engine/graphs/vision.py), wall-clock from the
 host (pixels on the CPU, as the engine holds them), the graph replay alone, a kernel table of the
 eager encoder, and cold requests' telemetry.
 
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         prompt = eng.prompts.build(media_first_messages(ims, QUESTION))
         pixels, grids = prompt.pixel_values, prompt.image_grids
         print(f"{args.photos} photos: {pixels.shape[0]} patches, pixels {pixels.dtype} on {pixels.device}")
-        graphs = eng.vision_encoder
+        graphs = eng.vision.encoder
         steps = wall_times(lambda: graphs(pixels, grids), 4)
         print(f"vision_encoder calls 1-4 (eager, capture, replay, replay): {' / '.join(f'{x:.1f}' for x in steps)} ms; "
               f"captures {getattr(graphs, 'captures', '-')}, replays {getattr(graphs, 'replays', '-')}")

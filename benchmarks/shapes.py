@@ -61,7 +61,7 @@ def config_dict(shape: str) -> dict:
 def make_folder(shape: str, workdir: pathlib.Path) -> pathlib.Path:
     """A checkpoint folder without weights: ``config.json`` for ``shape`` plus a tiny checkpoint's
     tokenizer, processor and generation files."""
-    from engine.tiny import build_tiny_checkpoint
+    from engine.model.tiny import build_tiny_checkpoint
 
     tiny = build_tiny_checkpoint(workdir / "tiny", "test", seed=0)
     folder = workdir / f"shape-{shape}"
@@ -75,10 +75,10 @@ def make_folder(shape: str, workdir: pathlib.Path) -> pathlib.Path:
 
 @torch.no_grad()
 def random_model(folder: pathlib.Path, device, dtype, seed: int = 0):
-    """Our :class:`engine.model.Qwen3VL` for ``folder``'s config with random weights on ``device``:
+    """Our :class:`engine.model.qwen3_vl.Qwen3VL` for ``folder``'s config with random weights on ``device``:
     matrices N(0, 1/fan_in), embeddings N(0, 1), norms 1, biases 0."""
-    from engine.config import ModelConfig
-    from engine.model import Qwen3VL
+    from engine.model.config import ModelConfig
+    from engine.model.qwen3_vl import Qwen3VL
 
     config = ModelConfig.from_folder(folder)
     with torch.device("meta"):

@@ -14,9 +14,9 @@ from .errors import (
     PrismError,
     RequestTooLargeError,
 )
-from .inputs import media_first_messages
-from .outputs import Completion, Telemetry
-from .sampling import SamplingParams
+from .inputs.prompts import media_first_messages
+from .serving.outputs import Completion, Telemetry
+from .serving.sampling import SamplingParams
 
 __all__ = [
     "CheckpointError",

@@ -55,7 +55,7 @@ def paged_decode_attention(q, cache, meta):
 
 def warm_up(cache, num_heads: int, dtype: torch.dtype) -> None:
     """Before the first request: compile the Triton kernels eager steps launch
-    (:func:`ops.triton_kernels.warm_up`) and load the fused attention a cold prompt uses
+    (:func:`ops.triton_kernels.startup.warm_up`) and load the fused attention a cold prompt uses
     (:mod:`ops.self_attention`). A no-op where the references run."""
     if not use_triton(cache.k_cache):
         return

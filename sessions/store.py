@@ -1,9 +1,18 @@
 """Persistent chat sessions, their images, turns and share links, in one data directory.
 
+(A long module on purpose: it is the store's whole public API, thirty methods each documented for
+the app; what they delegate to lives in the modules listed below.)
+
 Layout of ``data_dir``::
 
-    prism.db                      SQLite database (WAL mode), see ``_MIGRATIONS`` for the schema
+    prism.db                      SQLite database (WAL mode), see :mod:`sessions.migrations` for the schema
     images/<sha[:2]>/<sha256>     uploaded image files, content-addressed by the SHA-256 of their bytes
+
+:class:`SessionStore` is the facade: it holds the connection, the lock and the transactions, checks
+ownership, and keeps the sessions, images and turns; it delegates to :mod:`sessions.records` (the
+dataclasses, errors and row readers), :mod:`sessions.keys` (owner keys and token hashes),
+:mod:`sessions.migrations` (the schema), :mod:`sessions.blobs` (the image files, their syncing and
+garbage collection) and :mod:`sessions.shares` (share links and forks).
 
 Design notes
 ------------
@@ -21,7 +30,8 @@ transactions with a busy timeout, and image files are created and deleted inside
 transactions, so reference counting stays right across processes too.
 
 *Migrations.* The schema version lives in SQLite's ``PRAGMA user_version``. ``_MIGRATIONS[i]``
-upgrades version ``i`` to ``i + 1``; opening a store applies the missing ones in one transaction.
+(:mod:`sessions.migrations`) upgrades version ``i`` to ``i + 1``; opening a store applies the
+missing ones in one transaction.
 A database written by a newer Prism (a higher version) is refused with :class:`StoreError`.
 
 *Secrets.* Session ids, owner keys, cache salts and share tokens come from :mod:`secrets`. Only
@@ -39,25 +49,47 @@ other access is tightened when the store opens), the database and its WAL and sh
 from __future__ import annotations
 
 import hashlib
-import hmac
-import json
-import os
-import re
 import secrets
 import sqlite3
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import sqlite_utils
 
 from engine.errors import InvalidImageError
-from engine.images import ImageOptions, open_image, sniff_format
+from engine.inputs.images import ImageOptions, open_image, sniff_format
+
+from . import shares
+from .blobs import BlobStore, private_dir, private_files
+from .keys import check_owner, is_sha256, owner_hash, owns, token_hash
+from .keys import new_owner_key as _new_owner_key
+from .migrations import SCHEMA_VERSION, migrate
+from .records import (
+    DEFAULT_TITLE,
+    MAX_FILENAME_LENGTH,
+    MAX_TITLE_LENGTH,
+    ImageRecord,
+    LimitExceeded,
+    NotFound,
+    PermissionDenied,
+    Session,
+    Share,
+    StoreError,
+    Turn,
+    clean_filename,
+    clean_title,
+    dump_telemetry,
+    image_record,
+    load_session,
+    load_turn,
+    session_from_row,
+    session_row,
+    turn_from_row,
+)
+from .shares import SHARE_MODES
 
 __all__ = [
     "DB_FILENAME",
@@ -81,262 +113,7 @@ __all__ = [
 
 DB_FILENAME = "prism.db"
 IMAGES_DIRNAME = "images"
-DEFAULT_TITLE = "New chat"
-MAX_TITLE_LENGTH = 200
-MAX_FILENAME_LENGTH = 255
-#: Share modes: ``"read"`` shows the conversation; ``"continue"`` also lets the visitor fork it.
-SHARE_MODES = ("read", "continue")
-# Anything longer cannot be a token from create_share; refused before hashing.
-_MAX_TOKEN_LENGTH = 256
 _BUSY_TIMEOUT_S = 30.0
-
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-# control characters, line/paragraph separators and lone surrogates (UTF-8 cannot store them)
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]+")
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-
-
-class StoreError(Exception):
-    """Base class of the errors :class:`SessionStore` raises on purpose."""
-
-
-class NotFound(StoreError, LookupError):
-    """The session, turn or share does not exist (or no longer exists)."""
-
-
-class PermissionDenied(StoreError, PermissionError):
-    """The caller's owner key does not own the session, or a read-only share was used to fork."""
-
-
-class LimitExceeded(StoreError):
-    """A per-session limit (such as the number of images) would be exceeded."""
-
-
-# --------------------------------------------------------------------------------------------
-# Records
-
-
-@dataclass
-class Session:
-    """A chat session.
-
-    ``image_shas`` lists the session's images in the order they were added (the order the model
-    sees them). ``cache_salt`` is a server-chosen secret that namespaces the engine's prefix cache
-    for this conversation; never show it to anyone, never accept one from a client.
-    ``forked_from`` is the id of the session this one was forked from, if any. ``owner_hash`` is
-    the SHA-256 (hex) of the owner key, never the key itself.
-    """
-
-    id: str
-    owner_hash: str
-    title: str
-    cache_salt: str
-    created_at: float
-    updated_at: float
-    image_shas: list[str]
-    forked_from: str | None
-
-    def to_public_dict(self) -> dict[str, Any]:
-        """The fields safe to send to a browser, even a share visitor's: everything except
-        ``owner_hash`` and ``cache_salt``."""
-        return {
-            "id": self.id,
-            "title": self.title,
-            "created_at": self.created_at,
-            "updated_at": self.updated_at,
-            "image_shas": list(self.image_shas),
-            "forked_from": self.forked_from,
-        }
-
-
-@dataclass
-class ImageRecord:
-    """An image attached to a session.
-
-    ``width`` and ``height`` are the decoded size after EXIF orientation (what the model sees);
-    ``bytes`` is the file size; ``mime`` its type (``image/png``, ``image/jpeg``, ...).
-    ``filename`` is the display name the uploader gave in this session (``None`` if none); it is
-    untrusted text, escape it before showing it.
-    """
-
-    sha256: str
-    filename: str | None
-    width: int
-    height: int
-    bytes: int
-    mime: str
-
-
-@dataclass
-class Turn:
-    """One question and its answer.
-
-    While the answer is being generated ``answer`` is ``""`` and ``finished_at`` is ``None``.
-    ``telemetry`` is the engine's telemetry dict (JSON round-tripped); ``error`` a message when
-    generation failed.
-    """
-
-    id: int
-    session_id: str
-    question: str
-    answer: str
-    telemetry: dict
-    finish_reason: str | None
-    error: str | None
-    created_at: float
-    finished_at: float | None
-
-
-@dataclass
-class Share:
-    """A share link of a session. ``mode`` is ``"read"`` or ``"continue"``.
-
-    ``id`` identifies the share to its owner (for revoking); it is not a credential. The token that
-    grants access is not stored, only its SHA-256.
-    """
-
-    id: str
-    session_id: str
-    mode: str
-    created_at: float
-    revoked_at: float | None
-
-
-# --------------------------------------------------------------------------------------------
-# Schema
-
-
-def _migration_1(db: sqlite_utils.Database) -> None:
-    statements = [
-        """
-        CREATE TABLE sessions (
-            id          TEXT PRIMARY KEY,
-            owner       TEXT NOT NULL,
-            title       TEXT NOT NULL,
-            cache_salt  TEXT NOT NULL,
-            created_at  REAL NOT NULL,
-            updated_at  REAL NOT NULL,
-            forked_from TEXT
-        )
-        """,
-        "CREATE INDEX sessions_owner_updated ON sessions (owner, updated_at DESC)",
-        """
-        CREATE TABLE images (
-            sha256     TEXT PRIMARY KEY CHECK (length(sha256) = 64),
-            width      INTEGER NOT NULL,
-            height     INTEGER NOT NULL,
-            bytes      INTEGER NOT NULL,
-            mime       TEXT NOT NULL,
-            created_at REAL NOT NULL
-        )
-        """,
-        """
-        CREATE TABLE session_images (
-            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
-            sha256     TEXT NOT NULL REFERENCES images (sha256),
-            position   INTEGER NOT NULL,
-            filename   TEXT,
-            added_at   REAL NOT NULL,
-            PRIMARY KEY (session_id, sha256)
-        )
-        """,
-        "CREATE INDEX session_images_sha ON session_images (sha256)",
-        "CREATE INDEX session_images_order ON session_images (session_id, position)",
-        """
-        CREATE TABLE turns (
-            id            INTEGER PRIMARY KEY AUTOINCREMENT,
-            session_id    TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
-            question      TEXT NOT NULL,
-            answer        TEXT NOT NULL DEFAULT '',
-            telemetry     TEXT NOT NULL DEFAULT '{}',
-            finish_reason TEXT,
-            error         TEXT,
-            created_at    REAL NOT NULL,
-            finished_at   REAL
-        )
-        """,
-        "CREATE INDEX turns_session ON turns (session_id, id)",
-        """
-        CREATE TABLE shares (
-            id         TEXT PRIMARY KEY,
-            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
-            token_hash TEXT NOT NULL UNIQUE,
-            mode       TEXT NOT NULL CHECK (mode IN ('read', 'continue')),
-            created_at REAL NOT NULL,
-            revoked_at REAL
-        )
-        """,
-        "CREATE INDEX shares_session ON shares (session_id, created_at)",
-    ]
-    for sql in statements:
-        db.execute(sql)
-
-
-def _migration_2(db: sqlite_utils.Database) -> None:
-    """Owner keys stored as their SHA-256, like share tokens (``owner`` becomes ``owner_hash``)."""
-    db.execute("ALTER TABLE sessions RENAME COLUMN owner TO owner_hash")
-    for session_id, owner in db.execute("SELECT id, owner_hash FROM sessions").fetchall():
-        db.execute("UPDATE sessions SET owner_hash = ? WHERE id = ?", [_owner_hash(owner), session_id])
-
-
-#: ``_MIGRATIONS[i]`` takes the schema from version ``i`` to ``i + 1``. Append, never edit.
-_MIGRATIONS = [_migration_1, _migration_2]
-SCHEMA_VERSION = len(_MIGRATIONS)
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers
-
-
-def _is_sha256(value: object) -> bool:
-    return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
-
-
-def _same_key(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
-
-
-def _token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _owner_hash(owner: str) -> str:
-    """What the database holds of an owner key (keys are 256 random bits: a plain SHA-256 is enough)."""
-    return _token_hash(owner)
-
-
-def _owns(owner: object, owner_hash: str) -> bool:
-    """Whether the owner key ``owner`` hashes to ``owner_hash`` (constant-time comparison)."""
-    return isinstance(owner, str) and bool(owner) and _same_key(_owner_hash(owner), owner_hash)
-
-
-def _clean_title(title: str) -> str:
-    if not isinstance(title, str):
-        raise TypeError(f"title must be a str, not {type(title).__name__}")
-    text = " ".join(_CONTROL_RE.sub(" ", title).split())[:MAX_TITLE_LENGTH].rstrip()
-    return text or DEFAULT_TITLE
-
-
-def _clean_filename(filename: str | None) -> str | None:
-    if filename is None:
-        return None
-    if not isinstance(filename, str):
-        raise TypeError(f"filename must be a str or None, not {type(filename).__name__}")
-    name = re.split(r"[\\/]", filename)[-1]  # browsers may send "C:\fakepath\x.png"
-    name = _CONTROL_RE.sub(" ", name).strip()
-    if name in ("", ".", ".."):
-        return None
-    return name[:MAX_FILENAME_LENGTH]
-
-
-def _check_owner(owner: str) -> str:
-    if not isinstance(owner, str) or not owner:
-        raise ValueError("owner must be a non-empty string")
-    return owner
-
 
 _MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WebP": "image/webp",
          "TIFF": "image/tiff", "BMP": "image/bmp"}
@@ -344,53 +121,6 @@ _MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WebP": "
 
 def _sniff_mime(data: bytes) -> str:
     return _MIME.get(sniff_format(data), "application/octet-stream")
-
-
-def _json_default(value: Any) -> Any:
-    item = getattr(value, "item", None)  # numpy / torch scalars
-    if callable(item):
-        with suppress(Exception):
-            return item()
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    return str(value)
-
-
-def _dump_telemetry(telemetry: dict | None) -> str:
-    if telemetry is None:
-        return "{}"
-    if not isinstance(telemetry, dict):
-        raise TypeError(f"telemetry must be a dict, not {type(telemetry).__name__}")
-    return json.dumps(telemetry, default=_json_default, ensure_ascii=False)
-
-
-def private_dir(path: Path) -> None:
-    """Create ``path`` (and its parents) with mode ``0700``, or take group and other access away
-    from an existing one (a folder that is not ours is left as it is)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with suppress(OSError):
-        if path.stat().st_mode & 0o077:
-            path.chmod(0o700)
-
-
-def _private_files(db_path: Path) -> None:
-    """Create the database file ``0600`` before SQLite does (its WAL and shared-memory files take
-    the database's mode), and take group and other access from existing ones."""
-    with suppress(FileExistsError):
-        os.close(os.open(db_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    for path in (db_path, db_path.with_name(db_path.name + "-wal"), db_path.with_name(db_path.name + "-shm")):
-        with suppress(OSError):
-            if path.stat().st_mode & 0o077:
-                path.chmod(0o600)
-
-
-def _fsync_dir(path: Path) -> None:
-    with suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,7 +166,8 @@ class SessionStore:
         self.db_path = self.data_dir / DB_FILENAME
         for folder in (self.data_dir, self.images_dir):
             private_dir(folder)
-        _private_files(self.db_path)
+        private_files(self.db_path)
+        self._blobs = BlobStore(self.images_dir)
         self._lock = threading.RLock()
         self._last_time = 0.0
         conn = sqlite3.connect(str(self.db_path), timeout=_BUSY_TIMEOUT_S, check_same_thread=False)
@@ -485,15 +216,7 @@ class SessionStore:
 
     def _migrate(self) -> None:
         with self._write() as db:
-            version = int(db.execute("PRAGMA user_version").fetchone()[0])
-            if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.db_path} has schema version {version}, newer than this Prism supports "
-                    f"({SCHEMA_VERSION}); upgrade Prism or use another data directory"
-                )
-            for index in range(version, SCHEMA_VERSION):
-                _MIGRATIONS[index](db)
-                db.execute(f"PRAGMA user_version = {index + 1}")
+            version = migrate(db, self.db_path)
         if 0 < version < SCHEMA_VERSION:  # the old pages (plain owner keys) leave the files now, not later
             self._require_db().execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
@@ -542,7 +265,7 @@ class SessionStore:
         The app gives one to each browser (for example in an HttpOnly cookie); it is a bearer
         credential for every session created with it.
         """
-        return secrets.token_urlsafe(32)
+        return _new_owner_key()
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -562,17 +285,17 @@ class SessionStore:
         Raises:
             ValueError: ``owner`` is empty. TypeError: ``title`` is not a str.
         """
-        _check_owner(owner)
-        title = _clean_title(title)
+        check_owner(owner)
+        title = clean_title(title)
         with self._write() as db:
             now = self._now()
             session_id = secrets.token_urlsafe(12)
             db.execute(
                 "INSERT INTO sessions (id, owner_hash, title, cache_salt, created_at, updated_at, forked_from) "
                 "VALUES (?, ?, ?, ?, ?, ?, NULL)",
-                [session_id, _owner_hash(owner), title, secrets.token_hex(16), now, now],
+                [session_id, owner_hash(owner), title, secrets.token_hex(16), now, now],
             )
-            return self._load_session(db, session_id)
+            return load_session(db, session_id)
 
     def list_sessions(self, owner: str) -> list[Session]:
         """Return the owner's sessions, most recently updated first (``[]`` for an unknown owner)."""
@@ -582,7 +305,7 @@ class SessionStore:
             rows = list(
                 db.query(
                     "SELECT * FROM sessions WHERE owner_hash = ? ORDER BY updated_at DESC, created_at DESC, id",
-                    [_owner_hash(owner)],
+                    [owner_hash(owner)],
                 )
             )
             shas: dict[str, list[str]] = {row["id"]: [] for row in rows}
@@ -591,10 +314,10 @@ class SessionStore:
                     "SELECT si.session_id, si.sha256 FROM session_images si "
                     "JOIN sessions s ON s.id = si.session_id WHERE s.owner_hash = ? "
                     "ORDER BY si.session_id, si.position",
-                    [_owner_hash(owner)],
+                    [owner_hash(owner)],
                 ):
                     shas[link["session_id"]].append(link["sha256"])
-            return [self._session_from_row(row, shas[row["id"]]) for row in rows]
+            return [session_from_row(row, shas[row["id"]]) for row in rows]
 
     def get_session(self, session_id: str, owner: str | None = None) -> Session | None:
         """Return the session, or ``None``.
@@ -610,10 +333,10 @@ class SessionStore:
         if not isinstance(session_id, str):
             return None
         with self._read() as db:
-            session = self._load_session(db, session_id)
+            session = load_session(db, session_id)
         if session is None:
             return None
-        if owner is not None and not _owns(owner, session.owner_hash):
+        if owner is not None and not owns(owner, session.owner_hash):
             return None
         return session
 
@@ -627,13 +350,13 @@ class SessionStore:
             NotFound: no such session. PermissionDenied: ``owner`` does not own it.
             TypeError: ``title`` is not a str.
         """
-        title = _clean_title(title)
+        title = clean_title(title)
         with self._write() as db:
             self._owned(db, session_id, owner)
             db.execute(
                 "UPDATE sessions SET title = ?, updated_at = ? WHERE id = ?", [title, self._now(), session_id]
             )
-            return self._load_session(db, session_id)
+            return load_session(db, session_id)
 
     def delete_session(self, session_id: str, owner: str) -> None:
         """Delete a session with its turns, share links and image links.
@@ -650,14 +373,14 @@ class SessionStore:
             db.execute("DELETE FROM turns WHERE session_id = ?", [session_id])
             db.execute("DELETE FROM shares WHERE session_id = ?", [session_id])
             db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
-            self._drop_unreferenced(db, shas)
+            self._blobs.drop_unreferenced(db, shas)
 
     # -- images -------------------------------------------------------------------------------
 
     def add_image(self, session_id: str, owner: str, data: bytes, filename: str | None = None) -> ImageRecord:
         """Validate an uploaded image and append it to the session's images.
 
-        The bytes are checked with :func:`engine.images.open_image` (and this store's
+        The bytes are checked with :func:`engine.inputs.images.open_image` (and this store's
         ``image_options``) before anything is stored. The file is content-addressed (SHA-256 of
         the bytes) and written atomically to ``images/<sha[:2]>/<sha>``; the same bytes
         uploaded again (to any session) share that one file, written again each time so that an
@@ -683,7 +406,7 @@ class SessionStore:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, not {type(data).__name__}")
         data = bytes(data)
-        filename = _clean_filename(filename)
+        filename = clean_filename(filename)
         # Cheap checks first, so a stranger's or an over-full session costs no decoding.
         with self._read() as db:
             self._owned(db, session_id, owner)
@@ -696,9 +419,9 @@ class SessionStore:
         try:
             with self._write() as db:
                 self._owned(db, session_id, owner)  # it may have changed while decoding
-                existing = self._image_record(db, session_id, sha)
+                existing = image_record(db, session_id, sha)
                 if existing is not None:
-                    self._ensure_file(sha, data)  # restores a file lost outside Prism
+                    self._blobs.write(sha, data)  # restores a file lost outside Prism
                     return existing
                 count = db.execute(
                     "SELECT count(*) FROM session_images WHERE session_id = ?", [session_id]
@@ -709,7 +432,7 @@ class SessionStore:
                         "Remove one or start a new chat."
                     )
                 now = self._now()
-                created_file = self._ensure_file(sha, data)
+                created_file = self._blobs.write(sha, data)
                 db.execute(
                     "INSERT OR IGNORE INTO images (sha256, width, height, bytes, mime, created_at) "
                     "VALUES (?, ?, ?, ?, ?, ?)",
@@ -724,7 +447,7 @@ class SessionStore:
                     [session_id, sha, position, filename, now],
                 )
                 db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", [now, session_id])
-                return self._image_record(db, session_id, sha)
+                return image_record(db, session_id, sha)
         except BaseException:
             if created_file:
                 self._remove_file_if_unknown(sha)
@@ -741,12 +464,12 @@ class SessionStore:
         """
         with self._write() as db:
             self._owned(db, session_id, owner)
-            if not _is_sha256(sha256):
+            if not is_sha256(sha256):
                 return
             cursor = db.execute("DELETE FROM session_images WHERE session_id = ? AND sha256 = ?", [session_id, sha256])
             if cursor.rowcount:
                 db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", [self._now(), session_id])
-                self._drop_unreferenced(db, [sha256])
+                self._blobs.drop_unreferenced(db, [sha256])
 
     def list_images(self, session_id: str) -> list[ImageRecord]:
         """Return the session's images in order (``[]`` for an unknown session).
@@ -763,7 +486,7 @@ class SessionStore:
 
     def has_image(self, session_id: str, sha256: str) -> bool:
         """Whether the session holds the image (use before serving an image to a share visitor)."""
-        if not _is_sha256(sha256):
+        if not is_sha256(sha256):
             return False
         with self._read() as db:
             row = db.execute(
@@ -774,18 +497,18 @@ class SessionStore:
     def owner_has_image(self, owner: str, sha256: str) -> bool:
         """Whether a session of ``owner`` holds the image (check it before serving the image to
         that owner); False for an empty owner or a malformed hash."""
-        if not _is_sha256(sha256) or not isinstance(owner, str) or not owner:
+        if not is_sha256(sha256) or not isinstance(owner, str) or not owner:
             return False
         with self._read() as db:
             row = db.execute(
                 "SELECT 1 FROM session_images si JOIN sessions s ON s.id = si.session_id "
-                "WHERE s.owner_hash = ? AND si.sha256 = ? LIMIT 1", [_owner_hash(owner), sha256]
+                "WHERE s.owner_hash = ? AND si.sha256 = ? LIMIT 1", [owner_hash(owner), sha256]
             ).fetchone()
             return row is not None
 
     def image_info(self, sha256: str) -> ImageRecord | None:
         """The stored image's record (``filename`` is ``None``), or ``None`` if unknown/invalid."""
-        if not _is_sha256(sha256):
+        if not is_sha256(sha256):
             return None
         with self._read() as db:
             rows = list(
@@ -799,13 +522,13 @@ class SessionStore:
         Returns ``None`` unless ``sha256`` is exactly 64 lowercase hex digits, the database knows
         the image and its file exists. The path is built only from such a hash (no traversal).
         """
-        if not _is_sha256(sha256):
+        if not is_sha256(sha256):
             return None
         with self._read() as db:
             known = db.execute("SELECT 1 FROM images WHERE sha256 = ?", [sha256]).fetchone() is not None
             if not known:
                 return None
-            path = self._blob_path(sha256)
+            path = self._blobs.path(sha256)
             return path if path.is_file() else None
 
     def image_bytes(self, sha256: str) -> bytes | None:
@@ -835,7 +558,7 @@ class SessionStore:
         if not isinstance(question, str):
             raise TypeError(f"question must be a str, not {type(question).__name__}")
         with self._write() as db:
-            if self._session_row(db, session_id) is None:
+            if session_row(db, session_id) is None:
                 raise NotFound("This chat does not exist (it may have been deleted).")
             now = self._now()
             cursor = db.execute(
@@ -843,7 +566,7 @@ class SessionStore:
                 [session_id, question, now],
             )
             db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", [now, session_id])
-            return self._load_turn(db, cursor.lastrowid)
+            return load_turn(db, cursor.lastrowid)
 
     def finish_turn(
         self,
@@ -873,7 +596,7 @@ class SessionStore:
         """
         if not isinstance(answer, str):
             raise TypeError(f"answer must be a str, not {type(answer).__name__}")
-        telemetry_json = _dump_telemetry(telemetry)
+        telemetry_json = dump_telemetry(telemetry)
         with self._write() as db:
             row = db.execute("SELECT session_id FROM turns WHERE id = ?", [int(turn_id)]).fetchone()
             if row is None:
@@ -885,18 +608,18 @@ class SessionStore:
                 [answer, telemetry_json, finish_reason, error, now, int(turn_id)],
             )
             db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", [now, row[0]])
-            return self._load_turn(db, int(turn_id))
+            return load_turn(db, int(turn_id))
 
     def list_turns(self, session_id: str) -> list[Turn]:
         """Return the session's turns, oldest first (``[]`` for an unknown session). No ownership check."""
         with self._read() as db:
             rows = db.query("SELECT * FROM turns WHERE session_id = ? ORDER BY id", [session_id])
-            return [self._turn_from_row(row) for row in rows]
+            return [turn_from_row(row) for row in rows]
 
     def get_turn(self, turn_id: int) -> Turn | None:
         """Return one turn by id, or ``None``. No ownership check."""
         with self._read() as db:
-            return self._load_turn(db, int(turn_id))
+            return load_turn(db, int(turn_id))
 
     def delete_last_turn(self, session_id: str, owner: str) -> Turn | None:
         """Delete the session's newest turn (for "Regenerate") and return it.
@@ -914,7 +637,7 @@ class SessionStore:
                 return None
             db.execute("DELETE FROM turns WHERE id = ?", [rows[0]["id"]])
             db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", [self._now(), session_id])
-            return self._turn_from_row(rows[0])
+            return turn_from_row(rows[0])
 
     def delete_turns_from(self, session_id: str, owner: str, turn_id: int) -> list[Turn]:
         """Delete turn ``turn_id`` and every later turn of the session (editing or asking again
@@ -934,7 +657,7 @@ class SessionStore:
                 raise NotFound("This question is not part of this chat.")
             db.execute("DELETE FROM turns WHERE session_id = ? AND id >= ?", [session_id, turn_id])
             db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", [self._now(), session_id])
-            return [self._turn_from_row(row) for row in rows]
+            return [turn_from_row(row) for row in rows]
 
     # -- shares -------------------------------------------------------------------------------
 
@@ -957,14 +680,7 @@ class SessionStore:
             raise ValueError(f"share mode must be one of {SHARE_MODES}, got {mode!r}")
         with self._write() as db:
             self._owned(db, session_id, owner)
-            token = secrets.token_urlsafe(24)
-            share_id = secrets.token_urlsafe(12)
-            db.execute(
-                "INSERT INTO shares (id, session_id, token_hash, mode, created_at, revoked_at) "
-                "VALUES (?, ?, ?, ?, ?, NULL)",
-                [share_id, session_id, _token_hash(token), mode, self._now()],
-            )
-            return token, self._load_share(db, share_id)
+            return shares.create(db, session_id, mode, self._now)
 
     def resolve_share(self, token: str) -> Share | None:
         """Return the active share a token grants, or ``None`` (unknown, malformed or revoked).
@@ -972,18 +688,11 @@ class SessionStore:
         The token is looked up by its SHA-256, so timing reveals nothing useful about stored
         tokens.
         """
-        if not isinstance(token, str) or not token or len(token) > _MAX_TOKEN_LENGTH:
+        if not shares.well_formed(token):
             return None
-        digest = _token_hash(token)
+        digest = token_hash(token)
         with self._read() as db:
-            rows = list(
-                db.query(
-                    "SELECT id, session_id, mode, created_at, revoked_at FROM shares "
-                    "WHERE token_hash = ? AND revoked_at IS NULL",
-                    [digest],
-                )
-            )
-            return Share(**rows[0]) if rows else None
+            return shares.resolve(db, digest)
 
     def list_shares(self, session_id: str, owner: str, *, include_revoked: bool = False) -> list[Share]:
         """Return the session's share links, oldest first.
@@ -996,10 +705,7 @@ class SessionStore:
         """
         with self._read() as db:
             self._owned(db, session_id, owner)
-            sql = "SELECT id, session_id, mode, created_at, revoked_at FROM shares WHERE session_id = ?"
-            if not include_revoked:
-                sql += " AND revoked_at IS NULL"
-            return [Share(**row) for row in db.query(sql + " ORDER BY created_at, id", [session_id])]
+            return shares.of_session(db, session_id, include_revoked)
 
     def revoke_share(self, share_id: str, owner: str) -> None:
         """Revoke a share link; its token stops resolving. Revoking twice is a no-op.
@@ -1008,13 +714,8 @@ class SessionStore:
             NotFound: no such share. PermissionDenied: ``owner`` does not own its session.
         """
         with self._write() as db:
-            row = db.execute("SELECT session_id FROM shares WHERE id = ?", [share_id]).fetchone()
-            if row is None:
-                raise NotFound("This share link does not exist.")
-            self._owned(db, row[0], owner)
-            db.execute(
-                "UPDATE shares SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", [self._now(), share_id]
-            )
+            self._owned(db, shares.session_of(db, share_id), owner)
+            shares.revoke(db, share_id, self._now)
 
     def fork_session(self, share: Share, new_owner: str) -> Session:
         """Copy a shared session into a new session owned by ``new_owner``.
@@ -1032,37 +733,11 @@ class SessionStore:
             unresolved token), was revoked or deleted, or its session no longer exists.
             ValueError: ``new_owner`` is empty.
         """
-        _check_owner(new_owner)
+        check_owner(new_owner)
         if share is None:
             raise NotFound("This share link is no longer valid.")
         with self._write() as db:
-            current = self._load_share(db, share.id)
-            if current is None or current.revoked_at is not None:
-                raise NotFound("This share link is no longer valid.")
-            if current.mode != "continue":
-                raise PermissionDenied("This share link is read-only; it cannot be continued.")
-            source = self._session_row(db, current.session_id)
-            if source is None:
-                raise NotFound("The shared chat no longer exists.")
-            now = self._now()
-            new_id = secrets.token_urlsafe(12)
-            db.execute(
-                "INSERT INTO sessions (id, owner_hash, title, cache_salt, created_at, updated_at, forked_from) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [new_id, _owner_hash(new_owner), source["title"], source["cache_salt"], now, now, source["id"]],
-            )
-            db.execute(
-                "INSERT INTO session_images (session_id, sha256, position, filename, added_at) "
-                "SELECT ?, sha256, position, filename, ? FROM session_images WHERE session_id = ?",
-                [new_id, now, source["id"]],
-            )
-            db.execute(
-                "INSERT INTO turns (session_id, question, answer, telemetry, finish_reason, error, created_at, "
-                "finished_at) SELECT ?, question, answer, telemetry, finish_reason, error, created_at, finished_at "
-                "FROM turns WHERE session_id = ? AND finished_at IS NOT NULL ORDER BY id",
-                [new_id, source["id"]],
-            )
-            return self._load_session(db, new_id)
+            return load_session(db, shares.fork(db, share, owner_hash(new_owner), self._now))
 
     # -- maintenance --------------------------------------------------------------------------
 
@@ -1073,152 +748,21 @@ class SessionStore:
         rows (with their files) that no session references. Safe to run at any time, for example
         at startup.
         """
-        removed = 0
         with self._write() as db:
-            orphans = [r[0] for r in db.execute(
-                "SELECT sha256 FROM images WHERE sha256 NOT IN (SELECT sha256 FROM session_images)"
-            )]
-            removed += self._drop_unreferenced(db, orphans)
-            known = {r[0] for r in db.execute("SELECT sha256 FROM images")}
-            for shard in self.images_dir.iterdir():
-                if not shard.is_dir() or shard.is_symlink():
-                    continue
-                for entry in shard.iterdir():
-                    if entry.name not in known or entry.name[:2] != shard.name:
-                        with suppress(OSError):
-                            entry.unlink()
-                            removed += 1
-                with suppress(OSError):
-                    shard.rmdir()  # only succeeds when empty
-        return removed
+            return self._blobs.collect_garbage(db)
 
     # -- internals ----------------------------------------------------------------------------
-
-    def _blob_path(self, sha: str) -> Path:
-        assert _is_sha256(sha)
-        return self.images_dir / sha[:2] / sha
-
-    def _ensure_file(self, sha: str, data: bytes) -> bool:
-        """Make sure ``images/<sha[:2]>/<sha>`` holds ``data``; return True if it was not there.
-
-        The file is written and synced every time, also when it exists: skipping that for an
-        image that another session had uploaded made the upload measurably faster, which told the
-        uploader that someone on this server holds the image.
-        """
-        path = self._blob_path(sha)
-        existed = path.is_file()
-        path.parent.mkdir(exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(path.parent)
-        return not existed
 
     def _remove_file_if_unknown(self, sha: str) -> None:
         """After a failed add_image: delete the file written for it unless the db knows the image."""
         with self._lock:
             with suppress(Exception):
-                db = self._require_db()
-                if db.execute("SELECT 1 FROM images WHERE sha256 = ?", [sha]).fetchone() is None:
-                    self._blob_path(sha).unlink(missing_ok=True)
-
-    def _drop_unreferenced(self, db: sqlite_utils.Database, shas: list[str]) -> int:
-        """Inside a write transaction: delete image rows and files no session references."""
-        removed = 0
-        for sha in shas:
-            referenced = db.execute("SELECT 1 FROM session_images WHERE sha256 = ? LIMIT 1", [sha]).fetchone()
-            if referenced is not None:
-                continue
-            db.execute("DELETE FROM images WHERE sha256 = ?", [sha])
-            if _is_sha256(sha):
-                path = self._blob_path(sha)
-                with suppress(FileNotFoundError):
-                    path.unlink()
-                    removed += 1
-                with suppress(OSError):
-                    path.parent.rmdir()  # only succeeds when empty
-        return removed
-
-    def _session_row(self, db: sqlite_utils.Database, session_id: str) -> dict | None:
-        if not isinstance(session_id, str):
-            return None
-        rows = list(db.query("SELECT * FROM sessions WHERE id = ?", [session_id]))
-        return rows[0] if rows else None
+                self._blobs.remove_if_unknown(self._require_db(), sha)
 
     def _owned(self, db: sqlite_utils.Database, session_id: str, owner: str) -> dict:
-        row = self._session_row(db, session_id)
+        row = session_row(db, session_id)
         if row is None:
             raise NotFound("This chat does not exist (it may have been deleted).")
-        if not _owns(owner, row["owner_hash"]):
+        if not owns(owner, row["owner_hash"]):
             raise PermissionDenied("This chat belongs to someone else.")
         return row
-
-    def _load_session(self, db: sqlite_utils.Database, session_id: str) -> Session | None:
-        row = self._session_row(db, session_id)
-        if row is None:
-            return None
-        shas = [r[0] for r in db.execute(
-            "SELECT sha256 FROM session_images WHERE session_id = ? ORDER BY position", [session_id]
-        )]
-        return self._session_from_row(row, shas)
-
-    @staticmethod
-    def _session_from_row(row: dict, shas: list[str]) -> Session:
-        return Session(
-            id=row["id"],
-            owner_hash=row["owner_hash"],
-            title=row["title"],
-            cache_salt=row["cache_salt"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            image_shas=shas,
-            forked_from=row["forked_from"],
-        )
-
-    def _image_record(self, db: sqlite_utils.Database, session_id: str, sha: str) -> ImageRecord | None:
-        rows = list(
-            db.query(
-                "SELECT i.sha256, si.filename, i.width, i.height, i.bytes, i.mime FROM session_images si "
-                "JOIN images i ON i.sha256 = si.sha256 WHERE si.session_id = ? AND si.sha256 = ?",
-                [session_id, sha],
-            )
-        )
-        return ImageRecord(**rows[0]) if rows else None
-
-    def _load_turn(self, db: sqlite_utils.Database, turn_id: int) -> Turn | None:
-        rows = list(db.query("SELECT * FROM turns WHERE id = ?", [turn_id]))
-        return self._turn_from_row(rows[0]) if rows else None
-
-    @staticmethod
-    def _turn_from_row(row: dict) -> Turn:
-        try:
-            telemetry = json.loads(row["telemetry"] or "{}")
-        except ValueError:
-            telemetry = {}
-        return Turn(
-            id=row["id"],
-            session_id=row["session_id"],
-            question=row["question"],
-            answer=row["answer"],
-            telemetry=telemetry if isinstance(telemetry, dict) else {},
-            finish_reason=row["finish_reason"],
-            error=row["error"],
-            created_at=row["created_at"],
-            finished_at=row["finished_at"],
-        )
-
-    def _load_share(self, db: sqlite_utils.Database, share_id: str) -> Share | None:
-        if not isinstance(share_id, str):
-            return None
-        rows = list(
-            db.query("SELECT id, session_id, mode, created_at, revoked_at FROM shares WHERE id = ?", [share_id])
-        )
-        return Share(**rows[0]) if rows else None

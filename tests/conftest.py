@@ -108,7 +108,7 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> pathlib.Path:
     """A "test" preset tiny Qwen3-VL checkpoint (seed 0), built once per session."""
-    from engine.tiny import build_tiny_checkpoint
+    from engine.model.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-test"), "test", seed=0)
 
@@ -116,7 +116,7 @@ def tiny_ckpt(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def demo_ckpt(tmp_path_factory) -> pathlib.Path:
     """A "demo" preset tiny Qwen3-VL checkpoint (seed 0, untied lm_head, bfloat16), built once per session."""
-    from engine.tiny import build_tiny_checkpoint
+    from engine.model.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-demo"), "demo", seed=0)
 
@@ -132,7 +132,7 @@ def tiny_engine_factory(tiny_ckpt):
     from transformers import AutoProcessor
 
     from engine.engine import Engine, EngineOptions
-    from engine.model import load_model
+    from engine.model.qwen3_vl import load_model
 
     processor = AutoProcessor.from_pretrained(str(tiny_ckpt))
     models: dict = {}

@@ -488,7 +488,7 @@ def test_two_users_are_answered_together(chat, engine, pictures):
 
 
 def test_settings_defaults_match_the_engines_image_limits():
-    from engine.images import ImageOptions
+    from engine.inputs.images import ImageOptions
 
     s = Settings()
     assert s.max_image_pixels == ImageOptions.max_image_pixels

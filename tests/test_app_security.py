@@ -450,7 +450,7 @@ def _schema_1_database(data: Path, owner: str) -> None:
     """A database as Prism wrote it before owner keys were hashed (schema 1), readable by others."""
     import sqlite_utils
 
-    from sessions.store import _migration_1
+    from sessions.migrations import _migration_1
 
     data.mkdir(mode=0o755)
     os.chmod(data, 0o755)

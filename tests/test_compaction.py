@@ -1,4 +1,4 @@
-"""Query-independent visual-token selection (:mod:`engine.compaction`): counts, spread, order,
+"""Query-independent visual-token selection (:mod:`engine.cache.compaction`): counts, spread, order,
 determinism, what is never removed, video handling and configuration errors."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.compaction import SELECTORS, CompactionConfig, uniform_selector
-from engine.inputs import media_first_messages
-from engine.rope import VisualSpan
-from engine.tiny import IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID
+from engine.cache.compaction import SELECTORS, CompactionConfig, uniform_selector
+from engine.inputs.prompts import media_first_messages
+from engine.model.rope import VisualSpan
+from engine.model.tiny import IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID
 
 
 def span(h: int, w: int, start: int = 0, kind: str = "image", frame: int = 0) -> VisualSpan:
@@ -107,7 +107,7 @@ def test_selectors_registry():
 def builder(tiny_ckpt):
     from transformers import AutoProcessor
 
-    from engine.inputs import PromptBuilder
+    from engine.inputs.prompts import PromptBuilder
 
     return PromptBuilder(AutoProcessor.from_pretrained(str(tiny_ckpt)), image_token_id=IMAGE_PAD_ID,
                          video_token_id=VIDEO_PAD_ID, merge_size=2, max_pixels=256 * 256)

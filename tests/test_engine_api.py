@@ -79,9 +79,9 @@ def test_step_budget_defaults_per_device(tiny_ckpt):
     """8,192 tokens a step on CUDA (an 8-photo prompt in one step), 1,024 on the CPU; an explicit
     value wins."""
     with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False) as eng:
-        assert eng.scheduler.config.max_num_batched_tokens == (8192 if TEST_DEVICE == "cuda" else 1024)
+        assert eng.loop.scheduler.config.max_num_batched_tokens == (8192 if TEST_DEVICE == "cuda" else 1024)
     with Engine.from_pretrained(tiny_ckpt, device=TEST_DEVICE, progress=False, max_num_batched_tokens=256) as eng:
-        assert eng.scheduler.config.max_num_batched_tokens == 256
+        assert eng.loop.scheduler.config.max_num_batched_tokens == 256
 
 
 def test_unknown_option_raises(tiny_ckpt):
@@ -289,7 +289,7 @@ def test_digests_beside_a_video_and_for_a_missing_file(engine, tmp_path):
 def test_images_taken_from_the_cache_on_a_miss_stay_recently_used(engine, tmp_path):
     """A request with one cached and one new image refreshes the cached one: the new image then
     evicts the least recently used entry, not it."""
-    from engine.inputs import PromptBuilder
+    from engine.inputs.prompts import PromptBuilder
 
     a, b, c = (noise_png(tmp_path, f"{n}.png", 10 + i) for i, n in enumerate("abc"))
     probe = engine.prompts.build(media_first_messages([a], "?")).image_pixels[0]
@@ -425,8 +425,8 @@ def _compiled_variants() -> dict[str, int]:
     """How many compiled variants each eager-step attention kernel holds (Triton's per-device caches)."""
     from ops import triton_kernels as tk
 
-    kernels = {"prefill": tk._paged_attention_kernel, "decode": tk._decode_split_kernel,
-               "merge": tk._decode_merge_kernel}
+    kernels = {"prefill": tk.attention._paged_attention_kernel, "decode": tk.attention._decode_split_kernel,
+               "merge": tk.attention._decode_merge_kernel}
     return {name: sum(len(c[0]) for c in k.device_caches.values()) for name, k in kernels.items()}
 
 

@@ -19,9 +19,9 @@ import torch
 from PIL import Image
 
 from engine import SamplingParams
-from engine.attention import PagedStep
-from engine.kv_cache import PagePool
-from engine.text import VisualInjection
+from engine.cache.kv_pool import PagePool
+from engine.model.attention import PagedStep
+from engine.model.decoder import VisualInjection
 from ops import AttentionMetadata, paged_attention, store_kv
 
 MAX_PIXELS = 256 * 256

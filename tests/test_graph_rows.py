@@ -1,4 +1,4 @@
-"""Short text-only steps as rows of the decode graph (engine/runner.py ``_run_graph``).
+"""Short text-only steps as rows of the decode graph (engine/serving/runner.py ``_run_graph``).
 
 On CUDA the runner replays the captured decode graph for any text-only step of at most
 ``graphs.max_batch`` new tokens: every new token is one row that attends to its sequence's KV up to
@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from engine import Completion, SamplingParams, media_first_messages
-from engine.attention import PagedStep
+from engine.model.attention import PagedStep
 from ops import AttentionMetadata
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -24,7 +24,7 @@ BASE = dict(kv_cache_dtype="auto", max_pixels=256 * 256)
 
 
 class EagerRows:
-    """The interface of :class:`engine.cuda_graphs.DecodeGraphs` without capture: each row is a
+    """The interface of :class:`engine.graphs.decode.DecodeGraphs` without capture: each row is a
     sequence of one new token (the decode op), run eagerly. Records the rows of every call."""
 
     def __init__(self, model, pool, max_batch: int):
@@ -52,7 +52,7 @@ def photos(media_path) -> list[Image.Image]:
 
 def with_rows(engine, max_batch: int = 32) -> EagerRows:
     rows = EagerRows(engine.model, engine.pool, max_batch)
-    engine.runner.graphs = rows
+    engine.loop.runner.graphs = rows
     return rows
 
 
@@ -115,7 +115,7 @@ def test_decode_rows_and_a_prefill_share_one_step(tiny_engine_factory, photos, m
 
     # Submit the second request once the first is decoding, so one step holds both.
     first = graphed.submit(long, GREEDY)
-    real = graphed.runner.execute
+    real = graphed.loop.runner.execute
     state = {"sent": None}
 
     def execute(batch):
@@ -123,9 +123,9 @@ def test_decode_rows_and_a_prefill_share_one_step(tiny_engine_factory, photos, m
             state["sent"] = graphed.submit(short, GREEDY)
         return real(batch)
 
-    monkeypatch.setattr(graphed.runner, "execute", execute)
-    done = [item for item in graphed._drain(first) if isinstance(item, Completion)]
-    second = [item for item in graphed._drain(state["sent"]) if isinstance(item, Completion)]
+    monkeypatch.setattr(graphed.loop.runner, "execute", execute)
+    done = [item for item in graphed.loop.stream(first) if isinstance(item, Completion)]
+    second = [item for item in graphed.loop.stream(state["sent"]) if isinstance(item, Completion)]
 
     assert [done[0].token_ids, second[0].token_ids] == [c.token_ids for c in want]
     n_short = len(graphed.prompts.build(short).input_ids)
@@ -141,7 +141,7 @@ def graph_inputs(max_batch: int = 8, width: int = 6):
     """A DecodeGraphs on the CPU with its graphs replaced: what ``run`` writes to the buffers."""
     from types import SimpleNamespace
 
-    from engine.cuda_graphs import DecodeGraphs
+    from engine.graphs.decode import DecodeGraphs
 
     model = SimpleNamespace(device=torch.device("cpu"))
     graphs = DecodeGraphs(model, None, max_batch, max_pages_per_seq=width, max_seq_len=width * 16)
@@ -203,7 +203,7 @@ def test_graph_rows_of_one_prefill_share_one_table_copy():
 def test_a_prefill_over_a_long_context_is_run_eagerly(tiny_engine_factory, monkeypatch):
     """Every row re-reads its sequence's KV: past GRAPH_PREFILL_READS (rows x KV length) the
     prefill runs eagerly, reading it once; decode steps still replay the graph."""
-    import engine.runner as runner_module
+    import engine.serving.runner as runner_module
 
     eager = tiny_engine_factory(**BASE, prefix_cache=False)
     graphed = tiny_engine_factory(**BASE, prefix_cache=False)

@@ -1,4 +1,4 @@
-"""Tests for engine.images: safe opening of user images (real photos from shared/media)."""
+"""Tests for engine.inputs.images: safe opening of user images (real photos from shared/media)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from conftest import media_file
 from PIL import Image, ImageFile, ImageOps
 
 from engine.errors import InvalidImageError
-from engine.images import ImageOptions, bytes_sha256, image_sha256, open_image
+from engine.inputs.images import ImageOptions, bytes_sha256, image_sha256, open_image
 
 # name -> (width, height, mode Pillow opens it in)
 MEDIA_FILES = {
@@ -586,7 +586,7 @@ def pixel_loads(monkeypatch) -> list[tuple[int, int]]:
 _PEAK_RSS_OF_OPENING = """
 import resource, sys
 from engine.errors import InvalidImageError
-from engine.images import open_image
+from engine.inputs.images import open_image
 data = sys.stdin.buffer.read()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:

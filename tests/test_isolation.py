@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from engine import InvalidRequestError, SamplingParams, media_first_messages
-from engine.vision_graphs import VisionGraphs
+from engine.graphs.vision import VisionGraphs
 
 GREEDY = SamplingParams(max_tokens=2, ignore_eos=True)
 
@@ -44,7 +44,7 @@ def builder_engine(tiny_engine_factory):
 
 
 def fresh_builder(engine):
-    from engine.inputs import PromptBuilder
+    from engine.inputs.prompts import PromptBuilder
 
     cfg = engine.config
     return PromptBuilder(engine.processor, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
@@ -117,7 +117,7 @@ def test_vision_graphs_earned_by_one_session_do_not_speed_up_another(tiny_engine
     eager -> capture -> replay on its own sightings, whatever other sessions did. The images are
     all different (the vision-feature cache never answers) and of one size (one grid)."""
     engine = tiny_engine_factory(prefix_cache=False)
-    engine.vision_encoder = graphs = EagerStandIn(engine.model)
+    engine.vision.encoder = graphs = EagerStandIn(engine.model)
     images = [noise_png(10 + i) for i in range(6)]
 
     def paths(salt, batch):
@@ -214,8 +214,8 @@ def test_a_cached_entry_that_does_not_fit_the_image_is_processed_again(builder_e
     builder = fresh_builder(builder_engine)
     image = Image.open(io.BytesIO(noise_png(30, (64, 96)))).convert("RGB")
     truth = builder.build(media_first_messages([image], "?"))
-    ((key, entry),) = builder._processed.items()
-    builder._processed[key] = dataclasses.replace(entry, grid=(1, entry.grid[2], entry.grid[1]))
+    ((key, entry),) = builder.images._processed.items()
+    builder.images._processed[key] = dataclasses.replace(entry, grid=(1, entry.grid[2], entry.grid[1]))
     again = builder.build(media_first_messages([image], "?"))
     assert again.image_grids == truth.image_grids and again.input_ids == truth.input_ids
     assert builder.cache_mismatches == 1 and builder.cache_hits == 0
@@ -224,11 +224,11 @@ def test_a_cached_entry_that_does_not_fit_the_image_is_processed_again(builder_e
 
 
 def test_the_grid_check_agrees_with_the_processor(builder_engine):
-    """``grid_for`` (the check above) predicts the processor's own grid for assorted sizes."""
+    """``ProcessedImages.grid_for`` (the check above) predicts the processor's own grid for assorted sizes."""
     builder = fresh_builder(builder_engine)
     for size in ((8, 8), (640, 427), (33, 1000), (1000, 872), (300, 451)):
         image = Image.new("RGB", size, (10, 20, 30))
-        assert builder.build(media_first_messages([image], "?")).image_grids == [builder.grid_for(size)]
+        assert builder.build(media_first_messages([image], "?")).image_grids == [builder.images.grid_for(size)]
 
 
 # ---------------------------------------------------------------------------------- item 5

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import OutOfPagesError, PagePool
+from engine.cache.kv_pool import OutOfPagesError, PagePool
 from ops import dequantize_fp8, store_kv
 
 LAYERS, HKV, D, PAGE = 2, 2, 8, 4

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from engine import CheckpointError, Engine
-from engine.model import load_model
+from engine.model.qwen3_vl import load_model
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -18,9 +18,9 @@ from PIL import Image
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
 from engine import CheckpointError, Engine, SamplingParams
-from engine.attention import DenseKVCache
-from engine.config import ModelConfig
-from engine.text import VisualInjection
+from engine.model.attention import DenseKVCache
+from engine.model.config import ModelConfig
+from engine.model.decoder import VisualInjection
 
 LAST_ATOL = 1e-4  # last-position logits, float32
 ALL_ATOL = 1e-3  # every position's logits, float32
@@ -91,7 +91,7 @@ def f32(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def custom_ckpt(tmp_path_factory):
-    from engine.tiny import build_tiny_checkpoint
+    from engine.model.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-custom"), "test", seed=1, overrides=CUSTOM_OVERRIDES)
 
@@ -244,7 +244,7 @@ def test_fused_projections_give_the_same_logits(tiny_ckpt, f32):
     engine on the same model) keeps the first fused weights, which captured CUDA graphs point to."""
     from types import SimpleNamespace
 
-    from engine.model import load_model
+    from engine.model.qwen3_vl import load_model
 
     model = load_model(tiny_ckpt, device=TEST_DEVICE, progress=False)
     unfused = SimpleNamespace(model=model, config=model.config, device=model.device, dtype=model.dtype)
@@ -414,7 +414,7 @@ def test_custom_architecture_one_photo(custom, media_path):
 
 
 def _valid_config() -> dict:
-    from engine.tiny import config_dict, resolve_preset
+    from engine.model.tiny import config_dict, resolve_preset
 
     cfg = config_dict(resolve_preset("test"))
     ModelConfig.from_dict(json.loads(json.dumps(cfg)))  # the unmodified config is accepted

@@ -1,4 +1,4 @@
-"""Short cold prompts prefilled on padded buffers (engine.prefill_graphs): the padded forward equals
+"""Short cold prompts prefilled on padded buffers (engine.graphs.prefill): the padded forward equals
 the eager prefill, stores only the prompt's K/V, and the engine takes that path for a prompt alone
 in its step. On CUDA the buffers are replayed as captured graphs; on the CPU they run eagerly."""
 
@@ -9,10 +9,10 @@ import torch
 from conftest import TEST_DEVICE
 
 from engine import SamplingParams
-from engine.attention import PagedStep
-from engine.kv_cache import PagePool
-from engine.prefill_graphs import PrefillGraphs
-from engine.text import VisualInjection
+from engine.cache.kv_pool import PagePool
+from engine.graphs.prefill import PrefillGraphs
+from engine.model.attention import PagedStep
+from engine.model.decoder import VisualInjection
 from ops import AttentionMetadata
 
 
@@ -111,9 +111,9 @@ def test_the_engine_prefills_a_lone_cold_prompt_on_the_padded_buffers(tiny_engin
     """Greedy answers equal the eager engine's; the prompt alone in its step took the padded path,
     and a prompt longer than every bucket (~700 tokens in one step) did not."""
     padded = tiny_engine_factory(prefix_cache=False, kv_cache_dtype="auto", max_num_batched_tokens=2048)
-    if padded.runner.prefill_graphs is None:  # the CPU: the same buffers, run eagerly
-        padded.runner.prefill_graphs = PrefillGraphs(padded.model, padded.pool)
-    graphs = padded.runner.prefill_graphs
+    if padded.loop.runner.prefill_graphs is None:  # the CPU: the same buffers, run eagerly
+        padded.loop.runner.prefill_graphs = PrefillGraphs(padded.model, padded.pool)
+    graphs = padded.loop.runner.prefill_graphs
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     for messages in (photo_question(media_path), photo_question(media_path, "coffee.png"), TEXT):
         before = graphs.runs
@@ -128,10 +128,10 @@ def test_the_engine_prefills_a_lone_cold_prompt_on_the_padded_buffers(tiny_engin
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA graphs need the engines on a GPU")
 def test_on_cuda_the_prompt_replays_a_captured_graph(tiny_engine_factory, media_path):
     eng = tiny_engine_factory(prefix_cache=False)
-    graphs = eng.runner.prefill_graphs
+    graphs = eng.loop.runner.prefill_graphs
     assert graphs is not None and set(graphs._graphs) == set(graphs.buckets)
     eager = tiny_engine_factory(prefix_cache=False, prefill_graphs=False)
-    assert eager.runner.prefill_graphs is None
+    assert eager.loop.runner.prefill_graphs is None
     first = SamplingParams(max_tokens=1)
     done = eng.generate(photo_question(media_path), first)
     assert graphs.replays == 1

@@ -3,7 +3,7 @@
 Every case compares the tokens of a cache hit with a cold run of the same prompt (a fresh engine
 with the same settings, or the engine's own miss), and, where the cache is exact (compaction
 off, K/V pages in the model dtype), with transformers' ``Qwen3VLForConditionalGeneration``. With
-compaction on, the oracle is :mod:`engine.reference_masked` (dense attention whose mask drops the
+compaction on, the oracle is :mod:`engine.cache.reference_masked` (dense attention whose mask drops the
 removed prefix positions for every later query).
 
 Engines come from ``tiny_engine_factory`` (one shared "test" checkpoint model, float32, CPU), with
@@ -25,10 +25,10 @@ from conftest import TEST_DEVICE
 from PIL import Image
 
 from engine import Completion, SamplingParams
-from engine.inputs import media_first_messages
-from engine.prefix_cache import prefix_key
-from engine.reference_masked import masked_greedy, masked_greedy_logits
-from engine.request import Status
+from engine.cache.prefix_cache import prefix_key
+from engine.cache.reference_masked import masked_greedy, masked_greedy_logits
+from engine.inputs.prompts import media_first_messages
+from engine.serving.request import Status
 
 N_TOKENS = 12
 SP = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
@@ -83,7 +83,7 @@ def poll(predicate, timeout: float = 30.0) -> None:
 
 
 class LogitsRecorder:
-    """Stands in for ``engine.runner.model``: forwards every step and keeps the float32 logits
+    """Stands in for ``engine.loop.runner.model``: forwards every step and keeps the float32 logits
     rows it returns (one per request that samples in that step, in batch order)."""
 
     def __init__(self, model):
@@ -100,8 +100,8 @@ class LogitsRecorder:
 def recorded_logits(engine):
     """Record the logits of every sampled token while the block runs (run one request at a time:
     then row ``i`` is the distribution generated token ``i`` was chosen from)."""
-    recorder = LogitsRecorder(engine.runner.model)
-    runner = engine.runner
+    recorder = LogitsRecorder(engine.loop.runner.model)
+    runner = engine.loop.runner
     runner.model, graphs, prefill_graphs = recorder, runner.graphs, runner.prefill_graphs
     # (CUDA) replayed graphs would bypass the recorder: steps run eagerly
     runner.graphs = runner.prefill_graphs = None
@@ -356,7 +356,7 @@ def test_hit_with_chunked_question_and_concurrent_text_request(make, photos):
     assert gen(engine, media_first_messages([img], Q1)).telemetry.prefix_cache == "miss"
     image_msgs = media_first_messages([img], LONG_Q)
     text_msgs = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
-    with engine._cv:  # both arrive in the same loop iteration
+    with engine.loop.paused():  # both arrive in the same loop iteration
         r_img = engine.submit(image_msgs, SP, cache_salt="s")
         r_txt = engine.submit(text_msgs, SP, cache_salt="s")
     together_img, together_txt = wait_done(r_img), wait_done(r_txt)
@@ -451,7 +451,7 @@ def test_preempted_request_attached_to_a_prefix(make, photos):
     img = photos["astronaut"]
     assert gen(engine, media_first_messages([img], Q1), sampling=sp).telemetry.prefix_cache == "miss"
     m2, m3 = media_first_messages([img], Q2), media_first_messages([img], Q3)
-    with engine._cv:
+    with engine.loop.paused():
         r2, r3 = engine.submit(m2, sp, cache_salt="s"), engine.submit(m3, sp, cache_salt="s")
     d2, d3 = wait_done(r2), wait_done(r3)
     assert d2.telemetry.prefix_cache == d3.telemetry.prefix_cache == "hit"
@@ -465,7 +465,7 @@ def test_preempted_request_attached_to_a_prefix(make, photos):
 def test_identical_concurrent_cold_pair(make, photos):
     engine = make(**EXACT)
     messages = media_first_messages([photos["coffee"]], Q1)
-    with engine._cv:  # both looked up before either computed the prefix
+    with engine.loop.paused():  # both looked up before either computed the prefix
         ra, rb = engine.submit(messages, SP, cache_salt="s"), engine.submit(messages, SP, cache_salt="s")
     da, db = wait_done(ra), wait_done(rb)
     assert da.telemetry.prefix_cache == db.telemetry.prefix_cache == "miss"

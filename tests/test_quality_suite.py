@@ -32,8 +32,8 @@ from benchmarks.quality.model import ProbeVL
 from benchmarks.quality.patches import check_unresized, patchify
 from benchmarks.quality.render import pack_scenes, render, render_reference, render_scenes
 from benchmarks.quality.tokens import PromptTokens
-from engine import tiny
-from engine.config import ModelConfig
+from engine.model import tiny
+from engine.model.config import ModelConfig
 
 # --------------------------------------------------------------------------------------------
 # Generator
@@ -358,7 +358,7 @@ def test_train_steps_reduce_loss_on_fixed_batch(tokens):
 def test_checkpoint_shards_transfer_and_load(tmp_path, toy_checkpoint):
     """Shards stay under the limit (a larger tensor alone), the split/join round trip is exact,
     and Prism's loader reads the sharded folder."""
-    from engine.model import load_model
+    from engine.model.qwen3_vl import load_model
 
     folder, model = toy_checkpoint
     out = ckpt.copy_skeleton(folder, tmp_path / "ckpt")

@@ -19,11 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
-import engine.engine as engine_module
 from engine import Completion, PrismError, SamplingParams
-from engine.inputs import media_first_messages
-from engine.kv_cache import PagePool
-from engine.request import Status
+from engine.cache.kv_pool import PagePool
+from engine.inputs.prompts import media_first_messages
+from engine.serving.request import Status
 
 MAX_PIXELS = 128 * 128
 SP = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -210,7 +209,7 @@ def test_cached_tokens_never_exceed_the_prompt_after_preemption(make, photos, to
     first = run(eng, messages, SamplingParams(max_tokens=30, ignore_eos=True))
     sampling = SamplingParams(max_tokens=40, ignore_eos=True)
     with close_on_failure(eng):
-        with eng._cv:  # looked up and admitted together
+        with eng.loop.paused():  # looked up and admitted together
             a, b = eng.submit(messages, sampling, cache_salt="s"), eng.submit(messages, sampling, cache_salt="s")
         da, db = wait_done(a), wait_done(b)
     assert da.telemetry.preempted + db.telemetry.preempted >= 1, "no preemption: the test lost its point"
@@ -235,7 +234,7 @@ def run_behind_an_older_request(eng, messages, sampling, evict_when=None):
         req = eng.submit(messages, sampling, cache_salt="s")
         if evict_when is not None:
             def waiting_and_evicted():
-                with eng._cv:
+                with eng.loop.paused():
                     if req.status is Status.WAITING and req.telemetry.preempted and evict_when(req):
                         eng.prefix_cache.clear()  # the entry goes while the request waits for pages
                         return True
@@ -395,7 +394,7 @@ def test_history_whose_answer_retokenizes_differently(make, photos, monkeypatch)
             return script[min(self.i - 1, len(script) - 1)]
 
     img = photos["chelsea"]
-    monkeypatch.setattr(engine_module, "Sampler", Scripted)
+    monkeypatch.setattr(eng.intake, "make_sampler", Scripted)
     t1 = run(eng, media_first_messages([img], Q1), SamplingParams(max_tokens=len(script), temperature=1.0, seed=0))
     monkeypatch.undo()
     assert t1.token_ids == script and t1.text == "Hello world"
@@ -441,7 +440,7 @@ def test_two_sessions_share_images_under_global_scope(make, photos):
 def _cancel_after_step(eng, monkeypatch, when):
     """Make the loop cancel (without waiting) the request for which ``when(req)`` holds right
     after a step computed it; returns the list of cancelled requests."""
-    real = eng.runner.execute
+    real = eng.loop.runner.execute
     cancelled = []
 
     def execute(batch):
@@ -452,7 +451,7 @@ def _cancel_after_step(eng, monkeypatch, when):
                 cancelled.append(req)
         return out
 
-    monkeypatch.setattr(eng.runner, "execute", execute)
+    monkeypatch.setattr(eng.loop.runner, "execute", execute)
     return cancelled
 
 
@@ -531,7 +530,7 @@ def test_prefix_and_extension_survive_eviction_while_attached(make, photos):
     assert req.attached.parent is not None  # an extension
     entries = eng.stats()["cache_entries"]
     eng.clear_prefix_cache()
-    with eng._cv:
+    with eng.loop.paused():
         assert req.attached is not None and req.attached.alive and req.attached.parent.alive
     assert eng.stats()["cache_entries"] >= 2 and entries >= 2
     done = wait_done(req)
@@ -551,7 +550,7 @@ def test_extension_hits_preempted_in_a_small_pool(make, photos, token_bytes):
     sampling = SamplingParams(max_tokens=40, ignore_eos=True)
     m2, m3 = (media_first_messages([img], q, history=hist) for q in (Q2, Q3))
     with close_on_failure(eng):
-        with eng._cv:
+        with eng.loop.paused():
             r2, r3 = eng.submit(m2, sampling, cache_salt="s"), eng.submit(m3, sampling, cache_salt="s")
         d2, d3 = wait_done(r2), wait_done(r3)
     assert d2.telemetry.preempted + d3.telemetry.preempted >= 1, "no preemption: the test lost its point"

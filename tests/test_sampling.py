@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from engine import InvalidRequestError, SamplingParams
-from engine.sampling import Sampler
+from engine.serving.sampling import Sampler
 
 VOCAB = 1000
 

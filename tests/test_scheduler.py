@@ -18,7 +18,6 @@ import torch
 from conftest import TEST_DEVICE
 from PIL import Image
 
-import engine.engine as engine_module
 from engine import (
     Completion,
     EngineOverloadedError,
@@ -27,7 +26,7 @@ from engine import (
     RequestTooLargeError,
     SamplingParams,
 )
-from engine.kv_cache import PagePool
+from engine.cache.kv_pool import PagePool
 
 MAX_PIXELS = 256 * 256  # every photo becomes ~256 x 256 pixels: 64 visual tokens
 GEN = 16
@@ -245,7 +244,7 @@ def test_mixed_batch_from_three_threads_equals_alone(cases, alone, engine, monke
     # Observe the batches, and hold the first step until all three requests are queued, so the
     # three really run side by side however fast each thread builds its prompt.
     submitted, sizes = [], []
-    real_submit, real_execute = engine.submit, engine.runner.execute
+    real_submit, real_execute = engine.submit, engine.loop.runner.execute
 
     def submit(*args, **kwargs):
         req = real_submit(*args, **kwargs)
@@ -258,7 +257,7 @@ def test_mixed_batch_from_three_threads_equals_alone(cases, alone, engine, monke
         return real_execute(batch)
 
     monkeypatch.setattr(engine, "submit", submit)
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.loop.runner, "execute", execute)
     before = engine.stats()["steps"]
     results = run_threads([lambda n=n: engine.generate(cases[n], GREEDY) for n in names])
     steps = engine.stats()["steps"] - before
@@ -318,7 +317,7 @@ def test_preemption_under_a_small_pool_keeps_every_answer(pressure_cases, engine
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     def dump():  # what the scheduler holds, should a request hang
-        sch = small.scheduler
+        sch = small.loop.scheduler
         print("hung:", small.stats())
         for what, reqs in (("running", sch.running), ("waiting", sch.waiting)):
             print(what, [(r.id, r.status, r.num_computed, len(r.tokens), r.block_table) for r in reqs])
@@ -415,7 +414,7 @@ def test_stream_deltas_join_to_the_text_of_multibyte_outputs(cases, engine):
 
 
 class ScriptedSampler:
-    """Stands in for :class:`engine.sampling.Sampler`: emits fixed token ids, whatever the logits."""
+    """Stands in for :class:`engine.serving.sampling.Sampler`: emits fixed token ids, whatever the logits."""
 
     script: list[int] = []
 
@@ -434,7 +433,7 @@ def test_stop_string_is_never_partly_streamed(cases, engine, monkeypatch):
     assert len(tok.encode(stop, add_special_tokens=False)) > 1, "the stop string must span several tokens"
     before = "Hi 👩‍👩‍👧 你好, café "
     ScriptedSampler.script = tok.encode(before + stop + " never shown", add_special_tokens=False)
-    monkeypatch.setattr(engine_module, "Sampler", ScriptedSampler)
+    monkeypatch.setattr(engine.intake, "make_sampler", ScriptedSampler)
 
     # temperature > 0: the request's own sampler picks every token (greedy ones may be batched)
     sampling = SamplingParams(max_tokens=64, stop=stop, temperature=1.0, seed=0)
@@ -524,14 +523,14 @@ def test_a_broken_image_fails_alone_among_concurrent_requests(cases, alone, engi
 def test_an_internal_error_fails_one_request_and_the_engine_goes_on(cases, alone, engine, photos, monkeypatch):
     bad_messages = user(photos["rocket"], "What is this?")
     bad_hash = engine.prompts.build(bad_messages).image_hashes[0]
-    real = engine.runner.encode_vision
+    real = engine.loop.runner.encode_vision
 
-    def encode(req, items):
-        if bad_hash in req.prompt.image_hashes:
+    def encode(prompt, salt, items):
+        if bad_hash in prompt.image_hashes:
             raise RuntimeError("simulated device failure")
-        return real(req, items)
+        return real(prompt, salt, items)
 
-    monkeypatch.setattr(engine.runner, "encode_vision", encode)
+    monkeypatch.setattr(engine.loop.runner, "encode_vision", encode)
     with pytest.raises(PrismError, match="simulated device failure"):
         call_with_timeout(lambda: engine.generate(bad_messages, GREEDY))
     assert_pool_idle(engine)
@@ -544,17 +543,17 @@ def test_an_internal_error_fails_one_request_and_the_engine_goes_on(cases, alone
 def test_an_internal_error_spares_the_requests_sharing_its_step(cases, alone, engine, photos, monkeypatch):
     bad_messages = user(photos["rocket"], "What is this?")
     bad_hash = engine.prompts.build(bad_messages).image_hashes[0]
-    real_encode, real_execute = engine.runner.encode_vision, engine.runner.execute
+    real_encode, real_execute = engine.loop.runner.encode_vision, engine.loop.runner.execute
 
-    def encode(req, items):
-        if bad_hash in req.prompt.image_hashes:
+    def encode(prompt, salt, items):
+        if bad_hash in prompt.image_hashes:
             raise RuntimeError("simulated device failure")
-        return real_encode(req, items)
+        return real_encode(prompt, salt, items)
 
     # A plug request's step waits until the three requests are queued, so that the next step
     # admits them together: the failing request shares its step with the two good ones.
     plug_running, batches = threading.Event(), []
-    real_schedule = engine.scheduler.schedule
+    real_schedule = engine.loop.scheduler.schedule
 
     def execute(batch):
         if not plug_running.is_set():
@@ -567,9 +566,9 @@ def test_an_internal_error_spares_the_requests_sharing_its_step(cases, alone, en
         batches.append([r.id for r, _ in batch.items])
         return batch
 
-    monkeypatch.setattr(engine.runner, "encode_vision", encode)
-    monkeypatch.setattr(engine.runner, "execute", execute)
-    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    monkeypatch.setattr(engine.loop.runner, "encode_vision", encode)
+    monkeypatch.setattr(engine.loop.runner, "execute", execute)
+    monkeypatch.setattr(engine.loop.scheduler, "schedule", schedule)
     plug = engine.submit(cases["text"], SamplingParams(max_tokens=1))
     assert plug_running.wait(30)
     jobs = [lambda: engine.generate(bad_messages, GREEDY), lambda: engine.generate(cases["one_photo"], GREEDY),
@@ -590,7 +589,7 @@ def test_a_crash_of_the_engine_loop_fails_requests_instead_of_hanging(cases, tin
     def broken_schedule():
         raise RuntimeError("simulated scheduler bug")
 
-    monkeypatch.setattr(eng.scheduler, "schedule", broken_schedule)
+    monkeypatch.setattr(eng.loop.scheduler, "schedule", broken_schedule)
     with pytest.raises(PrismError, match="simulated scheduler bug"):
         call_with_timeout(lambda: eng.generate(cases["text"], GREEDY))
     with pytest.raises(PrismError, match="closed"):  # the engine stopped: it says so at once
@@ -639,7 +638,7 @@ def test_close_context_manager_and_requests_after_close(cases, alone, tiny_engin
         # a request still running when the engine closes fails instead of hanging
         running = eng.stream(cases["text"], SamplingParams(max_tokens=5000, ignore_eos=True))
         assert isinstance(next(running), str)
-    assert not eng._thread.is_alive(), "close() must stop the loop thread"
+    assert not eng.loop.is_alive(), "close() must stop the loop thread"
     with pytest.raises(PrismError, match="closed"):
         call_with_timeout(lambda: list(running))
     with pytest.raises(PrismError, match="closed"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import PagedStep
-from engine.kv_cache import PagePool
+from engine.cache.kv_pool import PagePool
+from engine.model.attention import PagedStep
 from ops import AttentionMetadata, KVLayerCache, paged_attention, store_kv
 from ops.self_attention import causal_self_attention
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import media_file
 
 from engine.errors import InvalidImageError
-from engine.images import ImageOptions
+from engine.inputs.images import ImageOptions
 from sessions import (
     SCHEMA_VERSION,
     ImageRecord,

@@ -1,4 +1,4 @@
-"""Streaming: :class:`engine.detokenize.TextStream` with the real Qwen byte-level BPE, and
+"""Streaming: :class:`engine.serving.detokenize.TextStream` with the real Qwen byte-level BPE, and
 ``Engine.stream`` end to end (deltas, ``max_tokens``, stop strings, end-of-sequence tokens).
 
 A delta boundary must never fall inside a UTF-8 character or a grapheme cluster holding an emoji
@@ -16,7 +16,7 @@ import regex
 from conftest import TEST_DEVICE
 
 from engine import Completion, Engine, SamplingParams
-from engine.detokenize import TextStream
+from engine.serving.detokenize import TextStream
 
 ZWJ, VS16, KEYCAP = "\u200d", "\ufe0f", "\u20e3"
 
@@ -124,7 +124,7 @@ def test_samples_really_split_characters(tokenizer):
 
 def test_tokens_one_byte_at_a_time(tokenizer):
     """Each byte of a character as its own token (a model may generate any token sequence)."""
-    from engine.tiny import _byte_alphabet
+    from engine.model.qwen_tokenizer import _byte_alphabet
 
     text = "a👨‍👩‍👧‍👦b你c1️⃣d🇯🇵e👍🏽"
     alphabet = _byte_alphabet()  # byte-level BPE: every byte has a token of its own

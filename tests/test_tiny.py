@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from engine import tiny
 from engine.errors import CheckpointError
+from engine.model import qwen_tokenizer, tiny
 
 # The real Qwen3-VL added tokens, written out independently of engine.tiny's table.
 REAL_ADDED_TOKEN_IDS = {
@@ -309,7 +309,7 @@ def test_bpe_agrees_with_tiktoken_ranks(processor):
     import regex
 
     ranks = {}
-    for line in tiny.qwen_tiktoken_path().read_bytes().splitlines():
+    for line in qwen_tokenizer.qwen_tiktoken_path().read_bytes().splitlines():
         if line.strip():
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
@@ -317,7 +317,8 @@ def test_bpe_agrees_with_tiktoken_ranks(processor):
     for text in SAMPLE_TEXTS:
         normal = unicodedata.normalize("NFC", text)
         expected = [
-            i for piece in regex.findall(tiny.QWEN2_SPLIT_PATTERN, normal) for i in _rank_bpe(piece.encode(), ranks)
+            i for piece in regex.findall(qwen_tokenizer.QWEN2_SPLIT_PATTERN, normal)
+            for i in _rank_bpe(piece.encode(), ranks)
         ]
         ids = tok.encode(text, add_special_tokens=False)
         assert ids == expected, text
@@ -326,16 +327,16 @@ def test_bpe_agrees_with_tiktoken_ranks(processor):
 
 def test_tokenizer_cache_is_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path))
-    first = tiny.cached_tokenizer_files()
+    first = qwen_tokenizer.cached_tokenizer_files()
     assert first.parent == tmp_path / "tokenizer"
     stamp = (first / "tokenizer.json").stat().st_mtime_ns
-    assert tiny.cached_tokenizer_files() == first
+    assert qwen_tokenizer.cached_tokenizer_files() == first
     assert (first / "tokenizer.json").stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no staging folders left
 
 
 def test_missing_dashscope_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setattr(tiny.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(qwen_tokenizer.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match="pip install --no-deps dashscope"):
         tiny.build_tiny_checkpoint(tmp_path / "x")
 

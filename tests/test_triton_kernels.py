@@ -125,14 +125,14 @@ def test_fp8_widening_modes_match_reference(case):
     gqa, hkv, d, page, qlens, clens = case
     cache, meta, g = _layout("cuda", "fp8_e4m3", hkv, d, page, qlens, clens, torch.bfloat16)
     q = torch.randn(sum(qlens), hkv * gqa, d, generator=g).to("cuda", torch.bfloat16)
-    assert tk._dequant_mode(q, cache, "asm") and not tk._dequant_mode(q, cache, "triton")
+    assert tk.attention._dequant_mode(q, cache, "asm") and not tk.attention._dequant_mode(q, cache, "triton")
     expected = ref.paged_attention(q, cache, meta)
     for mode in ("asm", "triton"):
-        saved, tk.FP8_DEQUANT = tk.FP8_DEQUANT, mode
+        saved, tk.attention.FP8_DEQUANT = tk.attention.FP8_DEQUANT, mode  # the global the kernels read
         try:
             got = tk.paged_attention(q, cache, meta)
         finally:
-            tk.FP8_DEQUANT = saved
+            tk.attention.FP8_DEQUANT = saved
         torch.testing.assert_close(got.float(), expected.float(), **_tol(torch.bfloat16))
     lens = [q + c for q, c in zip(qlens, clens, strict=True)]
     cache, meta, g = _layout("cuda", "fp8_e4m3", hkv, d, page, [1] * len(lens), [n - 1 for n in lens], torch.bfloat16)
@@ -270,7 +270,7 @@ def test_row_moves_over_many_tiles(device, elems, dtype):
     dst = torch.arange(0, 600, 2, device=device)  # overlaps the sources
     expected = table.clone()
     expected[dst] = table[src]
-    tk._move_rows(table, src, dst)
+    tk.slot_moves._move_rows(table, src, dst)
     assert torch.equal(table, expected)
 
 

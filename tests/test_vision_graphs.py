@@ -1,4 +1,4 @@
-"""The vision encoder's CUDA graphs (engine/vision_graphs.py).
+"""The vision encoder's CUDA graphs (engine/graphs/vision.py).
 
 On the CPU a captured graph is replaced by a stand-in with a graph's semantics (``FakeGraph``:
 fixed input and output buffers, each replay recomputing the outputs from whatever the input buffer
@@ -19,7 +19,7 @@ from conftest import TEST_DEVICE
 from PIL import Image
 
 from engine import SamplingParams, media_first_messages
-from engine.vision_graphs import VisionGraphs, _Captured
+from engine.graphs.vision import VisionGraphs, _Captured
 
 
 class FakeGraph:
@@ -167,11 +167,11 @@ def test_engines_encode_through_graphs_exactly_where_decode_uses_them(tiny_engin
     ``cuda_graphs=False``, or on the CPU, it is the eager encoder."""
     engine = tiny_engine_factory()
     if engine.device.type == "cuda":
-        assert isinstance(engine.vision_encoder, VisionGraphs) and engine.vision_encoder.model is engine.model
+        assert isinstance(engine.vision.encoder, VisionGraphs) and engine.vision.encoder.model is engine.model
         eager = tiny_engine_factory(cuda_graphs=False)
-        assert eager.vision_encoder == eager.model.encode_vision
+        assert eager.vision.encoder == eager.model.encode_vision
     else:
-        assert engine.vision_encoder == engine.model.encode_vision
+        assert engine.vision.encoder == engine.model.encode_vision
 
 
 needs_gpu = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA graphs need the engines on a GPU")
@@ -180,7 +180,7 @@ needs_gpu = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA graphs need t
 @needs_gpu
 def test_graph_replay_equals_the_eager_encoder(tiny_engine_factory, photo_inputs):
     engine = tiny_engine_factory()
-    graphs = engine.vision_encoder
+    graphs = engine.vision.encoder
     assert isinstance(graphs, VisionGraphs)
     pixels, grids = photo_inputs["wide"]
     ref = engine.model.encode_vision(pixels, grids)
@@ -210,7 +210,7 @@ def test_answers_through_the_vision_graphs_equal_eager_ones(tiny_engine_factory,
         messages = media_first_messages(pair, "What is in the photos?")
         expected = without.generate(messages, sampling, cache_salt="s").token_ids
         assert with_graphs.generate(messages, sampling, cache_salt="s").token_ids == expected
-    assert (with_graphs.vision_encoder.captures, with_graphs.vision_encoder.replays) == (1, 1)
+    assert (with_graphs.vision.encoder.captures, with_graphs.vision.encoder.replays) == (1, 1)
 
 
 @needs_gpu
@@ -226,7 +226,7 @@ def test_a_graph_one_session_earned_is_not_replayed_for_another(tiny_engine_fact
     sampling = SamplingParams(max_tokens=4, ignore_eos=True)
     engine = tiny_engine_factory(prefix_cache=False)
     without = tiny_engine_factory(prefix_cache=False, cuda_graphs=False)
-    graphs = engine.vision_encoder
+    graphs = engine.vision.encoder
     steps = []
     for salt, photo in zip(["victim"] * 3 + ["attacker"] * 3, photos, strict=True):
         messages = media_first_messages([photo], "What is this?")

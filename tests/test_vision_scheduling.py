@@ -18,13 +18,13 @@ def test_images_are_encoded_when_their_chunk_comes(tiny_engine_factory, media_pa
     assert len(spans) == 3 and spans[0].end < spans[1].start  # each image starts in a later chunk
 
     calls = []
-    real = chunked.runner.encode_vision
+    real = chunked.loop.runner.encode_vision
 
-    def record(req, items):
+    def record(prompt, salt, items):
         calls.append(list(items))
-        return real(req, items)
+        return real(prompt, salt, items)
 
-    chunked.runner.encode_vision = record
+    chunked.loop.runner.encode_vision = record
     done = chunked.generate(messages, GREEDY)
     # one image per call, in prompt order, each encoded once (a later chunk of the same image reuses it)
     assert calls == [[("image", 0)], [("image", 1)], [("image", 2)]]

@@ -8,7 +8,7 @@ Held-out samples for a harness::
     for s in samples:
         s.images()                              # 1-4 RGB PIL images, 256 x 256
         s.question, s.answer, s.qtype           # str, str, one of QUESTION_TYPES
-        s.messages()                            # engine.inputs.media_first_messages(images, question)
+        s.messages()                            # engine.inputs.prompts.media_first_messages(images, question)
     accuracy_by_type(samples, predictions)      # exact match per type and overall
 
 ``MODEL_DIR`` is the committed probe checkpoint (transformers and ``engine.Engine.from_pretrained``

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine import tiny
+from engine.model import tiny
 
 #: Overrides of engine.tiny's "demo" preset that make the probe model.
 PROBE_OVERRIDES: dict[str, Any] = {

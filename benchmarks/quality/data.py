@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.tiny import ENDOFTEXT_ID
+from engine.model.tiny import ENDOFTEXT_ID
 
 from .patches import patchify
 from .render import PackedScenes, pack_scenes, render

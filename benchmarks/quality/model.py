@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig, TextConfig, VisionConfig
-from engine.rope import MRoPE, vision_rope_cos_sin
-from engine.tiny import IMAGE_PAD_ID
+from engine.model.config import ModelConfig, TextConfig, VisionConfig
+from engine.model.rope import MRoPE, vision_rope_cos_sin
+from engine.model.tiny import IMAGE_PAD_ID
 
 #: Projections that write into a residual stream (their init is scaled down with depth).
 _RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "attn.proj.weight", "linear_fc2.weight")

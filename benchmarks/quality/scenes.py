@@ -141,8 +141,8 @@ class Sample:
         return to_pil(render_scenes(self.scenes, self.size))
 
     def messages(self) -> list[dict]:
-        """Chat messages in Prism's media-first layout (``engine.inputs.media_first_messages``)."""
-        from engine.inputs import media_first_messages
+        """Chat messages in Prism's media-first layout (``engine.inputs.prompts.media_first_messages``)."""
+        from engine.inputs.prompts import media_first_messages
 
         return media_first_messages(self.images(), self.question)
 

@@ -1,6 +1,6 @@
 """Token ids of media-first prompts, assembled from pieces tokenised once.
 
-``engine.inputs.media_first_messages(images, question)`` renders, through the checkpoint's chat
+``engine.inputs.prompts.media_first_messages(images, question)`` renders, through the checkpoint's chat
 template (``engine.tiny.CHAT_TEMPLATE``) with the generation prompt, as::
 
     <|im_start|>user\\nImage 1: <|vision_start|><|image_pad|><|vision_end|>\\nImage 2: <|vision_start|>...
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.rope import VisualSpan, mrope_positions
-from engine.tiny import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
+from engine.model.qwen_tokenizer import IM_END_ID, IM_START_ID, IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
+from engine.model.rope import VisualSpan, mrope_positions
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class PromptIds:
 
     Attributes:
         ids: the token ids, generation prompt included.
-        spans: one :class:`engine.rope.VisualSpan` per image (start index, merged grid).
+        spans: one :class:`engine.model.rope.VisualSpan` per image (start index, merged grid).
     """
 
     ids: list[int]

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import tiny
-from engine.config import ModelConfig
+from engine.model import tiny
+from engine.model.config import ModelConfig
 
 from . import checkpoint as ckpt
 from .data import Batch, TrainStream, build_batch, device_pixels

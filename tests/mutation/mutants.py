@@ -46,7 +46,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "prefix-key-ignores-salt",
         "the prefix key leaves out the cache salt: one session's question hits another's cached images",
-        "engine/prefix_cache.py",
+        "engine/cache/prefix_cache.py",
         "for part in (namespace, salt, *image_hashes, compaction, str(len(prefix_ids)), ids):",
         "for part in (namespace, *image_hashes, compaction, str(len(prefix_ids)), ids):",
         (PREFIX + "test_same_image_under_another_salt_is_a_miss_with_no_shared_work",),
@@ -54,7 +54,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "kept-count-round-half-up",
         "compaction rounds the kept count half up (2.5 -> 3) instead of to even",
-        "engine/compaction.py",
+        "engine/cache/compaction.py",
         "k = min(n, max(min_keep, round(keep_ratio * n)))",
         "k = min(n, max(min_keep, int(keep_ratio * n + 0.5)))",
         ("tests/test_compaction.py",),
@@ -62,7 +62,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "kept-count-ceil",
         "compaction rounds the kept count up (38.4 -> 39)",
-        "engine/compaction.py",
+        "engine/cache/compaction.py",
         "k = min(n, max(min_keep, round(keep_ratio * n)))",
         "k = min(n, max(min_keep, -int(-keep_ratio * n // 1)))",
         (PREFIX + "test_hit_and_miss_telemetry_and_stats",),
@@ -70,7 +70,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "hit-runs-vision-encoder",
         "a prefix hit still feeds every image of the prompt through the vision path (no skip)",
-        "engine/runner.py",
+        "engine/serving/runner.py",
         "        items = req.visual_items_in(start, end)\n",
         "        items = req.visual_items_in(0, end)\n",
         (PREFIX + "test_hit_and_miss_telemetry_and_stats",
@@ -114,7 +114,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-store-v-scale-from-k",
         "the Triton FP8 store computes V's scale from K's amax",
-        "ops/triton_kernels.py",
+        "ops/triton_kernels/kv_store.py",
         "vs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor), fp8_max)",
         "vs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor), fp8_max)",
         (KERNELS + "test_store_kv_matches_reference",),
@@ -123,7 +123,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-store-k-scale-from-v",
         "the Triton FP8 store computes K's scale from V's amax",
-        "ops/triton_kernels.py",
+        "ops/triton_kernels/kv_store.py",
         "ks = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=0), amax_floor), fp8_max)",
         "ks = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), amax_floor), fp8_max)",
         (KERNELS + "test_store_kv_matches_reference",),
@@ -132,7 +132,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-store-out-v-with-k-scale",
         "the Triton store's out= hands back V dequantised with K's scale",
-        "ops/triton_kernels.py",
+        "ops/triton_kernels/kv_store.py",
         "tl.store(vo_ptr + out, (vq.to(tl.float32) * vs).to(vo_ptr.dtype.element_ty), mask=m)",
         "tl.store(vo_ptr + out, (vq.to(tl.float32) * ks).to(vo_ptr.dtype.element_ty), mask=m)",
         (KERNELS + "test_store_kv_hands_back_what_the_pages_hold",),
@@ -142,7 +142,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "revoked-share-still-resolves",
         "a revoked share link still opens the shared session",
-        "sessions/store.py",
+        "sessions/shares.py",
         '"WHERE token_hash = ? AND revoked_at IS NULL",',
         '"WHERE token_hash = ?",',
         ("tests/test_sessions.py::test_share_tokens",
@@ -151,7 +151,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "revoked-share-still-forks",
         "a share revoked after the visitor resolved it can still be forked",
-        "sessions/store.py",
+        "sessions/shares.py",
         "if current is None or current.revoked_at is not None:",
         "if current is None:",
         ("tests/test_sessions.py::test_fork_session",),
@@ -168,8 +168,8 @@ MUTANTS: list[Mutant] = [
         "store-one-salt-for-all-sessions",
         "every new session gets the same cache salt",
         "sessions/store.py",
-        "[session_id, _owner_hash(owner), title, secrets.token_hex(16), now, now],",
-        '[session_id, _owner_hash(owner), title, "0" * 32, now, now],',
+        "[session_id, owner_hash(owner), title, secrets.token_hex(16), now, now],",
+        '[session_id, owner_hash(owner), title, "0" * 32, now, now],',
         ("tests/test_app_chat.py::test_each_session_asks_under_its_own_cache_salt",),
     ),
     Mutant(
@@ -226,7 +226,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "bomb-decoded-before-size-check",
         "an image's pixels are decoded before its claimed size is checked (a decompression bomb is decoded)",
-        "engine/images.py",
+        "engine/inputs/images.py",
         "    _check_geometry(image.size, options)\n    try:\n        image.load()\n",
         "    try:\n        image.load()\n        _check_geometry(image.size, options)\n",
         ("tests/test_images.py::test_bomb_check_does_not_rely_on_pillow_global",),
@@ -234,7 +234,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "vision-graph-replays-stale-pixels",
         "a vision-graph replay does not copy the new pixels in: it answers for the captured ones",
-        "engine/vision_graphs.py",
+        "engine/graphs/vision.py",
         "        entry.pixels.copy_(pixels)\n",
         "",
         ("tests/test_vision_graphs.py::test_replay_answers_for_its_own_pixels_in_fresh_tensors",),
@@ -242,7 +242,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "vision-graph-returns-its-buffers",
         "a vision-graph replay returns the graph's own output buffers (the next replay overwrites them)",
-        "engine/vision_graphs.py",
+        "engine/graphs/vision.py",
         "return VisionFeatures(entry.out.embeds.clone(), [d.clone() for d in entry.out.deepstack])",
         "return VisionFeatures(entry.out.embeds, list(entry.out.deepstack))",
         ("tests/test_vision_graphs.py::test_replay_answers_for_its_own_pixels_in_fresh_tensors",),
@@ -250,7 +250,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "default-dtype-bfloat16-on-cpu",
         "Engine.from_pretrained(dtype=None) picks bfloat16 on the CPU",
-        "engine/engine.py",
+        "engine/options.py",
         'return torch.bfloat16 if device.type == "cuda" else torch.float32',
         "return torch.bfloat16",
         ("tests/test_engine_api.py::test_from_pretrained_device_and_dtype",),
@@ -258,7 +258,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "sampler-returns-a-tensor",
         "the sampler returns a one-element tensor instead of an int token id",
-        "engine/sampling.py",
+        "engine/serving/sampling.py",
         "return int(torch.multinomial(probs, 1, generator=self.generator))",
         "return torch.multinomial(probs, 1, generator=self.generator)",
         ("tests/test_sampling.py::test_half_precision_logits",),
@@ -275,7 +275,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "tiny-checkpoint-unbuildable",
         "the tiny checkpoint cannot be built (its tokenizer ranks are missing): its tests must fail, not skip",
-        "engine/tiny.py",
+        "engine/model/qwen_tokenizer.py",
         'spec = importlib.util.find_spec("dashscope")',
         'spec = importlib.util.find_spec("no_such_dashscope")',
         ("tests/test_compaction.py::test_engine_turns_bad_compaction_options_into_invalid_request",),

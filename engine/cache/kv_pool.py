@@ -1,0 +1,202 @@
+"""The paged KV pool: fixed-size pages for all layers, reference-counted for sharing.
+
+One pool holds, for every decoder layer, ``k`` and ``v`` pages ``[num_pages, Hkv, page_size, D]``
+(head-major: one KV head's keys of a page are contiguous), stored as float8_e4m3fn with a float32
+scale per token and KV head (``kv_cache_dtype="fp8_e4m3"``) or in the model dtype (``"auto"``). A
+page index means the same page in every layer, so a sequence's block table (its list of page
+indices) serves all layers.
+
+Pages carry reference counts so that several sequences and cached prefixes can share them; a page
+with more than one reference is never written. Writers that need to append to a shared, partly
+filled last page first take a private copy (copy-on-write, :meth:`PagePool.fork_last`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+
+from ops import KVLayerCache, kv_bytes_per_token
+from ops.dispatch import copy_pages, move_slots
+
+from ..errors import PrismError
+
+KV_DTYPES = ("fp8_e4m3", "auto")
+
+
+class OutOfPagesError(PrismError):
+    """The pool has fewer free pages than asked for."""
+
+
+class PagePool:
+    """A pool of KV pages shared by all sequences.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: decoder shape.
+        num_pages: pages in the pool (each holds ``page_size`` tokens in every layer).
+        page_size: tokens per page.
+        kv_cache_dtype: ``"fp8_e4m3"`` or ``"auto"`` (the model dtype).
+        model_dtype, device: of the model.
+
+    Raises:
+        ValueError: unknown ``kv_cache_dtype`` or fewer than one page.
+    """
+
+    MOVE_ROWS = 1 << 18  # most (layer, slot) rows one compaction launch moves
+
+    def __init__(self, *, num_layers, num_kv_heads, head_dim, num_pages, page_size=16,
+                 kv_cache_dtype="fp8_e4m3", model_dtype=torch.float32, device="cpu"):
+        if kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {kv_cache_dtype!r}")
+        if num_pages < 1:
+            raise ValueError("the KV pool needs at least one page; raise kv_cache_bytes")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.kv_cache_dtype = kv_cache_dtype
+        fp8 = kv_cache_dtype == "fp8_e4m3"
+        store = torch.float8_e4m3fn if fp8 else model_dtype
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)  # head-major pages (ops.metadata)
+        self._k = torch.empty(shape, dtype=store, device=device)  # untouched pages cost no RAM
+        self._v = torch.empty(shape, dtype=store, device=device)
+        scale_shape = shape[:-1]
+        self._ks = torch.empty(scale_shape, dtype=torch.float32, device=device) if fp8 else None
+        self._vs = torch.empty(scale_shape, dtype=torch.float32, device=device) if fp8 else None
+        self.layers = [
+            KVLayerCache(self._k[i], self._v[i], self._ks[i] if fp8 else None, self._vs[i] if fp8 else None)
+            for i in range(num_layers)
+        ]
+        # Every layer's pages as one layer of num_layers * num_pages pages (page p of layer l is page
+        # l * num_pages + p): a copy-on-write or a compaction then takes one kernel launch per
+        # buffer instead of one per layer (hundreds of launches, ~8 ms of host time per hit).
+        merged = (num_layers * num_pages, num_kv_heads, page_size, head_dim)
+        self._all = KVLayerCache(
+            self._k.view(merged), self._v.view(merged),
+            self._ks.view(merged[:3]) if fp8 else None, self._vs.view(merged[:3]) if fp8 else None,
+        )
+        self.refcount = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low indices first
+
+    # ------------------------------------------------------------------ sizing
+    @classmethod
+    def sized(cls, budget_bytes: int, *, num_layers, num_kv_heads, head_dim, page_size, kv_cache_dtype,
+              model_dtype, device) -> PagePool:
+        """A pool of as many whole pages as ``budget_bytes`` holds (scales included).
+
+        Raises:
+            ValueError: as the constructor (the budget holds less than one page).
+        """
+        shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        per_page = cls.bytes_per_page(**shape, page_size=page_size, kv_cache_dtype=kv_cache_dtype,
+                                      model_dtype=model_dtype)
+        return cls(**shape, num_pages=budget_bytes // per_page, page_size=page_size, kv_cache_dtype=kv_cache_dtype,
+                   model_dtype=model_dtype, device=device)
+
+    @staticmethod
+    def bytes_per_page(*, num_layers, num_kv_heads, head_dim, page_size, kv_cache_dtype, model_dtype) -> int:
+        """Bytes one page takes across all layers, scales included."""
+        per_token = kv_bytes_per_token(num_kv_heads, head_dim, kv_cache_dtype, model_dtype)
+        return per_token * page_size * num_layers
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def counters(self) -> dict:
+        """The pool's part of :meth:`Engine.stats() <engine.Engine.stats>`: pages total, used and
+        free, tokens per page, capacity in tokens, the page format."""
+        return {
+            "pages_total": self.num_pages,
+            "pages_used": self.num_used,
+            "pages_free": self.num_free,
+            "page_size": self.page_size,
+            "capacity_tokens": self.capacity_tokens,
+            "kv_cache_dtype": self.kv_cache_dtype,
+        }
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free pages, each with one reference.
+
+        Raises:
+            OutOfPagesError: fewer than ``n`` pages are free (nothing is taken).
+        """
+        if n > len(self._free):
+            raise OutOfPagesError(f"asked for {n} KV pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def incref(self, pages: Iterable[int]) -> None:
+        """Add one reference to each page (sharing it)."""
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"incref of free page {p}")
+            self.refcount[p] += 1
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Drop one reference from each page; pages reaching zero return to the free list."""
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"release of free page {p}")
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+
+    def is_shared(self, page: int) -> bool:
+        return self.refcount[page] > 1
+
+    def fork_last(self, block_table: list[int]) -> None:
+        """Copy-on-write: give ``block_table`` a private copy of its last page if it is shared.
+
+        Raises:
+            OutOfPagesError: no free page for the copy.
+        """
+        if not block_table or not self.is_shared(block_table[-1]):
+            return
+        (fresh,) = self.allocate(1)
+        layer_base = torch.arange(self.num_layers) * self.num_pages
+        dev = self._k.device
+        copy_pages(self._all, (layer_base + block_table[-1]).to(dev), (layer_base + fresh).to(dev))
+        self.release([block_table[-1]])
+        block_table[-1] = fresh
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Move the K/V (and scales) of slots ``src`` to slots ``dst`` in every layer, correct when
+        the two overlap (compaction). Slot ``s`` is ``page * page_size + offset``."""
+        if not src:
+            return
+        slots = self.num_pages * self.page_size
+        dev = self._k.device
+        src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+        # a few layers a launch: the move gathers its rows into a temporary first (overlap-safe),
+        # whose size is bounded by MOVE_ROWS rows (~256 MiB of FP8 K at 8 KV heads x 128 dims)
+        step = max(1, self.MOVE_ROWS // len(src))
+        for first in range(0, self.num_layers, step):
+            base = (torch.arange(first, min(first + step, self.num_layers)) * slots)[:, None]
+            move_slots(self._all, (base + src_t).flatten().to(dev), (base + dst_t).flatten().to(dev))
+
+    def check(self, holders: Iterable[Iterable[int]]) -> None:
+        """Debug check: every page's reference count equals the number of holders listing it,
+        and the free list holds exactly the unreferenced pages.
+
+        Raises:
+            AssertionError: describing the first inconsistency.
+        """
+        counts = Counter(p for pages in holders for p in pages)
+        for p in range(self.num_pages):
+            assert self.refcount[p] == counts.get(p, 0), (
+                f"page {p}: refcount {self.refcount[p]} but {counts.get(p, 0)} holders"
+            )
+        free = sorted(self._free)
+        assert free == sorted(set(free)), "a page is on the free list twice"
+        assert free == [p for p in range(self.num_pages) if self.refcount[p] == 0], "free list out of sync"

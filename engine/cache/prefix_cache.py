@@ -1,0 +1,256 @@
+"""The compact prefix cache: KV pages of the question-independent part of a prompt, kept after
+the request that computed them, so later questions attach them read-only.
+
+An entry is either a *prefix* (the public prefix: every token up to and including the last
+image's ``<|vision_end|>``, usually compacted) or an *extension* of one (the prefix plus a
+conversation's later turns, so the next turn prefills only its new question). Entries hold one
+reference on each of their pages; a request that attaches an entry takes its own references and
+a private copy of a partly filled last page, so cached pages are never written.
+
+Identity: a prefix's key is SHA-256 over the model namespace (checkpoint and every setting that
+changes pixels or tokens), the cache salt (one per chat session, so sessions never share KV and
+cannot probe each other by timing), the ordered image hashes, the compaction settings, the
+prefix length and the SHA-256 of the exact prefix token ids. On a hit the full token ids are
+compared as well.
+
+Memory: entries may use every idle page. When pages are needed, entries that no running request
+uses and that no other entry extends are evicted, lowest value first, where
+value = prompt tokens saved × (1 + hits) / pages held (ties: least recently used first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+
+from .kv_pool import PagePool
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class PrefixEntry:
+    """One cached run of KV.
+
+    Attributes:
+        key: lookup key (prefixes) or a unique id (extensions).
+        salt: the session salt it belongs to ("" under ``cache_scope="global"``).
+        tokens: the logical token ids it covers, from the prompt start.
+        pages: its block table; the cache holds one reference on each page.
+        kv_len: tokens physically stored (fewer than ``len(tokens)`` after compaction).
+        prefix_len: length of the public prefix it starts with.
+        dense_pages: pages the public prefix would take without compaction.
+        visual_kept: visual tokens kept in the public prefix.
+        parent: the prefix an extension extends (None for prefixes).
+    """
+
+    key: str
+    salt: str
+    tokens: list[int]
+    pages: list[int]
+    kv_len: int
+    prefix_len: int
+    dense_pages: int
+    visual_kept: int
+    parent: PrefixEntry | None = None
+    children: list[PrefixEntry] = field(default_factory=list)
+    hits: int = 0
+    users: int = 0
+    last_used: int = field(default_factory=lambda: next(_clock))
+    alive: bool = True
+
+    @property
+    def kv_offset(self) -> int:
+        """Logical tokens removed by compaction (logical index - physical index after the prefix)."""
+        return len(self.tokens) - self.kv_len
+
+    def value(self) -> float:
+        return len(self.tokens) * (1 + self.hits) / max(1, len(self.pages))
+
+
+@dataclass
+class Match:
+    """A lookup result: reuse ``entry``'s KV for the first ``length`` logical prompt tokens."""
+
+    entry: PrefixEntry
+    length: int
+
+    @property
+    def kv_len(self) -> int:
+        return self.length - self.entry.kv_offset
+
+
+@dataclass
+class CacheStats:
+    """Counters of a :class:`PrefixCache` (lookups, and entries evicted by kind)."""
+
+    hits: int = 0
+    misses: int = 0
+    stale: int = 0
+    prefix_evictions: int = 0  # public prefixes (the images' KV) evicted
+    extension_evictions: int = 0  # conversation extensions (finished turns kept for reuse) evicted
+    tokens_saved: int = 0
+    conversation_hits: int = 0
+
+    @property
+    def evictions(self) -> int:
+        """Entries evicted, of both kinds."""
+        return self.prefix_evictions + self.extension_evictions
+
+
+def prefix_key(namespace: str, salt: str, image_hashes: list[str], compaction: str, prefix_ids: list[int]) -> str:
+    """SHA-256 hex key of a public prefix (see the module docstring)."""
+    h = hashlib.sha256()
+    ids = hashlib.sha256(",".join(map(str, prefix_ids)).encode()).hexdigest()
+    for part in (namespace, salt, *image_hashes, compaction, str(len(prefix_ids)), ids):
+        h.update(part.encode())
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b``, whose first ``start`` items are known equal."""
+    n = min(len(a), len(b))
+    for i in range(start, n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PrefixCache:
+    """Entries by key, their pages in ``pool``, the eviction policy and counters."""
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.prefixes: dict[str, PrefixEntry] = {}
+        self.stats = CacheStats()
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, key: str, prompt_ids: list[int], prefix_len: int) -> Match | None:
+        """The longest reusable cached run for a prompt whose public prefix has ``key``.
+
+        At least one prompt token is always left to compute (its logits start generation).
+        """
+        entry = self.prefixes.get(key)
+        if entry is None or not entry.alive or entry.tokens != prompt_ids[:prefix_len]:
+            return None
+        best = Match(entry, prefix_len)
+        for ext in entry.children:
+            if not ext.alive:
+                continue
+            # an extension starts with its parent's tokens, equal to the prompt's (checked above)
+            n = min(_common_prefix(ext.tokens, prompt_ids, prefix_len), len(prompt_ids) - 1)
+            if n > best.length:
+                best = Match(ext, n)
+        if best.length >= len(prompt_ids):
+            return None  # nothing left to compute: the prompt is the prefix itself
+        return best
+
+    # ------------------------------------------------------------------ users
+    def acquire(self, match: Match) -> list[int]:
+        """Mark the entry in use and return the pages covering the match (references taken)."""
+        entry = match.entry
+        if not entry.alive:
+            raise RuntimeError("acquire of an evicted prefix entry")
+        entry.users += 1
+        entry.hits += 1
+        entry.last_used = next(_clock)
+        pages = entry.pages[: -(-match.kv_len // self.pool.page_size)]
+        self.pool.incref(pages)
+        return pages
+
+    def release_user(self, entry: PrefixEntry) -> None:
+        entry.users -= 1
+
+    # ------------------------------------------------------------------ insertion
+    def add_prefix(self, key: str, salt: str, tokens: list[int], pages: list[int], kv_len: int,
+                   dense_pages: int, visual_kept: int) -> PrefixEntry | None:
+        """Cache a freshly computed (and compacted) public prefix; takes references on ``pages``.
+
+        Returns None when an entry with this key already exists.
+        """
+        if key in self.prefixes and self.prefixes[key].alive:
+            return None
+        entry = PrefixEntry(key, salt, list(tokens), list(pages), kv_len, len(tokens), dense_pages, visual_kept)
+        self.pool.incref(entry.pages)
+        self.prefixes[key] = entry
+        return entry
+
+    def add_extension(self, parent: PrefixEntry, tokens: list[int], pages: list[int], kv_len: int) -> PrefixEntry:
+        """Cache a conversation's KV that extends prefix ``parent``; takes references on ``pages``."""
+        base = parent if parent.parent is None else parent.parent
+        entry = PrefixEntry(
+            f"{base.key}+{next(_clock)}", base.salt, list(tokens), list(pages), kv_len,
+            base.prefix_len, base.dense_pages, base.visual_kept, parent=base,
+        )
+        self.pool.incref(entry.pages)
+        base.children.append(entry)
+        return entry
+
+    # ------------------------------------------------------------------ eviction
+    @property
+    def entries(self) -> list[PrefixEntry]:
+        out = []
+        for p in self.prefixes.values():
+            out.append(p)
+            out.extend(c for c in p.children if c.alive)
+        return out
+
+    @property
+    def pages_held(self) -> int:
+        return len({p for e in self.entries for p in e.pages})
+
+    def evictable(self) -> list[PrefixEntry]:
+        """Entries that may go now, in eviction order: unused, not extended by a live entry."""
+        leaves = [e for e in self.entries if e.users == 0 and not any(c.alive for c in e.children)]
+        return sorted(leaves, key=lambda e: (e.value(), e.last_used))
+
+    def make_room(self, pages_needed: int) -> bool:
+        """Evict entries until ``pages_needed`` pages are free. Returns whether that succeeded."""
+        while self.pool.num_free < pages_needed:
+            victims = self.evictable()
+            if not victims:
+                return False
+            self.evict(victims[0])
+        return True
+
+    def evict(self, entry: PrefixEntry) -> None:
+        entry.alive = False
+        self.pool.release(entry.pages)
+        entry.pages = []
+        if entry.parent is None:
+            if self.prefixes.get(entry.key) is entry:
+                del self.prefixes[entry.key]
+            self.stats.prefix_evictions += 1
+        else:
+            entry.parent.children.remove(entry)
+            self.stats.extension_evictions += 1
+
+    def clear(self) -> None:
+        """Evict every entry that no running request uses."""
+        while victims := self.evictable():
+            for e in victims:
+                self.evict(e)
+
+    def counters(self) -> dict:
+        """The cache's part of :meth:`Engine.stats() <engine.Engine.stats>`: entries (prefixes and
+        conversation extensions), prefixes, pages held, hits, misses, stale fallbacks, evictions and
+        prompt tokens saved."""
+        return {
+            "prefix_cache": True,
+            "cache_entries": len(self.entries),
+            "cache_prefixes": len(self.prefixes),
+            "cache_pages": self.pages_held,
+            "cache_hits": self.stats.hits,
+            "cache_misses": self.stats.misses,
+            "cache_stale": self.stats.stale,
+            "cache_evictions": self.stats.evictions,
+            "cache_prefix_evictions": self.stats.prefix_evictions,
+            "cache_extension_evictions": self.stats.extension_evictions,
+            "prompt_tokens_saved": self.stats.tokens_saved,
+        }
+
+    def holders(self) -> list[list[int]]:
+        """Page lists of all entries (for pool accounting checks)."""
+        return [e.pages for e in self.entries]

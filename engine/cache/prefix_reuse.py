@@ -1,0 +1,217 @@
+"""How a request uses the prefix cache, from intake to finish: the bookkeeping around
+:class:`~engine.cache.prefix_cache.PrefixCache`.
+
+1. **Key** (caller's thread, :meth:`PrefixReuse.key`): a prompt with images and a question after
+   them gets the key of its public prefix (:func:`~engine.cache.prefix_cache.prefix_key`).
+2. **Lookup** (loop, at intake, :meth:`PrefixReuse.look_up`): this decides hit or miss. The
+   longest cached run for the prompt (its prefix, or a conversation extension of it) is kept as the
+   request's ``match`` and counted as a hit; no entry is a miss.
+3. **Attach** (scheduler, at admission, :meth:`PrefixReuse.attach`): the matched entry's pages
+   join the request's block table read-only (references taken; a partly filled last page is copied
+   by the scheduler before it is written). An entry evicted since the lookup is dropped
+   (:meth:`PrefixReuse.drop`: reported ``stale``, the hit taken back) and the prompt computed cold.
+4. **Compact and cache** (loop, after the step that computed a cold prefix,
+   :meth:`PrefixReuse.after_step`): the prefix's kept visual tokens are moved together, the pages
+   beyond them freed, and the compact prefix cached.
+5. **Keep the conversation** (loop, when a request finishes, :meth:`PrefixReuse.keep_conversation`):
+   a finished turn's KV becomes an extension of its prefix, so the next turn prefills only its
+   question.
+
+Requests are duck-typed (:class:`CachingRequest`): this module never imports the serving core.
+Every method but :meth:`PrefixReuse.key` runs under the engine loop's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+from .compaction import CompactionConfig
+from .prefix_cache import Match, PrefixCache, PrefixEntry, prefix_key
+
+
+class CachingRequest(Protocol):
+    """What the prefix cache reads and writes of a request
+    (:class:`engine.serving.request.Request` is one).
+
+    ``prompt`` has ``input_ids``, ``prefix_len``, ``spans``, ``num_visual_tokens``,
+    ``image_hashes`` and ``video_hashes``; ``telemetry`` is the request's
+    :class:`~engine.serving.outputs.Telemetry`.
+    """
+
+    prompt: Any
+    telemetry: Any
+    tokens: list[int]
+    num_computed: int
+    block_table: list[int]
+    kv_offset: int
+    salt: str
+    prefix_key: str | None
+    match: Match | None
+    attached: PrefixEntry | None
+    cold_prefix: bool
+
+    @property
+    def kv_len(self) -> int: ...
+
+
+class PrefixReuse:
+    """The prefix cache as the serving core drives it (see the module docstring).
+
+    Args:
+        cache: the prefix cache (its pool is the engine's).
+        compaction: how a cold prefix is compacted before it is cached.
+        namespace: the model namespace keys start with (checkpoint and settings that change tokens
+            or pixels).
+        conversation_reuse: keep finished turns as extensions.
+    """
+
+    def __init__(self, cache: PrefixCache, compaction: CompactionConfig, namespace: str, *,
+                 conversation_reuse: bool = True):
+        self.cache = cache
+        self.pool = cache.pool
+        self.compaction = compaction
+        self.namespace = namespace
+        self.conversation_reuse = conversation_reuse
+
+    # ------------------------------------------------------------------ intake
+    def key(self, prompt, salt: str) -> str | None:
+        """The key of ``prompt``'s public prefix under ``salt``; None when the prompt is not
+        prefix-cached (no images, or nothing after them)."""
+        if not 0 < prompt.prefix_len < len(prompt.input_ids):
+            return None
+        return prefix_key(self.namespace, salt, prompt.image_hashes + prompt.video_hashes,
+                          self.compaction.namespace(), prompt.input_ids[: prompt.prefix_len])
+
+    def look_up(self, req: CachingRequest) -> None:
+        """Find the request's cached prefix (before admission): sets ``req.match`` and reports
+        ``hit``, ``miss`` or ``off``."""
+        tel = req.telemetry
+        if req.prefix_key is None:
+            tel.prefix_cache = "off"
+            return
+        req.match = self.cache.lookup(req.prefix_key, req.prompt.input_ids, req.prompt.prefix_len)
+        tel.prefix_cache = "hit" if req.match else "miss"
+        if req.match:
+            self.cache.stats.hits += 1
+        else:
+            self.cache.stats.misses += 1
+
+    # ------------------------------------------------------------------ admission
+    def admission_match(self, req: CachingRequest) -> Match | None:
+        """The match to attach when ``req`` is admitted: its intake match if the entry is still
+        there (else dropped, see :meth:`drop`), or, for a request preempted since, a fresh lookup
+        (its own prefix may be cached by now)."""
+        match = req.match
+        if match is not None and not match.entry.alive:
+            self.drop(req)
+            match = None
+        if match is None and req.telemetry.preempted and req.prefix_key is not None:
+            match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
+        return match
+
+    def drop(self, req: CachingRequest) -> None:
+        """Give up the request's match (computed cold instead): report it "stale" and take back the
+        hit counted at intake. Review fix: only a match found at intake was counted (and reported)
+        as a hit; a preempted request's own re-lookup (kept while it waited) has nothing to take
+        back."""
+        req.match = None
+        if not req.telemetry.preempted:
+            req.telemetry.prefix_cache = "stale"
+            self.cache.stats.stale += 1
+            self.cache.stats.hits -= 1
+
+    @contextmanager
+    def pinned(self, match: Match) -> Iterator[None]:
+        """Keep the matched entry from eviction meanwhile. Unpinned (no user) it is itself an
+        eviction candidate, and evicting it while making room for its own request left
+        :meth:`attach` an empty page list, so the request ran on uninitialised pages while
+        reporting a hit."""
+        match.entry.users += 1
+        try:
+            yield
+        finally:
+            match.entry.users -= 1
+
+    def attach(self, req: CachingRequest, match: Match) -> None:
+        """Attach the matched entry's pages (read-only, references taken) as the start of the
+        request's block table; its first ``match.length`` tokens count as computed."""
+        req.block_table = self.cache.acquire(match)
+        req.attached = match.entry
+        req.num_computed = match.length
+        req.kv_offset = match.entry.kv_offset
+        self._report_hit(req, match)
+
+    def _report_hit(self, req: CachingRequest, match: Match) -> None:
+        entry, tel = match.entry, req.telemetry
+        if not tel.preempted:  # a re-admission after preemption saves nothing new for the user
+            self.cache.stats.tokens_saved += match.length
+            # Review fix: set at the first admission only. A re-admission's match is not prompt
+            # reuse: it may run into the request's own generated tokens (cached_tokens >
+            # prompt_tokens) or be the request's own prefix (a "miss" reporting cached tokens).
+            tel.cached_tokens = match.length
+            tel.conversation_reuse_tokens = match.length - entry.prefix_len
+        tel.visual_tokens_kept = entry.visual_kept
+        tel.prefix_pages = self._pages(entry.prefix_len - entry.kv_offset)
+        tel.prefix_pages_dense = entry.dense_pages
+
+    def detach(self, req: CachingRequest) -> None:
+        """The request no longer uses the entry it attached (its page references are its own to
+        release)."""
+        if req.attached is not None:
+            self.cache.release_user(req.attached)
+            req.attached = None
+
+    def make_room(self, pages_needed: int) -> bool:
+        """Evict unused entries until ``pages_needed`` pages are free; whether that succeeded."""
+        return self.cache.make_room(pages_needed)
+
+    # ------------------------------------------------------------------ after a step
+    def after_step(self, items: Iterable[tuple[CachingRequest, int]]) -> None:
+        """Compact and cache the public prefix of the requests whose step just computed it."""
+        for req, _ in items:
+            if req.cold_prefix and req.num_computed == req.prompt.prefix_len:
+                self.compact_and_cache(req)
+
+    def compact_and_cache(self, req: CachingRequest) -> None:
+        """Keep the prefix's selected tokens (moved to the front of its pages, the pages beyond
+        released), then cache the compact prefix and attach the request to it."""
+        page = self.pool.page_size
+        n = req.prompt.prefix_len
+        kept = self.compaction.kept_positions(n, req.prompt.spans)
+        k = len(kept)
+        if k < n:
+            table = req.block_table
+            self.pool.move_slots([table[i // page] * page + i % page for i in kept.tolist()],
+                                 [table[i // page] * page + i % page for i in range(k)])
+            keep_pages = -(-k // page)
+            self.pool.release(table[keep_pages:])
+            del table[keep_pages:]
+        req.kv_offset = n - k
+        req.cold_prefix = False
+        visual_kept = k - (n - req.prompt.num_visual_tokens)
+        tel = req.telemetry
+        tel.visual_tokens_kept = visual_kept
+        tel.prefix_pages = len(req.block_table)
+        tel.prefix_pages_dense = self._pages(n)
+        entry = self.cache.add_prefix(
+            req.prefix_key, req.salt, req.tokens[:n], req.block_table, k, tel.prefix_pages_dense, visual_kept
+        )
+        if entry is not None:
+            entry.users += 1
+            req.attached = entry
+
+    # ------------------------------------------------------------------ finish
+    def keep_conversation(self, req: CachingRequest) -> None:
+        """Keep a finished turn's KV as an extension of its prefix (conversation reuse)."""
+        entry = req.attached
+        if entry is None or not entry.alive or not self.conversation_reuse:
+            return
+        if req.num_computed <= len(entry.tokens) or req.kv_offset != entry.kv_offset:
+            return
+        pages = req.block_table[: self._pages(req.kv_len)]
+        self.cache.add_extension(entry, req.tokens[: req.num_computed], pages, req.kv_len)
+
+    def _pages(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.pool.page_size)

@@ -1,0 +1,125 @@
+"""A dense, masked reference for compacted prefixes: the oracle the compact prefix cache is tested
+against.
+
+The engine computes a prompt's public prefix (every token up to the last ``<|vision_end|>``)
+densely, then keeps only the prefix tokens that :meth:`CompactionConfig.kept_positions` selects;
+everything after the prefix (the question, earlier turns, generated tokens) attends to the kept
+tokens only. Positions are logical throughout (M-RoPE is applied before K/V are stored), so
+compaction changes *which* keys a later query sees, never their positions.
+
+This module computes the same function without pages, quantisation or moves: one contiguous
+float K/V store holds every token at its logical index, and the attention mask does the
+compaction. For query ``i`` and key ``j`` (logical indices)::
+
+    visible(i, j) = j <= i  and  (i < prefix_len  or  keep[j])
+
+where ``keep[j]`` is False exactly for the prefix positions compaction removes. So prefix queries
+use ordinary causal attention (as the engine's cold prefill does before compacting), and every
+later query masks out the removed prefix positions.
+
+Use it with an engine in float32 and ``kv_cache_dtype="auto"``: then the engine's tokens for a
+compacted prompt (cold or a cache hit) must equal :func:`masked_greedy`'s, up to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.attention import DenseKVCache, DenseStep
+from ..model.decoder import VisualInjection
+
+
+class MaskedStep(DenseStep):
+    """Stores one step's K/V at their logical indices and attends under :meth:`MaskedDenseCache.visible`."""
+
+    def __init__(self, cache: MaskedDenseCache, start: int, num_new: int):
+        super().__init__(cache, start, num_new)
+        self.mask = cache.visible(start, num_new)  # [T, S], the same for every layer
+
+
+class MaskedDenseCache(DenseKVCache):
+    """K/V of one sequence in contiguous per-layer tensors ``[capacity, Hkv, D]`` plus a key mask.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: decoder shape.
+        capacity: most tokens (prompt + generated).
+        prefix_len: queries at logical index ``>= prefix_len`` do not see removed prefix keys.
+        removed: int64 ``[R]`` logical indices (all ``< prefix_len``) of the removed prefix tokens.
+        dtype, device: of the stored K/V (the model's).
+    """
+
+    def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int, *,
+                 prefix_len: int, removed: torch.Tensor, dtype, device):
+        if removed.numel() and int(removed.max()) >= prefix_len:
+            raise ValueError("removed positions must lie inside the prefix")
+        super().__init__(num_layers, capacity, num_kv_heads, head_dim, dtype, device)
+        self.keep = torch.ones(capacity, dtype=torch.bool, device=device)  # [capacity]
+        self.keep[removed.to(device)] = False
+        self.prefix_len = prefix_len
+
+    step_class = MaskedStep
+
+    def visible(self, start: int, num_new: int) -> torch.Tensor:
+        """Bool ``[num_new, start + num_new]``: which keys each new query (logical ``start + t``) sees."""
+        end = start + num_new
+        device = self.keep.device
+        q_pos = torch.arange(start, end, device=device)[:, None]  # [T, 1]
+        k_pos = torch.arange(end, device=device)[None, :]  # [1, S]
+        causal = k_pos <= q_pos
+        after_prefix = q_pos >= self.prefix_len  # [T, 1]
+        return causal & (~after_prefix | self.keep[:end][None, :])
+
+
+def removed_positions(engine, prompt) -> torch.Tensor:
+    """int64 logical indices of the prefix tokens ``engine`` drops when it caches ``prompt``'s
+    public prefix (empty when the prompt is not prefix-cached or compaction keeps everything)."""
+    n = prompt.prefix_len
+    if engine.prefix_cache is None or not 0 < n < len(prompt.input_ids):
+        return torch.empty(0, dtype=torch.long)
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[engine.compaction.kept_positions(n, prompt.spans)] = True
+    return (~keep).nonzero().flatten()
+
+
+@torch.inference_mode()
+def masked_greedy_logits(engine, messages, max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding of ``messages`` under the compaction mask of ``engine``'s settings.
+
+    The whole prompt is prefilled in one dense forward (images' features from
+    ``engine.vision_features``), then ``max_tokens`` tokens are decoded one by one (end-of-sequence
+    tokens do not stop it, like ``ignore_eos``).
+
+    Returns:
+        The generated ids and their float32 logits ``[max_tokens, vocab]`` (row ``i`` chose token ``i``).
+    """
+    prompt = engine.prompts.build(messages)
+    model, cfg = engine.model, engine.config.text
+    n = len(prompt.input_ids)
+    cache = MaskedDenseCache(
+        cfg.num_hidden_layers, n + max_tokens, cfg.num_key_value_heads, cfg.head_dim,
+        prefix_len=prompt.prefix_len, removed=removed_positions(engine, prompt),
+        dtype=model.dtype, device=model.device,
+    )
+    visual = None
+    if prompt.spans:
+        feats = engine.vision_features(prompt)
+        visual = VisualInjection(prompt.visual_rows().to(model.device), feats.embeds, feats.deepstack)
+    last = torch.tensor([n - 1], device=model.device)
+    logits = model(torch.tensor(prompt.input_ids, device=model.device), prompt.positions.to(model.device),
+                   cache.step(n), visual, last)[0]
+    tokens, rows = [], []
+    for i in range(max_tokens):
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        rows.append(logits)
+        if i + 1 == max_tokens:
+            break
+        pos = torch.full((3, 1), n + i + prompt.rope_delta, dtype=torch.long, device=model.device)
+        logits = model(torch.tensor([token], device=model.device), pos, cache.step(1))[0]
+    return tokens, torch.stack(rows)
+
+
+def masked_greedy(engine, messages, max_tokens: int) -> list[int]:
+    """The ``max_tokens`` greedy token ids the compacted engine should produce for ``messages``
+    (see :func:`masked_greedy_logits`)."""
+    return masked_greedy_logits(engine, messages, max_tokens)[0]

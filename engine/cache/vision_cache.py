@@ -1,0 +1,52 @@
+"""A bounded LRU cache of per-image vision features (embeddings and DeepStack features).
+
+Keyed by the session salt, the model namespace and the image's content hash, so that after a
+prefix is evicted the same session's next question need not rerun the encoder, while one
+session's uploads never change what another session sees (not even its timing).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from ..model.vision import VisionFeatures
+
+
+class VisionCache:
+    """LRU of :class:`VisionFeatures` by key, bounded by ``max_bytes`` (tensor payload bytes).
+    Safe to use from several threads."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self._items: OrderedDict[str, tuple[VisionFeatures, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size(f: VisionFeatures) -> int:
+        return sum(t.numel() * t.element_size() for t in (f.embeds, *f.deepstack))
+
+    def get(self, key: str) -> VisionFeatures | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return item[0]
+
+    def put(self, key: str, features: VisionFeatures) -> None:
+        size = self._size(features)
+        with self._lock:
+            if size > self.max_bytes or key in self._items:
+                return
+            self._items[key] = (features, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, old) = self._items.popitem(last=False)
+                self.bytes -= old
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -1,0 +1,159 @@
+"""The engine's settings (:class:`EngineOptions`) and the values they settle into for a device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache.compaction import CompactionConfig
+from .cache.kv_pool import KV_DTYPES
+from .errors import InvalidRequestError
+from .inputs.images import ImageOptions
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CACHE_SCOPES = ("session", "global")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine settings (all optional keyword arguments of :meth:`Engine.from_pretrained`).
+
+    Attributes:
+        min_pixels / max_pixels: bounds on an image's resized area in pixels (None keeps the
+            checkpoint's processor settings; Qwen3-VL's default max allows ~16 M pixels).
+        max_image_pixels: refuse images whose header claims more pixels (decompression bombs).
+        max_image_bytes: refuse image files larger than this many bytes.
+        image_background: RGB colour transparent images are composited onto.
+        max_model_len: longest prompt + output in tokens (default: the checkpoint's
+            ``max_position_embeddings``, capped by the KV pool).
+        progress: show progress bars while loading.
+        kv_cache_dtype: ``"fp8_e4m3"`` (Scaled-FP8 pages) or ``"auto"`` (the model dtype).
+        kv_cache_bytes: KV pool size in bytes, scales included. Default: on CUDA
+            ``gpu_memory_utilization`` of the memory free after loading the model; on CPU 512 MiB.
+        page_size: tokens per KV page.
+        max_num_seqs, max_num_batched_tokens, max_waiting: scheduler limits
+            (see :class:`~engine.serving.scheduler.SchedulerConfig`). ``max_num_batched_tokens`` None
+            means 8,192 on CUDA and 1,024 on the CPU. On CUDA an 8-photo prompt (~1.7k tokens) is
+            then prefilled in one step, and a running stream waits at most one 8k-token step (about
+            five times the 51 ms of a 1,662-token prefill of an 8B model on the H200).
+        debug_checks: check the pool's page accounting after every step (slow; for tests).
+        prefix_cache: keep the KV of each prompt's public prefix for later questions.
+        compaction: ``"uniform"`` or None: how a cached prefix drops visual tokens.
+        keep_ratio, min_keep, compact_video: compaction settings (see
+            :class:`~engine.cache.compaction.CompactionConfig`).
+        cache_scope: ``"session"`` (prefixes are shared only under the same ``cache_salt``) or
+            ``"global"`` (salts ignored; for single-user setups).
+        conversation_reuse: also keep a finished turn's KV so the next turn of the same chat
+            prefills only its new question.
+        vision_cache_bytes: bound of the per-session vision-feature cache.
+        cuda_graphs: on CUDA, replay captured graphs for decode steps (see
+            :mod:`engine.graphs.decode`) and for the vision encoder on image sizes seen before (see
+            :mod:`engine.graphs.vision`).
+        graph_max_tokens: text-only steps of up to this many new tokens (and at least
+            ``max_num_seqs``) replay the graphs too, so the question after a cached prefix is
+            prefilled without the host in the way.
+        prefill_graphs: with ``cuda_graphs`` on CUDA, a step holding only one cold prompt (or its
+            first chunk) of fewer than 512 tokens replays a graph captured for its token-count
+            bucket (see :mod:`engine.graphs.prefill`).
+    """
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_image_pixels: int = ImageOptions.max_image_pixels
+    max_image_bytes: int = ImageOptions.max_bytes
+    image_background: tuple[int, int, int] = ImageOptions.background
+    max_model_len: int | None = None
+    progress: bool = True
+    kv_cache_dtype: str = "fp8_e4m3"
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+    page_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None
+    max_waiting: int = 256
+    debug_checks: bool = False
+    prefix_cache: bool = True
+    compaction: str | None = "uniform"
+    keep_ratio: float = 0.6
+    min_keep: int = 16
+    compact_video: bool = False
+    cache_scope: str = "session"
+    conversation_reuse: bool = True
+    vision_cache_bytes: int = 256 << 20
+    cuda_graphs: bool = True
+    graph_max_tokens: int = 64
+    prefill_graphs: bool = True
+
+    def image_options(self) -> ImageOptions:
+        return ImageOptions(
+            max_image_pixels=self.max_image_pixels, max_bytes=self.max_image_bytes, background=self.image_background
+        )
+
+    def check_kv_cache_dtype(self) -> None:
+        """Raises: InvalidRequestError: ``kv_cache_dtype`` is not one of :data:`~engine.cache.kv_pool.KV_DTYPES`."""
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}")
+
+    def check_cache_scope(self) -> None:
+        """Raises: InvalidRequestError: ``cache_scope`` is neither ``"session"`` nor ``"global"``."""
+        if self.cache_scope not in CACHE_SCOPES:
+            raise InvalidRequestError(f"cache_scope must be 'session' or 'global', got {self.cache_scope!r}")
+
+    def compaction_config(self) -> CompactionConfig:
+        """The compaction settings.
+
+        Raises:
+            InvalidRequestError: an unknown method, ``keep_ratio`` outside (0, 1], ``min_keep`` < 1.
+        """
+        try:
+            return CompactionConfig(self.compaction, self.keep_ratio, self.min_keep, self.compact_video)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    def salt(self, cache_salt: str | None) -> str:
+        """The salt every cache of a request is keyed by: the caller's (None is the one anonymous
+        session, ""), or "" for all under ``cache_scope="global"``."""
+        return "" if self.cache_scope == "global" else (cache_salt or "")
+
+    def step_budget(self, device: torch.device) -> int:
+        """Most tokens one step computes: the option, or its device default."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if device.type == "cuda" else 1024
+
+    def kv_budget(self, device: torch.device) -> int:
+        """Bytes of the KV pool: the option, or on CUDA ``gpu_memory_utilization`` of the free
+        memory (after loading the model), on the CPU 512 MiB."""
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * self.gpu_memory_utilization)
+        return 512 << 20
+
+
+def pick_device(device) -> torch.device:
+    """``device`` as a :class:`torch.device`; None or ``"auto"``: CUDA when available, else the CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype, device: torch.device) -> torch.dtype:
+    """The model dtype: ``dtype`` (a torch dtype or its name); None / ``"auto"``: bfloat16 on CUDA,
+    float32 on the CPU.
+
+    Raises:
+        InvalidRequestError: not float32, bfloat16 or float16.
+    """
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        try:
+            return _DTYPES[dtype]
+        except KeyError:
+            raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}") from None
+    if dtype not in _DTYPES.values():
+        raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    return dtype

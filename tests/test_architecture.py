@@ -1,0 +1,135 @@
+"""The import graph holds the architecture's directions (docs/ARCHITECTURE.md).
+
+Every ``import`` / ``from ... import`` of the project's modules (at any depth: lazy imports inside
+functions count too) is read with :mod:`ast`, relative imports resolved, and each rule checked:
+data flows browser -> ``app`` -> ``engine`` -> ``ops``; inside ``engine`` the wings point one way
+(``model`` at the bottom, then ``cache``, ``graphs``, ``inputs``, then the serving core, and only
+``engine/engine.py`` on top of them all). A broken rule names the module and the line.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "ops", "sessions", "app")
+WINGS = ("model", "cache", "graphs", "inputs", "serving")
+#: What the engine's top level may hold (modules and shims), besides the wings' folders.
+TOP_LEVEL_LIMIT = 8
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, pathlib.Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def imports(name: str, path: pathlib.Path) -> list[tuple[str, int]]:
+    """``(imported module, line)`` of every import in the module ``name`` (relative ones resolved;
+    ``from X import y`` counts as importing ``X`` and, where it is a module, ``X.y``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            found.append((target, node.lineno))
+            found += [(f"{target}.{alias.name}", node.lineno) for alias in node.names]
+    return found
+
+
+def within(target: str, prefix: str) -> bool:
+    return target == prefix or target.startswith(prefix + ".")
+
+
+MODULES = project_modules()
+GRAPH = {name: [(t, line) for t, line in imports(name, path) if t in MODULES] for name, path in MODULES.items()}
+
+#: (who, what they must never import, why): "who" and "what" are module prefixes.
+RULES = [
+    ("ops", ("engine", "sessions", "app"), "kernels know nothing of the engine, the store or the web"),
+    ("engine", ("sessions", "app"), "the engine knows nothing of sessions or the web (only an opaque salt)"),
+    ("sessions", ("app",), "the store knows nothing of the web"),
+    ("engine.serving", ("engine.engine", "engine.options"), "the serving core never calls back into Engine"),
+    ("engine.model", ("engine.cache", "engine.graphs", "engine.inputs", "engine.serving"),
+     "the model is plain: storage, capture, inputs and serving wrap it from outside"),
+    ("engine.cache", ("engine.serving", "engine.graphs", "engine.inputs"),
+     "caches are driven by the serving core, never the other way round"),
+    ("engine.graphs", ("engine.serving", "engine.inputs"), "graphs capture the model over the pool, nothing more"),
+    ("engine.inputs", ("engine.serving",), "inputs are built before serving sees them"),
+]
+#: Top-level modules a wing must never import: the public API and the shims (``engine.errors`` is
+#: shared by all).
+TOP = ("engine.engine", "engine.options", "engine.tiny", "engine.hub")
+
+
+def violations(who: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{name} (line {line}) imports {target}"
+            for name, edges in GRAPH.items() if within(name, who)
+            for target, line in edges if any(within(target, f) for f in forbidden)]
+
+
+@pytest.mark.parametrize(("who", "forbidden", "why"), RULES, ids=[r[0] for r in RULES])
+def test_import_directions(who, forbidden, why):
+    assert any(within(name, who) for name in MODULES), f"no modules under {who}: the rule checks nothing"
+    assert not violations(who, forbidden), f"{why}: " + "; ".join(violations(who, forbidden))
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_wings_never_import_the_public_api_or_the_shims(wing):
+    """A wing imports its peers and ``engine.errors``, never the package root (which imports the
+    whole engine), ``engine.engine``, ``engine.options`` or the shims."""
+    who = f"engine.{wing}"
+    assert any(within(name, who) for name in MODULES), f"no wing {who}"
+    bad = [f"{name} (line {line}) imports {target}"
+           for name, edges in GRAPH.items() if within(name, who)
+           for target, line in edges if target == "engine" or any(within(target, t) for t in TOP)]
+    assert not bad, "; ".join(bad)
+
+
+def test_the_wings_form_no_cycle():
+    """Wing-level dependencies (which wing imports which) are acyclic: model < cache / graphs <
+    inputs < serving, with ``engine.engine`` above them all."""
+    deps = {w: set() for w in WINGS}
+    for name, edges in GRAPH.items():
+        wing = name.split(".")[1] if name.count(".") >= 1 and name.split(".")[0] == "engine" else None
+        if wing not in deps:
+            continue
+        for target, _ in edges:
+            parts = target.split(".")
+            if parts[0] == "engine" and len(parts) > 1 and parts[1] in deps and parts[1] != wing:
+                deps[wing].add(parts[1])
+    order, seen = [], set()
+
+    def visit(wing, path=()):
+        assert wing not in path, f"wing cycle: {' -> '.join((*path, wing))}"
+        if wing not in seen:
+            for dep in sorted(deps[wing]):
+                visit(dep, (*path, wing))
+            seen.add(wing)
+            order.append(wing)
+
+    for wing in WINGS:
+        visit(wing)
+    assert order.index("model") < order.index("serving")
+
+
+def test_engine_top_level_is_small():
+    """The folder listing shows the architecture: the wings, and at most a handful of modules
+    beside them (``__init__``, ``engine``, ``options``, ``errors`` and the shims)."""
+    top = sorted(p.name for p in (ROOT / "engine").glob("*.py"))
+    assert len(top) <= TOP_LEVEL_LIMIT, top
+    for wing in WINGS:
+        assert (ROOT / "engine" / wing / "__init__.py").is_file(), f"engine/{wing}/ is missing"
