@@ -128,6 +128,25 @@ def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
     return " · ".join(parts)
 
 
+#: What the image viewer says of an image whose compact prefix is not cached: the engine keeps it
+#: in memory only, so we cannot tell which of these it is, and do not guess a picture.
+NOT_CACHED = ("Not cached: the model holds no prefix of this chat's images right now (no question asked about "
+              "them yet, evicted to make room, or the server restarted); the next question computes it again")
+NOT_LOADED = "Not cached: the model is not loaded yet"
+
+
+def kept_summary(item: dict) -> str:
+    """The image viewer's line for a cached image of :meth:`ChatService.prefix_view`, e.g.
+    ``kept 118 of 196 visual tokens · selector: uniform (keep ratio 0.6)`` or ``all kept: 196 of
+    196 visual tokens · dense prefix (no compaction)``."""
+    kept, total, selector = int(item["kept_count"]), int(item["rows"]) * int(item["cols"]), item.get("selector")
+    how = (f"selector: {selector} (keep ratio {float(item['keep_ratio']):g})" if selector
+           else "dense prefix (no compaction)")
+    if kept == total:
+        return f"all kept: {kept:,} of {total:,} visual tokens · {how}"
+    return f"kept {kept:,} of {total:,} visual tokens · {how}"
+
+
 def view_of(turn) -> TurnView:
     """The :class:`TurnView` of a stored turn."""
     if turn.error:
@@ -545,6 +564,37 @@ class ChatService:
                 reqs.remove(req)
             if not reqs:
                 self._active.pop(session_id, None)
+
+    # ------------------------------------------------------------------ the image viewer
+    def prefix_view(self, session: Session) -> dict:
+        """What the compact prefix the session's next question would attach kept of each of its
+        images, for the image viewer (no ownership check: callers check). Never holds the salt.
+
+        Returns ``{"images": [...]}``, one item per image in prompt order: ``number`` (1-based),
+        ``sha256``, ``cached`` (bool) and ``summary`` (the viewer's line, :func:`kept_summary`);
+        when cached also ``rows``, ``cols``, ``kept`` (``rows`` lists of ``cols`` bools),
+        ``kept_count``, ``selector`` and ``keep_ratio`` as :meth:`engine.Engine.prefix_info`
+        reports them (the browser draws them, it computes nothing).
+        """
+        shas = list(session.image_shas)
+        engine, info, reason = self.engine_or_none(), None, NOT_CACHED
+        if engine is None:
+            reason = NOT_LOADED
+        elif shas:
+            try:  # only a prefix of exactly these images: the one the next question would attach
+                info = engine.prefix_info(session.cache_salt, shas)
+            except PrismError:  # closed during shutdown
+                info = None
+        reported = {item["image"]: item for item in info or []}
+        images = []
+        for n, sha in enumerate(shas):
+            item = {"number": n + 1, "sha256": sha, "cached": n in reported, "summary": reason}
+            if item["cached"]:
+                got = reported[n]
+                item.update({k: got[k] for k in ("rows", "cols", "kept", "kept_count", "selector", "keep_ratio")})
+                item["summary"] = kept_summary(item)
+            images.append(item)
+        return {"images": images}
 
     # ------------------------------------------------------------------ panels
     def session_stats(self, session_id: str | None) -> dict:

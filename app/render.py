@@ -14,13 +14,17 @@ from urllib.parse import quote
 
 from .chat import TurnView
 
-STATIC_VERSION = "4"  # bump to make browsers refetch static/prism.css and prism.js
+STATIC_VERSION = "5"  # bump to make browsers refetch static/prism.css and prism.js
 
 #: A text-only chat's thumbnail: a speech bubble drawn inline (an emoji needs an emoji font, which
 #: many machines lack, and then shows as an empty box).
 _CHAT_ICON = ('<svg viewBox="0 0 24 24" width="22" height="22" aria-hidden="true" fill="none" '
               'stroke="currentColor" stroke-width="1.8" stroke-linejoin="round">'
               '<path d="M4 5h16v11H9l-5 4z"/></svg>')
+#: The image cards' "open" button: four arrows out to the corners (the whole image, uncropped).
+_OPEN_ICON = ('<svg viewBox="0 0 24 24" width="14" height="14" aria-hidden="true" fill="none" '
+              'stroke="currentColor" stroke-width="2.2" stroke-linecap="round" stroke-linejoin="round">'
+              '<path d="M14 4h6v6M10 20H4v-6M20 4l-7 7M4 20l7-7"/></svg>')
 
 
 def _e(text) -> str:
@@ -35,6 +39,16 @@ def image_url(sha: str) -> str:
 def shared_image_url(token: str, sha: str) -> str:
     """An image's URL on the share page of ``token``: served while that share is live."""
     return f"/s/{quote(token, safe='')}/images/{sha}"
+
+
+def prefix_url(session_id: str) -> str:
+    """Where the owner's image viewer asks what the session's compact prefix kept."""
+    return f"/sessions/{quote(session_id, safe='')}/prefix"
+
+
+def shared_prefix_url(token: str) -> str:
+    """The same on the share page of ``token``."""
+    return f"/s/{quote(token, safe='')}/prefix"
 
 
 def ago(timestamp: float | None, now: float | None = None) -> str:
@@ -120,9 +134,12 @@ def sessions_list(sessions, active_id: str | None) -> str:
     return '<nav class="prism-sessions">' + "".join(items) + "</nav>"
 
 
-def images_strip(records, *, editable: bool = True, url: Callable[[str], str] = image_url) -> str:
-    """The session's images in prompt order, each with its number and, when editable, a remove
-    button; ``url`` maps an image's hash to its URL."""
+def images_strip(records, *, editable: bool = True, url: Callable[[str], str] = image_url,
+                 prefix: str | None = None) -> str:
+    """The session's images in prompt order, each with its number, an "open" button (prism.js
+    shows the whole image, and with ``prefix``, the URL of :func:`prefix_url` or
+    :func:`shared_prefix_url`, what the model keeps of it) and, when editable, a remove button;
+    ``url`` maps an image's hash to its URL."""
     if not records:
         return ('<div class="prism-images prism-images-empty">No images yet: drop, paste or choose some '
                 "below. Without images, questions are a plain text chat.</div>")
@@ -134,12 +151,16 @@ def images_strip(records, *, editable: bool = True, url: Callable[[str], str] = 
         size = f"{int(r.width)}×{int(r.height)}"
         # the remove button sits in the caption, beside the name: over the photo it hid part of it
         figures.append(
-            f'<figure class="prism-image"><img src="{_e(url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
+            f'<figure class="prism-image" data-number="{n}" data-sha="{_e(r.sha256)}">'
+            f'<img src="{_e(url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
+            f'<button type="button" class="prism-open" data-open-image="{n}" title="Open image {n}: the whole '
+            f'image and what the model keeps of it" aria-label="Open image {n}">{_OPEN_ICON}</button>'
             f'<figcaption><span class="prism-image-label" title="Image {n} · {size}"><b>Image {n}</b> · {size}</span>'
             f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>{remove}'
             f"</span></figcaption></figure>"
         )
-    return '<div class="prism-images">' + "".join(figures) + "</div>"
+    viewer = f' data-prefix-url="{_e(prefix)}"' if prefix else ""
+    return f'<div class="prism-images"{viewer}>' + "".join(figures) + "</div>"
 
 
 # ---------------------------------------------------------------------------------- panels
@@ -320,7 +341,8 @@ def share_page(session, records, turns: list[TurnView], *, mode: str, token: str
 <header><a class="prism-brand" href="/">Prism</a><span class="prism-share-badge">shared ·
 {"read-only" if mode == "read" else "can continue"}</span></header>
 <h1>{_e(session.title)}</h1>{note}
-{images_strip(records, editable=False, url=lambda sha: shared_image_url(token, sha))}
+{images_strip(records, editable=False, url=lambda sha: shared_image_url(token, sha),
+              prefix=shared_prefix_url(token))}
 <section class="prism-conversation">{body}</section>
 {action}
 </main></body></html>"""

@@ -12,6 +12,10 @@ Routes (ours are registered before Gradio's mount, so they take precedence):
   "continue" share into the visitor's own sessions; ``GET /s/<token>/images/<sha256>``: an image
   of the shared session, while the share is live. Unknown or revoked tokens, images a session
   does not hold, other owners' images: 404, the same whether or not the image exists.
+* ``GET /sessions/<id>/prefix``: what the session's cached compact prefix kept of each image
+  (JSON for the image viewer, :meth:`app.chat.ChatService.prefix_view`), only to its owner;
+  ``GET /s/<token>/prefix``: the same for a shared session while the share is live. Another
+  owner's session, an unknown id or token: the same 404. Never the cache salt.
 * ``/prism-static/...``: our CSS and JS from ``static/`` (Gradio keeps ``/static`` for its own files).
 * ``/v1/models``, ``/v1/chat/completions``: see :mod:`app.openai_api` (a sub-application with its
   own API keys and CORS, mounted at ``/v1``).
@@ -60,6 +64,7 @@ STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 STATIC_URL = "/prism-static"
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _OWNER_RE = re.compile(r"[A-Za-z0-9_-]{32,128}")
+_SESSION_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _COOKIE_MAX_AGE = 10 * 365 * 24 * 3600
 #: Worker threads for blocking handlers (each streaming answer holds one while it streams).
 WORKER_THREADS = 160
@@ -115,6 +120,12 @@ def owner_from(request: Request) -> str:
 
 def _not_found() -> Response:
     return Response("Not found", status_code=404, media_type="text/plain", headers={"Cache-Control": "no-store"})
+
+
+def _private_json(body: dict) -> JSONResponse:
+    """JSON for this origin's pages only, never stored (the cached prefix changes under it)."""
+    return JSONResponse(body, headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
+                                       "Cross-Origin-Resource-Policy": "same-origin"})
 
 
 def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, chat: ChatService | None = None,
@@ -186,6 +197,24 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
         if share is None or not store.has_image(share.session_id, sha):
             return _not_found()
         return image_response(sha, "no-store")
+
+    @app.get("/sessions/{session_id}/prefix")
+    def session_prefix(session_id: str, request: Request):
+        """What the session's cached compact prefix kept of each image, for its owner; anything
+        else (another owner's session, no cookie, an id that is not one) is the same 404."""
+        session = chat.session(session_id, owner_from(request)) if _SESSION_ID_RE.fullmatch(session_id) else None
+        if session is None:
+            return _not_found()
+        return _private_json(chat.prefix_view(session))
+
+    @app.get("/s/{token}/prefix")
+    def shared_prefix(token: str):
+        """The same for a shared session while its share is live (read-only: it only reads)."""
+        share = store.resolve_share(token)
+        session = store.get_session(share.session_id) if share else None
+        if session is None:
+            return _not_found()
+        return _private_json(chat.prefix_view(session))
 
     @app.get("/s/{token}", response_class=HTMLResponse)
     def shared(token: str):

@@ -130,7 +130,7 @@ class PrismUI:
             sid,
             render.sessions_list(sessions, sid),
             session.title if session else "",
-            render.images_strip(records),
+            render.images_strip(records, prefix=render.prefix_url(sid) if sid else None),
             chat_messages(self.chat.turns(sid)),
             render.ttft_chart(stats["turns"]),
             render.pages_panel(stats["pages"]),

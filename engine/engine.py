@@ -60,6 +60,7 @@ class Engine:
         vision: the :class:`~engine.inputs.vision_features.VisionLookup` (its ``encoder``).
         pool: the :class:`~engine.cache.kv_pool.PagePool`.
         prefix_cache: the :class:`~engine.cache.prefix_cache.PrefixCache`, None when off.
+        prefix_reuse: the :class:`~engine.cache.prefix_reuse.PrefixReuse` driving it, None when off.
         compaction: the :class:`~engine.cache.compaction.CompactionConfig`.
         intake: the :class:`~engine.serving.intake.Intake` (prompt -> request; its ``make_sampler``).
         loop: the :class:`~engine.serving.loop.EngineLoop` (its ``scheduler``, ``runner`` and
@@ -96,6 +97,7 @@ class Engine:
         if self.prefix_cache is not None:
             reuse = PrefixReuse(self.prefix_cache, self.compaction, self.namespace,
                                 conversation_reuse=options.conversation_reuse)
+        self.prefix_reuse = reuse
         step = SchedulerConfig(options.max_num_seqs, options.step_budget(model.device), options.max_waiting)
         scheduler = Scheduler(self.pool, step, reuse)
         decode_graphs = prefill_graphs = None
@@ -231,6 +233,36 @@ class Engine:
             return {**self.pool.counters(), **self.loop.counters(), **cache, **self.prompts.counters(),
                     **self.vision.counters()}
 
+    def prefix_info(self, cache_salt: str | None, images: list[str | None] | None = None) -> list[dict] | None:
+        """What the compact prefix the session's next question would attach kept of each image:
+        the latest prefix cached under ``cache_salt`` (created or hit last), restricted to one
+        built from exactly ``images`` when given (each image's content key as its message part
+        named it, in prompt order: the hex SHA-256 of a file's bytes, see
+        :attr:`~engine.inputs.prompts.Prompt.image_keys`), so that a session whose images changed
+        since its last question is told nothing is cached rather than shown another prefix.
+
+        Only token indices leave the engine, never KV; read under the loop's lock and copied out,
+        so it may be called from any thread while requests run. Salts stay out of :meth:`stats`.
+
+        Returns:
+            None when no such prefix is cached (none yet, evicted, prefix caching off, or a new
+            engine since); else one dict per image of the prefix, in prompt order:
+            ``image`` (int, its index), ``rows``, ``cols`` (int: the image's merged-token grid as
+            the vision encoder sees it, patch grid / spatial merge size, EXIF orientation
+            applied), ``kept`` (``rows`` lists of ``cols`` bools, row-major: whether that visual
+            token's KV is kept), ``kept_count`` (int, tokens), ``selector`` (str, a key of
+            :data:`engine.cache.compaction.SELECTORS`, or None for a dense prefix) and
+            ``keep_ratio`` (float, 1.0 when dense).
+
+        Raises:
+            PrismError: the engine is closed.
+        """
+        with self.loop.paused():
+            reuse = self.prefix_reuse  # read once: close() drops it
+            if self.loop.closed:
+                raise PrismError("engine is closed")
+            return None if reuse is None else reuse.prefix_info(self.options.salt(cache_salt), images)
+
     def count_prompt_tokens(self, messages, *, cache_salt: str | None = None) -> int:
         """Prompt length in tokens of ``messages`` (images processed and cached under
         ``cache_salt``, as :meth:`generate` would; nothing run)."""
@@ -262,7 +294,7 @@ class Engine:
         if not self.loop.close():
             return
         # drop every reference to the model, the KV pool and the captured graphs so their memory goes
-        self.pool = self.model = self.prefix_cache = self.vision = self.intake = None
+        self.pool = self.model = self.prefix_cache = self.prefix_reuse = self.vision = self.intake = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

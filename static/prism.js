@@ -1,4 +1,5 @@
-/* Prism's small browser helpers: paste images into the upload box, copy buttons, share dialog keys.
+/* Prism's small browser helpers: paste images into the upload box, copy buttons, share dialog keys,
+   the image viewer (the whole image and what the model keeps of it).
    No external resources; works with the Gradio page and the share view. */
 (function () {
   "use strict";
@@ -124,9 +125,150 @@
     requestAnimationFrame(function () { pending = false; decorateAnswers(); });
   }).observe(document.documentElement, { childList: true, subtree: true });
 
-  // Escape closes the share dialog.
+  // ---------------------------------------------------------------- the image viewer
+  // An image card's "open" button (or the photo) shows the whole image: cards crop it to fill.
+  // "What the model keeps" lays the merged-token grid the engine reports over it: dropped tokens
+  // dimmed, kept ones clear. The grid is fetched afresh each time (the cached prefix may be
+  // compacted again, evicted, or built with another selector) and drawn as reported: nothing is
+  // computed here.
+  var viewer = null;
+
+  function element(tag, className, parent) {
+    var el = document.createElement(tag);
+    if (className) el.className = className;
+    if (parent) parent.appendChild(el);
+    return el;
+  }
+
+  function buildViewer() {
+    var root = element("div", "prism-viewer", document.body);
+    root.setAttribute("role", "dialog");
+    root.setAttribute("aria-modal", "true");
+    root.hidden = true;
+    var panel = element("div", "prism-viewer-panel", root);
+    var head = element("div", "prism-viewer-head", panel);
+    var title = element("div", "prism-viewer-title", head);
+    var label = element("label", "prism-viewer-toggle", head);
+    var toggle = element("input", "", label);
+    toggle.type = "checkbox";
+    label.appendChild(document.createTextNode(" what the model keeps"));
+    var close = element("button", "prism-copy prism-viewer-close", head);
+    close.type = "button";
+    close.textContent = "Close";
+    var stage = element("div", "prism-viewer-stage", panel);
+    var frame = element("div", "prism-viewer-frame", stage);
+    var img = element("img", "prism-viewer-img", frame);
+    var grid = element("div", "prism-kept-grid", frame);
+    grid.hidden = true;
+    var status = element("div", "prism-viewer-status", panel);
+    status.setAttribute("role", "status");
+    viewer = { root: root, title: title, toggle: toggle, close: close, img: img, grid: grid, status: status,
+               url: null, number: null, sha: null, asked: 0, opener: null };
+    img.addEventListener("load", fitImage);
+    window.addEventListener("resize", fitImage);
+    close.addEventListener("click", closeViewer);
+    root.addEventListener("click", function (event) { if (event.target === root) closeViewer(); });
+    toggle.addEventListener("change", showKept);
+    return viewer;
+  }
+
+  function openViewer(card) {
+    var v = viewer || buildViewer();
+    var strip = card.closest("[data-prefix-url]");
+    var thumb = card.querySelector("img");
+    var label = card.querySelector(".prism-image-label");
+    v.url = strip ? strip.getAttribute("data-prefix-url") : null;
+    v.number = Number(card.getAttribute("data-number"));
+    v.sha = card.getAttribute("data-sha");
+    v.opener = document.activeElement;
+    v.title.textContent = (label ? label.innerText : "Image") + (thumb && thumb.alt ? " · " + thumb.alt : "");
+    v.root.setAttribute("aria-label", v.title.textContent);
+    v.toggle.parentElement.hidden = !v.url;
+    v.img.style.width = v.img.style.height = "";
+    v.img.alt = thumb ? thumb.alt : "";
+    v.img.src = thumb ? thumb.currentSrc || thumb.src : "";
+    v.root.hidden = false;
+    v.close.focus();
+    showKept();
+  }
+
+  // As large as the window allows (small photos scaled up, up to 3x), its aspect kept: the
+  // element's box is then exactly the image's, the box the grid is laid over.
+  function fitImage() {
+    var v = viewer, img = v && v.img;
+    if (!img || v.root.hidden || !img.naturalWidth) return;
+    var panel = v.root.querySelector(".prism-viewer-panel");
+    var spare = panel.offsetHeight - img.offsetHeight;  // the head, the status line and padding
+    // (the panel has no max-height, so this holds however tall the image was before it was fitted)
+    var roomW = window.innerWidth * 0.96 - 28, roomH = window.innerHeight * 0.96 - spare;
+    var scale = Math.min(roomW / img.naturalWidth, roomH / img.naturalHeight, 3);
+    img.style.width = Math.max(1, Math.floor(img.naturalWidth * scale)) + "px";
+    img.style.height = Math.max(1, Math.floor(img.naturalHeight * scale)) + "px";
+  }
+
+  function closeViewer() {
+    if (!viewer || viewer.root.hidden) return;
+    viewer.asked += 1;  // a reply still on its way is dropped
+    viewer.root.hidden = true;
+    viewer.img.removeAttribute("src");
+    if (viewer.opener && viewer.opener.focus) viewer.opener.focus();
+  }
+
+  function showKept() {
+    var v = viewer;
+    v.grid.hidden = true;
+    v.status.textContent = "";
+    if (!v.toggle.checked || !v.url) return;
+    var asked = ++v.asked;
+    v.status.textContent = "Asking the engine what it keeps…";
+    fetch(v.url, { cache: "no-store", credentials: "same-origin", headers: { Accept: "application/json" } })
+      .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
+      .then(function (body) {
+        if (asked !== v.asked) return;
+        var item = (body.images || []).filter(function (i) { return i.number === v.number; })[0];
+        if (!item || item.sha256 !== v.sha) {
+          v.status.textContent = "This chat's images have changed: reload the page.";
+        } else {
+          drawKept(item);
+        }
+      })
+      .catch(function () {
+        if (asked === v.asked) v.status.textContent = "Could not ask the server what the model keeps.";
+      });
+  }
+
+  function drawKept(item) {
+    var v = viewer;
+    v.status.textContent = item.summary;
+    v.grid.textContent = "";
+    if (!item.cached) return;
+    v.grid.style.gridTemplateColumns = "repeat(" + item.cols + ", 1fr)";
+    v.grid.style.gridTemplateRows = "repeat(" + item.rows + ", 1fr)";
+    var cells = document.createDocumentFragment();
+    for (var r = 0; r < item.rows; r++) {
+      for (var c = 0; c < item.cols; c++) {
+        element("div", item.kept[r][c] ? "prism-kept-cell" : "prism-kept-cell prism-dropped-cell", cells);
+      }
+    }
+    v.grid.appendChild(cells);
+    v.grid.hidden = false;
+  }
+
+  document.addEventListener("click", function (event) {
+    var open = event.target.closest(".prism-open, .prism-image > img");
+    var card = open && open.closest(".prism-image[data-number]");
+    if (!card) return;
+    event.preventDefault();
+    openViewer(card);
+  });
+
+  // Escape closes the image viewer, else the share dialog.
   document.addEventListener("keydown", function (event) {
     if (event.key !== "Escape") return;
+    if (viewer && !viewer.root.hidden) {
+      closeViewer();
+      return;
+    }
     var dialog = document.getElementById("prism-share-dialog");
     if (dialog && dialog.offsetParent !== null) {
       var close = document.querySelector("#prism-close-share");

@@ -561,8 +561,8 @@ def test_prefix_and_extension_evictions_are_counted_apart():
     page pool. With one shared counter, the Engine tab could not tell a cache that drops old turns
     (cheap: one question recomputed) from one that drops the images' KV (the vision encoder and
     the whole prefix run again)."""
-    from engine.kv_cache import PagePool
-    from engine.prefix_cache import PrefixCache
+    from engine.cache.kv_pool import PagePool
+    from engine.cache.prefix_cache import PrefixCache
 
     pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=8, num_pages=8, page_size=4,
                     kv_cache_dtype="auto", model_dtype=torch.float32)

@@ -16,6 +16,12 @@ compared as well.
 Memory: entries may use every idle page. When pages are needed, entries that no running request
 uses and that no other entry extends are evicted, lowest value first, where
 value = prompt tokens saved × (1 + hits) / pages held (ties: least recently used first).
+
+What a prefix kept: each prefix entry records which logical prefix tokens its KV still holds
+(:class:`KeptTokens`, set by :meth:`PrefixEntry.record_kept` whenever the entry is compacted), and
+which images it was built from (their content keys and visual spans), so a caller can be shown
+which visual tokens survived (:meth:`PrefixReuse.prefix_info
+<engine.cache.prefix_reuse.PrefixReuse.prefix_info>`). Only indices: no KV leaves the cache.
 """
 
 from __future__ import annotations
@@ -24,9 +30,38 @@ import hashlib
 import itertools
 from dataclasses import dataclass, field
 
+import torch
+
+from ..model.rope import VisualSpan
 from .kv_pool import PagePool
 
 _clock = itertools.count()
+
+
+@dataclass(frozen=True)
+class KeptTokens:
+    """Which tokens of a public prefix its cached KV holds: the one record of it (read by
+    ``prefix_info``; replaced, never edited, by :meth:`PrefixEntry.record_kept`).
+
+    Attributes:
+        positions: int64 ``[k]`` on the CPU, increasing logical prefix indices (``< prefix_len``):
+            physical slot ``i`` of the entry's pages holds the KV of logical token ``positions[i]``.
+            Text, ``<|vision_start|>`` and ``<|vision_end|>`` tokens are always among them.
+        selector: the :data:`~engine.cache.compaction.SELECTORS` key that chose the visual tokens,
+            None for a dense (uncompacted) prefix.
+        keep_ratio: the share of each image's visual tokens the selector was asked to keep (1.0
+            for a dense prefix).
+    """
+
+    positions: torch.Tensor
+    selector: str | None
+    keep_ratio: float
+
+    def mask(self, prefix_len: int) -> torch.Tensor:
+        """bool ``[prefix_len]``: whether each logical prefix token is kept."""
+        keep = torch.zeros(prefix_len, dtype=torch.bool)
+        keep[self.positions] = True
+        return keep
 
 
 @dataclass(eq=False)
@@ -43,6 +78,11 @@ class PrefixEntry:
         dense_pages: pages the public prefix would take without compaction.
         visual_kept: visual tokens kept in the public prefix.
         parent: the prefix an extension extends (None for prefixes).
+        images: content key of each image of the prefix, in prompt order
+            (:attr:`engine.inputs.prompts.Prompt.image_keys`; empty for extensions).
+        spans: the prefix's visual spans (logical positions; empty for extensions).
+        kept: which prefix tokens the KV holds (prefixes; None for extensions and until
+            :meth:`record_kept`).
     """
 
     key: str
@@ -59,6 +99,19 @@ class PrefixEntry:
     users: int = 0
     last_used: int = field(default_factory=lambda: next(_clock))
     alive: bool = True
+    images: tuple[str | None, ...] = ()
+    spans: tuple[VisualSpan, ...] = ()
+    kept: KeptTokens | None = None
+
+    def record_kept(self, kept: KeptTokens) -> None:
+        """Record which logical prefix tokens the entry's KV now holds, once its slots hold them
+        (after compact-and-cache; a later re-compaction of the entry calls it again with what it
+        left). Also sets :attr:`visual_kept` (the kept positions inside visual spans)."""
+        self.kept = kept
+        inside = torch.zeros(self.prefix_len, dtype=torch.bool)
+        for span in self.spans:
+            inside[span.start : span.end] = True
+        self.visual_kept = int(inside[kept.positions].sum())
 
     @property
     def kv_offset(self) -> int:
@@ -147,6 +200,16 @@ class PrefixCache:
             return None  # nothing left to compute: the prompt is the prefix itself
         return best
 
+    def latest_prefix(self, salt: str, images: list[str | None] | None = None) -> PrefixEntry | None:
+        """The live prefix under ``salt`` (with exactly these image keys, in order, when
+        ``images`` is given) that was used last: it or one of its conversation extensions created
+        or attached most recently, i.e. the one the salt's last question computed or hit. None
+        when there is none."""
+        wanted = None if images is None else tuple(images)
+        found = [e for e in self.prefixes.values()
+                 if e.alive and e.salt == salt and (wanted is None or e.images == wanted)]
+        return max(found, key=lambda e: max([e.last_used, *(c.last_used for c in e.children)]), default=None)
+
     # ------------------------------------------------------------------ users
     def acquire(self, match: Match) -> list[int]:
         """Mark the entry in use and return the pages covering the match (references taken)."""
@@ -165,14 +228,16 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ insertion
     def add_prefix(self, key: str, salt: str, tokens: list[int], pages: list[int], kv_len: int,
-                   dense_pages: int, visual_kept: int) -> PrefixEntry | None:
+                   dense_pages: int, visual_kept: int, *, images=(), spans=()) -> PrefixEntry | None:
         """Cache a freshly computed (and compacted) public prefix; takes references on ``pages``.
+        ``images`` and ``spans``: see :class:`PrefixEntry`.
 
         Returns None when an entry with this key already exists.
         """
         if key in self.prefixes and self.prefixes[key].alive:
             return None
-        entry = PrefixEntry(key, salt, list(tokens), list(pages), kv_len, len(tokens), dense_pages, visual_kept)
+        entry = PrefixEntry(key, salt, list(tokens), list(pages), kv_len, len(tokens), dense_pages, visual_kept,
+                            images=tuple(images), spans=tuple(spans))
         self.pool.incref(entry.pages)
         self.prefixes[key] = entry
         return entry

@@ -17,6 +17,9 @@
    a finished turn's KV becomes an extension of its prefix, so the next turn prefills only its
    question.
 
+For a caller, :meth:`PrefixReuse.prefix_info` reports which visual tokens a salt's cached prefix
+kept, per image (read from :attr:`PrefixEntry.kept <engine.cache.prefix_cache.PrefixEntry.kept>`).
+
 Requests are duck-typed (:class:`CachingRequest`): this module never imports the serving core.
 Every method but :meth:`PrefixReuse.key` runs under the engine loop's lock.
 """
@@ -28,7 +31,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from .compaction import CompactionConfig
-from .prefix_cache import Match, PrefixCache, PrefixEntry, prefix_key
+from .prefix_cache import KeptTokens, Match, PrefixCache, PrefixEntry, prefix_key
 
 
 class CachingRequest(Protocol):
@@ -36,7 +39,7 @@ class CachingRequest(Protocol):
     (:class:`engine.serving.request.Request` is one).
 
     ``prompt`` has ``input_ids``, ``prefix_len``, ``spans``, ``num_visual_tokens``,
-    ``image_hashes`` and ``video_hashes``; ``telemetry`` is the request's
+    ``image_hashes``, ``video_hashes`` and ``image_keys``; ``telemetry`` is the request's
     :class:`~engine.serving.outputs.Telemetry`.
     """
 
@@ -196,11 +199,23 @@ class PrefixReuse:
         tel.prefix_pages = len(req.block_table)
         tel.prefix_pages_dense = self._pages(n)
         entry = self.cache.add_prefix(
-            req.prefix_key, req.salt, req.tokens[:n], req.block_table, k, tel.prefix_pages_dense, visual_kept
+            req.prefix_key, req.salt, req.tokens[:n], req.block_table, k, tel.prefix_pages_dense, visual_kept,
+            images=req.prompt.image_keys, spans=req.prompt.spans,
         )
         if entry is not None:
+            method = self.compaction.method
+            entry.record_kept(KeptTokens(kept, method, self.compaction.keep_ratio if method else 1.0))
             entry.users += 1
             req.attached = entry
+
+    # ------------------------------------------------------------------ for a caller
+    def prefix_info(self, salt: str, images: list[str | None] | None = None) -> list[dict] | None:
+        """What the salt's cached prefix kept of each image: see :meth:`engine.Engine.prefix_info`
+        (``salt`` already settled by the engine's cache scope). None when nothing is cached."""
+        entry = self.cache.latest_prefix(salt, images)
+        if entry is None or entry.kept is None:
+            return None
+        return kept_by_image(entry)
 
     # ------------------------------------------------------------------ finish
     def keep_conversation(self, req: CachingRequest) -> None:
@@ -215,3 +230,20 @@ class PrefixReuse:
 
     def _pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.page_size)
+
+
+def kept_by_image(entry: PrefixEntry) -> list[dict]:
+    """One dict per image span of a prefix entry, from :attr:`PrefixEntry.kept` alone (plain
+    Python values, copied out): ``image`` (its index among the prompt's images), ``rows`` ×
+    ``cols`` (its merged-token grid), ``kept`` (``rows`` lists of ``cols`` booleans, row-major as
+    the span's tokens), ``kept_count``, ``selector`` and ``keep_ratio``. Video frames are left out."""
+    kept = entry.kept
+    mask = kept.mask(entry.prefix_len)
+    out = []
+    for span in entry.spans:
+        if span.kind != "image":
+            continue
+        grid = mask[span.start : span.end].view(span.grid_h, span.grid_w)
+        out.append({"image": span.item, "rows": span.grid_h, "cols": span.grid_w, "kept": grid.tolist(),
+                    "kept_count": int(grid.sum()), "selector": kept.selector, "keep_ratio": float(kept.keep_ratio)})
+    return out

@@ -50,6 +50,10 @@ class Prompt:
         pixel_values_videos / video_grids: the same for videos.
         image_hashes: SHA-256 of each image's decoded pixels, in order.
         video_hashes: SHA-256 over each video's frame hashes and fps, in order.
+        image_keys: each image as its caller names it, in order: the SHA-256 (hex) of a file's or
+            bytes' content (the part's ``sha256`` when given), ``"pil:"`` and the pixels' SHA-256
+            for a PIL image, None for a source without one. A caller asks about its cached
+            prefix by these (``Engine.prefix_info``).
     """
 
     input_ids: list[int]
@@ -62,6 +66,7 @@ class Prompt:
     video_grids: list[tuple[int, int, int]] = field(default_factory=list)
     image_hashes: list[str] = field(default_factory=list)
     video_hashes: list[str] = field(default_factory=list)
+    image_keys: list[str | None] = field(default_factory=list)
 
     @property
     def pixel_values(self) -> torch.Tensor | None:
@@ -264,8 +269,11 @@ class PromptBuilder:
         _check_marker_counts(text, len(raw_images), len(raw_videos))
         sources = self.images.sources(raw_images, claims)
         if raw_videos:
-            return self._build_with_videos(text, sources, raw_videos, salt)
-        return self._build_from_cache(text, self.images.get(sources, salt))
+            prompt = self._build_with_videos(text, sources, raw_videos, salt)
+        else:
+            prompt = self._build_from_cache(text, self.images.get(sources, salt))
+        prompt.image_keys = [source.key for source in sources]
+        return prompt
 
 
 
