@@ -3,7 +3,9 @@
 # results go to $OUT (or ./gpu-results). Carry .whl (dashscope, platformdirs wheels) along.
 # Steps (STEPS="..."): tests (every engine test with its engines on CUDA; the web app's tests need
 # gradio & co. and are left out; skip counts and reasons go to tests_skips.txt and tests.txt), kernels,
-# fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving.
+# fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving, workingset (benchmarks/bench_working_set.py
+# at the 8B shape; WS_ARGS replaces its arguments but --out; default: the pressure workset, every variant,
+# 200 requests each, ~6-7 min, no variant started past 470 s).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -37,6 +39,9 @@ for step in ${STEPS:-kernels smoke bench}; do
              2>&1 | grep -v Warning | tail -30 | tee "$OUT/bench_serving.txt" ;;
     kernels) timeout 300 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -n ${TEST_WORKERS:-6} 2>&1 | tail -15 | tee "$OUT/kernels.txt" ;;
     smoke) timeout 300 python3 benchmarks/gpu_smoke.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/smoke.txt" ;;
+    workingset) timeout 560 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
+             ${WS_ARGS:---worksets pressure --requests 200 --time-budget-s 470} --out "$OUT/ws.json" 2>&1 \
+             | grep -v Warning | tail -40 | tee "$OUT/ws.txt" ;;
     bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;
   esac
 done

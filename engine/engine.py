@@ -214,9 +214,11 @@ class Engine:
         """Engine counters: KV pool pages (total, used, free, page size, capacity in tokens),
         running and waiting requests, steps run, tokens generated, and the prefix cache's
         entries (``cache_entries``: the public prefixes, counted in ``cache_prefixes``, plus the
-        finished turns kept for conversation reuse), pages held, hits, misses, stale fallbacks,
-        evictions (``cache_evictions``, the sum of ``cache_prefix_evictions``, image prefixes,
-        and ``cache_extension_evictions``, finished turns kept for reuse), prompt tokens saved;
+        finished turns kept for conversation reuse), pages held (``cache_pages``; of them the
+        public prefixes' ``cache_prefix_pages``, against ``cache_prefix_pages_dense`` without
+        compaction), hits, misses, stale fallbacks, evictions (``cache_evictions``, the sum of
+        ``cache_prefix_evictions``, image prefixes, and ``cache_extension_evictions``, finished
+        turns kept for reuse), prompt tokens saved;
         the processed-image cache's hits, entries and refused entries (``image_cache_hits``,
         ``image_cache_entries``, ``image_cache_mismatches``) and the vision-feature cache's hits
         and entries; with the vision encoder's CUDA graphs, their eager runs, captures and

@@ -580,6 +580,31 @@ def test_prefix_and_extension_evictions_are_counted_apart():
     assert pool.num_free == 8
 
 
+def test_prefix_pages_against_their_dense_equivalent():
+    """``counters()`` reports the pages the resident public prefixes hold (``cache_prefix_pages``)
+    beside the pages they would hold without compaction (``cache_prefix_pages_dense``), without
+    the conversation extensions' pages, and forgets an evicted prefix. Model-free: a cache over a
+    bare page pool. The working-set benchmark (benchmarks/bench_working_set.py) reads these to show
+    how much media a compact prefix keeps in the same memory."""
+    from engine.cache.kv_pool import PagePool
+    from engine.cache.prefix_cache import PrefixCache
+
+    pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=8, num_pages=16, page_size=4,
+                    kv_cache_dtype="auto", model_dtype=torch.float32)
+    cache = PrefixCache(pool)
+    a_pages, b_pages = pool.allocate(2), pool.allocate(3)
+    a = cache.add_prefix("a", "salt-a", list(range(8)), a_pages, 8, 4, 4)  # compacted: 4 dense pages -> 2
+    cache.add_prefix("b", "salt-b", list(range(12)), b_pages, 12, 3, 4)  # dense: 3 pages
+    turn_pages = a_pages + pool.allocate(2)
+    cache.add_extension(a, list(range(16)), turn_pages, 16)
+    pool.release(b_pages + turn_pages)  # the requests are done (a's table ran on into its turn)
+    c = cache.counters()
+    assert (c["cache_prefix_pages"], c["cache_prefix_pages_dense"], c["cache_pages"]) == (5, 7, 7)
+    cache.clear()
+    c = cache.counters()
+    assert (c["cache_prefix_pages"], c["cache_prefix_pages_dense"], c["cache_prefixes"]) == (0, 0, 0)
+
+
 def test_engine_stats_split_evictions(make, photos):
     """``Engine.stats()`` reports prefix and extension evictions apart, their sum as
     ``cache_evictions``: a two-turn conversation (one prefix, one extension), then a clear."""

@@ -300,13 +300,18 @@ class PrefixCache:
 
     def counters(self) -> dict:
         """The cache's part of :meth:`Engine.stats() <engine.Engine.stats>`: entries (prefixes and
-        conversation extensions), prefixes, pages held, hits, misses, stale fallbacks, evictions and
-        prompt tokens saved."""
+        conversation extensions), prefixes, pages held (all entries; of them the public prefixes',
+        ``cache_prefix_pages``, against the pages those prefixes would take without compaction,
+        ``cache_prefix_pages_dense``), hits, misses, stale fallbacks, evictions and prompt tokens
+        saved."""
+        prefixes = list(self.prefixes.values())
         return {
             "prefix_cache": True,
             "cache_entries": len(self.entries),
-            "cache_prefixes": len(self.prefixes),
+            "cache_prefixes": len(prefixes),
             "cache_pages": self.pages_held,
+            "cache_prefix_pages": sum(len(e.pages) for e in prefixes),
+            "cache_prefix_pages_dense": sum(e.dense_pages for e in prefixes),
             "cache_hits": self.stats.hits,
             "cache_misses": self.stats.misses,
             "cache_stale": self.stats.stale,

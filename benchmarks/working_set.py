@@ -1,0 +1,459 @@
+"""The working-set protocol (issue 18): chat sessions over more media than the KV pool holds.
+
+Prism's claim is that a compact prefix keeps more media resident in the same KV memory, so fewer
+questions pay for the vision encoder and the prefill again. This module holds the protocol that
+measures it; ``benchmarks/bench_working_set.py`` is its command line.
+
+* **Groups** (:func:`make_group`): group ``g`` is one chat session (its own cache salt) about 2-9
+  photos from ``../shared/media``, each a seeded crop of a source photo resized to a seeded size,
+  saved as a JPEG file and passed as ``{"image": path, "sha256": digest}`` (as the app does), with
+  its own rotation of :data:`QUESTIONS` in the media-first layout.
+* **Dense pages** (:func:`measure_dense_pages`): one cold request per group (compaction off, one
+  output token) on an engine of its own; its telemetry's ``prefix_pages_dense``.
+* **Worksets** (:func:`choose_worksets`): the KV budget is a number of bytes; ``B`` is how many
+  Scaled-FP8 pages of the engine's page size those bytes hold. fit = the longest leading run of
+  groups whose dense pages are <= 0.7 B, knee = the first run > B, pressure = the first run
+  >= 1.5 B (or all groups).
+* **Traffic** (:func:`make_trace`, seeded, the same for every variant): a population phase (one
+  closed-loop request per group, question 0), then N measured requests: the group drawn by Zipf
+  (alpha = 1) over the group order, the group's next question (round-robin from index 1, so never
+  the one it was just asked), Poisson arrivals (4 req/s), greedy, ``ignore_eos``, 16 tokens.
+* **Variants** (:data:`VARIANTS`): name -> :class:`engine.EngineOptions` overrides, every one on
+  the same KV bytes and the same vision-feature cache size. A later policy is one more line.
+* **Metrics** (:func:`run_variant`): TTFT and E2E from the planned arrival, recomputed prompt
+  tokens, hit / miss / stale counts, resident prefixes, prefix and extension evictions apart,
+  resident prefix pages against their dense equivalent, peak GPU memory, output tokens/s, and a
+  hash of the request trace each variant actually sent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import pathlib
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+#: Variants compared, each on the same KV bytes: name -> EngineOptions overrides over
+#: :func:`base_options`. Issue 19 adds ``"on_pressure": {"compaction_mode": "on_pressure"}``.
+VARIANTS: dict[str, dict] = {
+    "compact_fp8": {"kv_cache_dtype": "fp8_e4m3", "compaction": "uniform", "keep_ratio": 0.6},
+    "dense_fp8": {"kv_cache_dtype": "fp8_e4m3", "compaction": None},
+    "dense_bf16": {"kv_cache_dtype": "auto", "compaction": None},  # KV in the model dtype (bf16 by default)
+    "vision_only": {"kv_cache_dtype": "fp8_e4m3", "prefix_cache": False},  # vision-feature cache only
+}
+
+WORKSETS = ("fit", "knee", "pressure")
+#: Workset thresholds as multiples of B: fit <= 0.7 B (longest run), knee > B, pressure >= 1.5 B (first run).
+FIT, KNEE, PRESSURE = 0.7, 1.0, 1.5
+
+QUESTIONS = (
+    "What do these pictures show? Answer briefly.",
+    "Which picture has the most vivid colours, and why?",
+    "Is there any readable text in the pictures? Quote it.",
+    "Count the people in each picture.",
+    "Which two pictures look most alike?",
+    "Describe the lighting in the last picture.",
+    "What would you title this set of photos?",
+    "List three objects you can see, with the picture each is in.",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# groups
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Group:
+    """One chat session of the working set.
+
+    Attributes:
+        index: position in the group order (Zipf rank).
+        salt: its cache salt.
+        images: ``{"image": path, "sha256": hex}`` per photo, in order.
+        sizes: ``(width, height)`` in pixels per photo.
+        questions: its questions, in the order they are asked (question 0 in the population phase).
+        dense_pages: KV pages of its public prefix without compaction (None until measured).
+        prompt_tokens: tokens of its first prompt (set with ``dense_pages``).
+        visual_tokens: visual tokens of its prompt (set with ``dense_pages``).
+    """
+
+    index: int
+    salt: str
+    images: list[dict]
+    sizes: list[tuple[int, int]]
+    questions: list[str]
+    dense_pages: int | None = None
+    prompt_tokens: int | None = None
+    visual_tokens: int | None = None
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 hex over the group's ordered photo digests (its content, for the trace hash)."""
+        return hashlib.sha256("".join(i["sha256"] for i in self.images).encode()).hexdigest()
+
+    def question(self, index: int) -> str:
+        """Question ``index`` of the group (cyclic: ``index`` counts the questions asked so far)."""
+        return self.questions[index % len(self.questions)]
+
+    def messages(self, question: int) -> list[dict]:
+        """Chat messages asking :meth:`question` ``question`` in the media-first layout."""
+        from engine.inputs.prompts import media_first_messages
+
+        return media_first_messages(self.images, self.question(question))
+
+    def describe(self) -> dict:
+        """The group for the JSON report."""
+        return {"index": self.index, "photos": len(self.images), "sizes": [list(s) for s in self.sizes],
+                "sha256": self.digest, "dense_pages": self.dense_pages, "prompt_tokens": self.prompt_tokens,
+                "visual_tokens": self.visual_tokens}
+
+
+@functools.lru_cache(maxsize=16)
+def _source_photo(path: pathlib.Path):
+    """A source photo decoded once as RGB (groups crop it many times)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+def make_group(index: int, seed: int, out_dir: pathlib.Path, *, media_dir: pathlib.Path, photos: tuple[str, ...],
+               sides: tuple[int, int], count: tuple[int, int] = (2, 9)) -> Group:
+    """Group ``index``: ``count`` photos (inclusive range), each a crop of a source photo (50-100 %
+    of its shorter side, at a random place, in the target's aspect ratio) resized to a random
+    width and height in ``sides`` (pixels, inclusive), saved as JPEG (quality 90) in ``out_dir``.
+    Everything is drawn from a generator seeded by ``(seed, index)``, so a group is the same in
+    every run and every variant, and two groups differ.
+
+    Raises:
+        FileNotFoundError: a source photo is missing.
+    """
+    from PIL import Image
+
+    rng = random.Random(f"working-set-{seed}-{index}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    images, sizes = [], []
+    for j in range(rng.randint(*count)):
+        source = rng.choice(photos)
+        w, h = rng.randint(*sides), rng.randint(*sides)
+        im = _source_photo(media_dir / source)
+        side = min(im.width, im.height) * rng.uniform(0.5, 1.0)
+        cw, ch = (side, side * h / w) if w >= h else (side * w / h, side)
+        x, y = rng.uniform(0, im.width - cw), rng.uniform(0, im.height - ch)
+        photo = im.crop((round(x), round(y), round(x + cw), round(y + ch))).resize((w, h), Image.Resampling.BICUBIC)
+        path = out_dir / f"group{index:03d}-{j}.jpg"
+        photo.save(path, format="JPEG", quality=90)
+        images.append({"image": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
+        sizes.append((w, h))
+    shift = index % len(QUESTIONS)
+    questions = list(QUESTIONS[shift:] + QUESTIONS[:shift])
+    return Group(index, f"working-set-{seed}-group-{index}", images, sizes, questions)
+
+
+def measure_dense_pages(engine, group: Group) -> None:
+    """Set ``group.dense_pages`` (and its prompt and visual token counts) from one cold request
+    with one output token on ``engine``, which must run without compaction and with a fresh salt
+    space (its own engine): the telemetry's ``prefix_pages_dense``.
+
+    Raises:
+        RuntimeError: the request was not a cold prefix-cache miss (the engine was not fresh).
+    """
+    from engine import SamplingParams
+
+    tel = engine.generate(group.messages(0), SamplingParams(max_tokens=1, ignore_eos=True),
+                          cache_salt=f"measure-{group.salt}").telemetry
+    if tel.prefix_cache != "miss":
+        raise RuntimeError(f"group {group.index}: the measurement was a {tel.prefix_cache!r}, not a cold miss")
+    group.dense_pages, group.prompt_tokens, group.visual_tokens = (
+        tel.prefix_pages_dense, tel.prompt_tokens, tel.visual_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# worksets
+# --------------------------------------------------------------------------------------------
+
+
+def choose_worksets(dense_pages: list[int], budget_pages: int) -> dict[str, int]:
+    """How many leading groups each workset takes, from the groups' dense prefix pages (in group
+    order) and ``B = budget_pages``: fit = the longest run with a sum <= 0.7 B (at least one
+    group), knee = the first run with a sum > B, pressure = the first run with a sum >= 1.5 B.
+    A run the groups do not reach is all of them.
+
+    >>> choose_worksets([10, 10, 10, 10, 10], 20)
+    {'fit': 1, 'knee': 3, 'pressure': 3}
+    """
+    total, runs = 0, {}
+    for n, pages in enumerate(dense_pages, 1):
+        total += pages
+        if total <= FIT * budget_pages:
+            runs["fit"] = n
+        if total > KNEE * budget_pages:
+            runs.setdefault("knee", n)
+        if total >= PRESSURE * budget_pages:
+            runs.setdefault("pressure", n)
+    all_groups = len(dense_pages)
+    return {"fit": runs.get("fit", min(1, all_groups)), "knee": runs.get("knee", all_groups),
+            "pressure": runs.get("pressure", all_groups)}
+
+
+def enough_groups(dense_pages: list[int], budget_pages: int, worksets: list[str]) -> bool:
+    """Whether the groups measured so far (their dense pages, in order) decide every workset in
+    ``worksets``: fit once their sum passes 0.7 B (the run that no longer fits is known), knee once
+    it passes B, pressure once it reaches 1.5 B."""
+    total = sum(dense_pages)
+    crossed = {"fit": total > FIT * budget_pages, "knee": total > KNEE * budget_pages,
+               "pressure": total >= PRESSURE * budget_pages}
+    return all(crossed[w] for w in worksets)
+
+
+# --------------------------------------------------------------------------------------------
+# traffic
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """One request of a trace: the group (index into the workset), the question index, and the
+    planned arrival in seconds after the measured phase starts (None: the population phase,
+    closed loop)."""
+
+    group: int
+    question: int
+    at_s: float | None
+
+
+def make_trace(num_groups: int, requests: int, seed: int, *, rate: float = 4.0, alpha: float = 1.0) -> list[Arrival]:
+    """The population phase (one request per group, question 0, in group order) then ``requests``
+    measured ones: group ``i`` drawn with probability proportional to ``1 / (i + 1) ** alpha``
+    (Zipf over the group order), each group's questions round-robin from index 1, arrival times
+    a Poisson process of ``rate`` requests per second. Seeded: the same arguments give the same
+    trace."""
+    rng = random.Random(f"working-set-trace-{seed}-{num_groups}-{requests}")
+    weights = [1 / (i + 1) ** alpha for i in range(num_groups)]
+    trace = [Arrival(g, 0, None) for g in range(num_groups)]
+    asked = [0] * num_groups
+    t = 0.0
+    for g in rng.choices(range(num_groups), weights=weights, k=requests):
+        t += rng.expovariate(rate)
+        asked[g] += 1
+        trace.append(Arrival(g, asked[g], t))
+    return trace
+
+
+def trace_row(groups: list[Group], arrival: Arrival) -> tuple[str, str, float | None]:
+    """What :func:`trace_hash` covers of one request: the group's content digest, the question
+    text and the planned arrival."""
+    group = groups[arrival.group]
+    return group.digest, group.question(arrival.question), arrival.at_s
+
+
+def trace_hash(records: list[tuple[str, str, float | None]]) -> str:
+    """SHA-256 hex of a request log: ``(group digest, question text, planned arrival s)`` per
+    request, in the order they were planned (arrivals rounded to the microsecond)."""
+    rows = [[d, q, None if t is None else round(t, 6)] for d, q, t in records]
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# variants
+# --------------------------------------------------------------------------------------------
+
+
+def base_options(budget_bytes: int, vision_cache_bytes: int, page_size: int) -> dict:
+    """The options every variant shares: the KV bytes, the vision-feature cache size, the page size."""
+    return {"kv_cache_bytes": budget_bytes, "vision_cache_bytes": vision_cache_bytes, "page_size": page_size,
+            "progress": False}
+
+
+def check_variants(names: list[str], variants: dict[str, dict] = VARIANTS) -> None:
+    """Raises: ValueError: an unknown variant name, or a variant setting a field EngineOptions lacks."""
+    from engine import EngineOptions
+
+    fields = {f.name for f in dataclasses.fields(EngineOptions)}
+    for name in names:
+        if name not in variants:
+            raise ValueError(f"unknown variant {name!r}; choose from {sorted(variants)}")
+        unknown = set(variants[name]) - fields
+        if unknown:
+            raise ValueError(f"variant {name!r} sets unknown EngineOptions fields {sorted(unknown)}")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) by linear interpolation between order statistics; None when empty."""
+    if not values:
+        return None
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def run_variant(engine, groups: list[Group], trace: list[Arrival], *, max_tokens: int = 16,
+                time_scale: float = 1.0, workers: int = 64, log: Callable[[str], None] = print) -> dict:
+    """Send ``trace`` to ``engine`` (a fresh one) and measure it.
+
+    The population phase runs closed loop, then the engine's counters are read (the measured
+    phase reports differences from them) and the peak GPU memory statistic is reset. Measured
+    requests are sent at ``at_s * time_scale`` seconds after the phase starts, each from a client
+    thread (prompt building happens there, as in the app); ``time_scale=0`` sends them closed loop
+    instead, one after another in trace order, which makes the cache behaviour independent of the
+    machine's speed (tests).
+
+    Times in ms: TTFT and E2E count from the planned arrival (with ``time_scale=0``, from the
+    moment the previous request finished), so queueing and preprocessing are included.
+
+    Returns:
+        the metrics of the measured phase (:func:`summarise`), its trace hash, the phases' seconds.
+
+    Raises:
+        RuntimeError: a population request failed (measured requests that fail are counted).
+    """
+    from engine import SamplingParams
+
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sent: list[tuple[str, str, float | None]] = []  # the trace as actually sent, for its hash
+
+    def send(arrival: Arrival, planned: float) -> dict:
+        delay = planned - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return ask(engine, groups[arrival.group], arrival, sampling, planned)
+
+    population = [a for a in trace if a.at_s is None]
+    measured = [a for a in trace if a.at_s is not None]
+    t = time.perf_counter()
+    for a in population:
+        sent.append(trace_row(groups, a))
+        out = send(a, time.perf_counter())
+        if "error" in out:
+            raise RuntimeError(f"population request for group {a.group} failed: {out['error']}")
+    population_s = time.perf_counter() - t
+    log(f"  population: {len(population)} requests in {population_s:.1f} s")
+    before = engine.stats()
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+
+    start = time.perf_counter()
+    if time_scale == 0:
+        results = []
+        for a in measured:
+            sent.append(trace_row(groups, a))
+            results.append(send(a, time.perf_counter()))
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as clients:
+            futures = []
+            for a in measured:
+                sent.append(trace_row(groups, a))
+                futures.append(clients.submit(send, a, start + a.at_s * time_scale))
+            results = [f.result() for f in futures]
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    metrics = summarise(results, before, engine.stats(), start)
+    metrics |= pool_description(engine)
+    metrics |= {"population_requests": len(population), "trace_hash": trace_hash(sent),
+                "population_s": population_s,
+                "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(engine.device)
+                if engine.device.type == "cuda" else None}
+    return metrics
+
+
+def ask(engine, group: Group, arrival: Arrival, sampling, planned: float) -> dict:
+    """One request now (``planned``: when it should have been sent, ``time.perf_counter()``
+    seconds): its outcome as a dict, or ``{"group", "error"}`` when the engine refused or failed."""
+    called = time.perf_counter()
+    try:
+        done = engine.generate(group.messages(arrival.question), sampling, cache_salt=group.salt)
+    except Exception as exc:  # noqa: BLE001  (a benchmark counts failures; it does not stop at one)
+        return {"group": arrival.group, "error": f"{type(exc).__name__}: {exc}"}
+    tel = done.telemetry
+    late_ms = (called - planned) * 1e3  # the engine's clock starts at the call
+    return {"group": arrival.group, "question": arrival.question, "state": tel.prefix_cache,
+            "ttft_ms": late_ms + tel.ttft_ms, "e2e_ms": late_ms + tel.e2e_ms,
+            "finished": called + tel.e2e_ms / 1e3, "prompt_tokens": tel.prompt_tokens,
+            "computed_tokens": tel.computed_tokens, "generated_tokens": tel.generated_tokens,
+            "encoder_ran": tel.vision_encoder_ran, "preempted": tel.preempted}
+
+
+def summarise(results: list[dict], before: dict, after: dict, start: float) -> dict:
+    """The measured phase's metrics from its requests' outcomes (:func:`ask`) and the engine's
+    counters before and after it (``Engine.stats()``); ``start``: when it began (perf_counter s).
+
+    Times in ms; ``output_tokens_per_s`` = generated tokens / (last finish - start);
+    ``recomputed_prompt_tokens`` = prompt tokens prefilled (telemetry ``computed_tokens``);
+    evictions are counted during the phase, resident prefixes and their pages at its end.
+    """
+    ok = [r for r in results if "error" not in r]
+    states = [r["state"] for r in ok]
+    ttft, e2e = [r["ttft_ms"] for r in ok], [r["e2e_ms"] for r in ok]
+    generated = sum(r["generated_tokens"] for r in ok)
+    end = max((r["finished"] for r in ok), default=start)
+
+    def delta(key: str) -> int:
+        return int(after.get(key, 0)) - int(before.get(key, 0))
+
+    return {
+        "requests": len(results), "errors": len(results) - len(ok),
+        "error_messages": sorted({r["error"] for r in results if "error" in r})[:5],
+        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+        "e2e_ms_p50": percentile(e2e, 50), "e2e_ms_p99": percentile(e2e, 99),
+        "ttft_ms": sorted(ttft),
+        "recomputed_prompt_tokens": sum(r["computed_tokens"] for r in ok),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
+        "hits": states.count("hit"), "misses": states.count("miss"), "stale": states.count("stale"),
+        "off": states.count("off"),
+        "encoder_runs": sum(r["encoder_ran"] for r in ok),
+        "preemptions": sum(r["preempted"] for r in ok),
+        "resident_prefixes": int(after.get("cache_prefixes", 0)),
+        "resident_entries": int(after.get("cache_entries", 0)),
+        "prefix_evictions": delta("cache_prefix_evictions"),
+        "extension_evictions": delta("cache_extension_evictions"),
+        "prefix_pages": int(after.get("cache_prefix_pages", 0)),
+        "prefix_pages_dense_equivalent": int(after.get("cache_prefix_pages_dense", 0)),
+        "cache_pages": int(after.get("cache_pages", 0)),
+        "output_tokens_per_s": generated / (end - start) if end > start else None,
+        "generated_tokens": generated,
+        "measured_s": end - start,
+        "per_request": [{k: r.get(k) for k in ("group", "question", "state", "ttft_ms", "computed_tokens", "error")}
+                        for r in results],
+    }
+
+
+def pool_description(engine) -> dict:
+    """The engine's KV pool: bytes (scales included), pages, tokens, and the page format (the
+    model dtype's name for ``"auto"``)."""
+    from engine.cache.kv_pool import PagePool
+
+    pool, t = engine.pool, engine.config.text
+    page_bytes = PagePool.bytes_per_page(num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads,
+                                         head_dim=t.head_dim, page_size=pool.page_size,
+                                         kv_cache_dtype=pool.kv_cache_dtype, model_dtype=engine.dtype)
+    dtype = pool.kv_cache_dtype if pool.kv_cache_dtype != "auto" else str(engine.dtype).removeprefix("torch.")
+    return {"kv_cache_bytes": pool.num_pages * page_bytes, "kv_page_bytes": page_bytes, "kv_pages": pool.num_pages,
+            "kv_tokens": pool.capacity_tokens, "kv_cache_dtype": dtype}
+
+
+class Deadline:
+    """A wall-clock budget for a whole run (seconds; None: no limit): whether one more variant,
+    taking about as long as the longest so far, still fits in it."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.start, self.longest = seconds, time.perf_counter(), 0.0
+
+    def record(self, seconds: float) -> None:
+        """A variant took ``seconds``."""
+        self.longest = max(self.longest, seconds)
+
+    def allows_another(self) -> bool:
+        if self.seconds is None:
+            return True
+        return time.perf_counter() - self.start + self.longest <= self.seconds
