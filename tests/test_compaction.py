@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.cache.compaction import SELECTORS, CompactionConfig, uniform_selector
+from engine.cache.compaction import SELECTORS, CompactionConfig, keep_count, uniform_selector
 from engine.inputs.prompts import media_first_messages
 from engine.model.rope import VisualSpan
 from engine.model.tiny import IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID
@@ -15,6 +15,11 @@ from engine.model.tiny import IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_END_ID, VISION_
 
 def span(h: int, w: int, start: int = 0, kind: str = "image", frame: int = 0) -> VisualSpan:
     return VisualSpan(start=start, grid_h=h, grid_w=w, kind=kind, item=0, frame=frame)
+
+
+def uniform(s: VisualSpan, ratio: float, min_keep: int) -> torch.Tensor:
+    """The uniform selector at a keep ratio, as :meth:`CompactionConfig.kept_positions` calls it."""
+    return uniform_selector(s, keep_count(s.length, ratio, min_keep))
 
 
 GRIDS = [(1, 1), (1, 7), (3, 5), (4, 4), (8, 8), (14, 14), (16, 16), (9, 23), (32, 32)]
@@ -32,13 +37,13 @@ RATIOS = [0.05, 0.25, 0.5, 0.6, 0.75, 0.999, 1.0]
 def test_uniform_count_order_range_and_determinism(h, w, ratio, min_keep):
     s = span(h, w)
     n = h * w
-    kept = uniform_selector(s, ratio, min_keep)
+    kept = uniform(s, ratio, min_keep)
     assert kept.dtype == torch.int64 and kept.dim() == 1
     assert min(n, min_keep) <= len(kept) <= n  # exact counts: test_uniform_kept_counts_written_out
     assert bool((kept[1:] > kept[:-1]).all())  # strictly increasing: no duplicates
     assert int(kept.min()) >= 0 and int(kept.max()) < n
-    assert torch.equal(kept, uniform_selector(s, ratio, min_keep))
-    assert torch.equal(kept, uniform_selector(span(h, w, start=1234, frame=3), ratio, min_keep))  # offsets
+    assert torch.equal(kept, uniform(s, ratio, min_keep))
+    assert torch.equal(kept, uniform(span(h, w, start=1234, frame=3), ratio, min_keep))  # offsets
 
 
 # (grid h, grid w, keep_ratio, min_keep, tokens kept), worked out by hand: k = min(n, max(min_keep,
@@ -68,14 +73,14 @@ KEPT_COUNTS = [
 
 @pytest.mark.parametrize("h,w,ratio,min_keep,expected", KEPT_COUNTS)
 def test_uniform_kept_counts_written_out(h, w, ratio, min_keep, expected):
-    assert len(uniform_selector(span(h, w), ratio, min_keep)) == expected
+    assert len(uniform(span(h, w), ratio, min_keep)) == expected
 
 
 def test_uniform_small_spans_keep_everything_up_to_min_keep():
-    assert uniform_selector(span(2, 3), 0.1, 16).tolist() == list(range(6))  # capped at n
-    assert len(uniform_selector(span(4, 4), 0.1, 16)) == 16
-    assert len(uniform_selector(span(8, 8), 0.1, 16)) == 16
-    assert uniform_selector(span(8, 8), 1.0, 1).tolist() == list(range(64))
+    assert uniform(span(2, 3), 0.1, 16).tolist() == list(range(6))  # capped at n
+    assert len(uniform(span(4, 4), 0.1, 16)) == 16
+    assert len(uniform(span(8, 8), 0.1, 16)) == 16
+    assert uniform(span(8, 8), 1.0, 1).tolist() == list(range(64))
 
 
 @pytest.mark.parametrize("side", [4, 8, 14, 16, 28, 32])
@@ -83,7 +88,7 @@ def test_uniform_small_spans_keep_everything_up_to_min_keep():
 def test_uniform_is_evenly_spread_over_rows_and_columns(side, ratio):
     """Square grids: every row keeps its share k / side of the k kept tokens, within one token; the
     gaps between kept tokens differ by at most one."""
-    kept = uniform_selector(span(side, side), ratio, 1)
+    kept = uniform(span(side, side), ratio, 1)
     k = len(kept)
     rows = torch.bincount(kept // side, minlength=side)
     assert bool((rows > 0).all())
@@ -144,7 +149,7 @@ def test_kept_positions_never_remove_text_or_vision_markers(builder):
         assert bool(keep[ids[:n] == VISION_START_ID].all()) and bool(keep[ids[:n] == VISION_END_ID].all())
         for s in prompt.spans:  # each image keeps exactly the selector's tokens
             inside = kept[(kept >= s.start) & (kept < s.end)] - s.start
-            assert torch.equal(inside, uniform_selector(s, cfg.keep_ratio, cfg.min_keep))
+            assert torch.equal(inside, uniform(s, cfg.keep_ratio, cfg.min_keep))
         assert len(kept) == expected
     # (last config) spans of min_keep = 64 tokens or fewer are kept whole, larger ones keep 64
     for s in prompt.spans:
@@ -231,3 +236,19 @@ def test_namespace_names_every_setting():
     assert len(names) == 5
     assert CompactionConfig(method=None, keep_ratio=0.3).namespace() == CompactionConfig(method=None).namespace()
     assert base.namespace() == CompactionConfig().namespace()
+
+
+def test_uniform_within_earlier_kept_tokens_chooses_among_them():
+    """A later compaction step (within=) keeps keep_count of the span's original length, chosen
+    among what the earlier step kept, evenly over those candidates."""
+    s = span(8, 8, start=3)
+    prefix_len = 3 + 64 + 2
+    first = CompactionConfig(keep_ratio=0.6, min_keep=1).kept_positions(prefix_len, [s])
+    second = CompactionConfig(keep_ratio=0.4, min_keep=1).kept_positions(prefix_len, [s], within=first)
+    assert set(second.tolist()) <= set(first.tolist())
+    assert len(first) == 5 + 38 and len(second) == 5 + 26  # round(0.4 * 64) = 26, of the original 64
+    visual_first = first[(first >= 3) & (first < 67)] - 3
+    assert torch.equal(second[(second >= 3) & (second < 67)] - 3, uniform_selector(s, 26, None, visual_first))
+    # a step asking for more than is left keeps what is left
+    again = CompactionConfig(keep_ratio=0.8, min_keep=1).kept_positions(prefix_len, [s], within=second)
+    assert torch.equal(again, second)

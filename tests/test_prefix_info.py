@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from engine import PrismError, SamplingParams, media_first_messages
-from engine.cache.compaction import SELECTORS
+from engine.cache.compaction import SELECTORS, keep_count
 from engine.cache.prefix_cache import KeptTokens
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
@@ -51,7 +51,7 @@ def ask(engine, *images: bytes, salt: str = "s", question: str = "What is this?"
 def expected_grid(span, selector: str) -> list[list[bool]]:
     """The selector's own output for a span, as a rows × cols grid of booleans."""
     keep = torch.zeros(span.length, dtype=torch.bool)
-    keep[SELECTORS[selector](span, KEEP_RATIO, MIN_KEEP)] = True
+    keep[SELECTORS[selector](span, keep_count(span.length, KEEP_RATIO, MIN_KEEP), None, None)] = True
     return keep.view(span.grid_h, span.grid_w).tolist()
 
 

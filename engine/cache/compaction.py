@@ -1,34 +1,57 @@
 """Query-independent selection of the visual tokens a compact prefix keeps.
 
-A selector sees one visual span (an image, or one video frame) and returns the offsets of the
-tokens to keep, in increasing order. Text, ``<|vision_start|>`` and ``<|vision_end|>`` tokens are
-never removed. Selectors must not look at the question, so one compact prefix serves every
-question about the same images.
+A selector sees one visual span (an image, or one video frame), the number ``k`` of its tokens
+to keep (:func:`keep_count`, decided here so every selector keeps exactly the same count), the
+span's slice of the prefix's token scores (:data:`TokenScores`, computed when the prefix is built
+and stored with the cache entry, so compaction can also happen later) and, for a later
+compaction step, which of its tokens an earlier step kept (``candidates``). It returns the
+offsets of the ``k`` tokens to keep, in increasing order, chosen among the candidates. Text,
+``<|vision_start|>`` and ``<|vision_end|>`` tokens are never removed. Selectors must not look at
+the question, so one compact prefix serves every question about the same images.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ..model.rope import VisualSpan
 
-Selector = Callable[[VisualSpan, float, int], torch.Tensor]
+TokenScores = Mapping[str, torch.Tensor]
+"""Per-token inputs of score-based selectors, by name: tensors whose first dimension runs over
+the logical prefix tokens (``[prefix_len]`` or ``[prefix_len, d]``, CPU). A selector is handed
+each tensor's ``[span.start : span.end]`` slice."""
+
+Selector = Callable[[VisualSpan, int, "TokenScores | None", "torch.Tensor | None"], torch.Tensor]
+"""``select(span, k, scores, candidates) -> int64 [k]`` increasing offsets within the span, a
+subset of ``candidates`` (int64 increasing offsets, or None for all ``span.length`` tokens)."""
 
 
-def uniform_selector(span: VisualSpan, keep_ratio: float, min_keep: int) -> torch.Tensor:
-    """Keep ``max(min_keep, round(keep_ratio * n))`` of a span's ``n`` tokens, evenly spaced over its
-    row-major token grid (token ``floor((j + 1/2) * n / k)`` for ``j < k``), so every region of
-    the image keeps a proportional share.
+def keep_count(n: int, keep_ratio: float, min_keep: int) -> int:
+    """Visual tokens a span of ``n`` tokens keeps: ``min(n, max(min_keep, round(keep_ratio * n)))``
+    (Python's round: ties to the even count)."""
+    return min(n, max(min_keep, round(keep_ratio * n)))
+
+
+def uniform_selector(span: VisualSpan, k: int, scores: TokenScores | None = None,
+                     candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep ``k`` of the candidates evenly spaced in their row-major order (candidate
+    ``floor((j + 1/2) * m / k)`` of ``m`` for ``j < k``), so every region of the image keeps a
+    proportional share. Ignores ``scores``.
 
     Returns:
         int64 ``[k]`` increasing offsets within the span.
+
+    Raises:
+        ValueError: ``k`` exceeds the number of candidates.
     """
-    n = span.length
-    k = min(n, max(min_keep, round(keep_ratio * n)))
-    return ((torch.arange(k, dtype=torch.float64) + 0.5) * n / k).floor().long()
+    pool = torch.arange(span.length) if candidates is None else candidates.long()
+    m = len(pool)
+    if k > m:
+        raise ValueError(f"cannot keep {k} of {m} candidate tokens")
+    return pool[((torch.arange(k, dtype=torch.float64) + 0.5) * m / k).floor().long()]
 
 
 SELECTORS: dict[str, Selector] = {"uniform": uniform_selector}
@@ -64,14 +87,31 @@ class CompactionConfig:
             return "compaction=none"
         return f"compaction={self.method};keep={self.keep_ratio!r};min={self.min_keep};video={self.compact_video}"
 
-    def kept_positions(self, prefix_len: int, spans: list[VisualSpan]) -> torch.Tensor:
-        """Indices (int64, increasing) of the prefix tokens ``0 .. prefix_len - 1`` that stay."""
+    def kept_positions(self, prefix_len: int, spans: list[VisualSpan], scores: TokenScores | None = None,
+                       within: torch.Tensor | None = None) -> torch.Tensor:
+        """Indices (int64, increasing) of the prefix tokens ``0 .. prefix_len - 1`` that stay.
+
+        Args:
+            prefix_len: tokens in the public prefix.
+            spans: its visual spans (logical positions).
+            scores: the prefix's :data:`TokenScores`, for score-based selectors (None: none stored).
+            within: int64 increasing logical indices an earlier compaction kept; this step keeps a
+                subset of them (a span keeps ``keep_count`` of its original length, at most what
+                it still has). None: the dense prefix.
+        """
         keep = torch.ones(prefix_len, dtype=torch.bool)
+        if within is not None:
+            keep.zero_()
+            keep[within] = True
         if self.method is not None:
             select = SELECTORS[self.method]
             for span in spans:
                 if span.end > prefix_len or (span.kind == "video" and not self.compact_video):
                     continue
+                left = keep[span.start : span.end].nonzero().flatten()
+                k = min(len(left), keep_count(span.length, self.keep_ratio, self.min_keep))
+                own = None if scores is None else {name: t[span.start : span.end] for name, t in scores.items()}
+                chosen = select(span, k, own, None if len(left) == span.length else left)
                 keep[span.start : span.end] = False
-                keep[span.start + select(span, self.keep_ratio, self.min_keep)] = True
+                keep[span.start + chosen] = True
         return keep.nonzero().flatten()

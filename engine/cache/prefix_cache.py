@@ -83,6 +83,9 @@ class PrefixEntry:
         spans: the prefix's visual spans (logical positions; empty for extensions).
         kept: which prefix tokens the KV holds (prefixes; None for extensions and until
             :meth:`record_kept`).
+        scores: the prefix's per-token selector inputs
+            (:data:`~engine.cache.compaction.TokenScores`, over logical prefix positions), kept so
+            the entry can be compacted again later; None when the engine computed none.
     """
 
     key: str
@@ -102,6 +105,7 @@ class PrefixEntry:
     images: tuple[str | None, ...] = ()
     spans: tuple[VisualSpan, ...] = ()
     kept: KeptTokens | None = None
+    scores: dict[str, torch.Tensor] | None = None
 
     def record_kept(self, kept: KeptTokens) -> None:
         """Record which logical prefix tokens the entry's KV now holds, once its slots hold them
