@@ -92,11 +92,13 @@ class Engine:
             model_dtype=model.dtype, device=model.device,
         )
         self.max_model_len = min(options.max_model_len or t.max_position_embeddings, self.pool.capacity_tokens)
-        self.prefix_cache = PrefixCache(self.pool) if options.prefix_cache else None
+        steps = options.pressure_steps()
+        self.prefix_cache = PrefixCache(self.pool, steps) if options.prefix_cache else None
         reuse = None
         if self.prefix_cache is not None:
             reuse = PrefixReuse(self.prefix_cache, self.compaction, self.namespace,
-                                conversation_reuse=options.conversation_reuse)
+                                conversation_reuse=options.conversation_reuse,
+                                mode=options.compaction_mode if self.compaction.method else "always")
         self.prefix_reuse = reuse
         step = SchedulerConfig(options.max_num_seqs, options.step_budget(model.device), options.max_waiting)
         scheduler = Scheduler(self.pool, step, reuse)
