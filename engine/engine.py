@@ -220,7 +220,9 @@ class Engine:
         public prefixes' ``cache_prefix_pages``, against ``cache_prefix_pages_dense`` without
         compaction), hits, misses, stale fallbacks, evictions (``cache_evictions``, the sum of
         ``cache_prefix_evictions``, image prefixes, and ``cache_extension_evictions``, finished
-        turns kept for reuse), prompt tokens saved;
+        turns kept for reuse), prompt tokens saved, compactions made to free pages under
+        ``compaction_mode="on_pressure"`` and the pages they freed (``cache_pressure_compactions``,
+        ``cache_pressure_pages_freed``; one per step of one entry);
         the processed-image cache's hits, entries and refused entries (``image_cache_hits``,
         ``image_cache_entries``, ``image_cache_mismatches``) and the vision-feature cache's hits
         and entries; with the vision encoder's CUDA graphs, their eager runs, captures and

@@ -118,7 +118,8 @@ class EngineOptions:
             InvalidRequestError: an unknown method, ``keep_ratio`` outside (0, 1], ``min_keep`` < 1.
         """
         if self.compaction_mode not in COMPACTION_MODES:
-            raise InvalidRequestError(f"compaction_mode must be 'always' or 'on_pressure', got {self.compaction_mode!r}")
+            raise InvalidRequestError(
+                f"compaction_mode must be 'always' or 'on_pressure', got {self.compaction_mode!r}")
         try:
             return CompactionConfig(self.compaction, self.keep_ratio, self.min_keep, self.compact_video)
         except ValueError as exc:
@@ -136,7 +137,7 @@ class EngineOptions:
         if self.compaction_mode != "on_pressure" or base.method is None:
             return ()
         ratios = tuple(self.pressure_keep_ratios or (self.keep_ratio,))
-        if not all(0 < r < 1 for r in ratios) or any(b >= a for a, b in zip(ratios, ratios[1:])):
+        if not all(0 < r < 1 for r in ratios) or any(b >= a for a, b in zip(ratios, ratios[1:], strict=False)):
             raise InvalidRequestError(f"pressure_keep_ratios must decrease within (0, 1), got {list(ratios)}")
         return tuple(CompactionConfig(base.method, r, base.min_keep, base.compact_video) for r in ratios)
 

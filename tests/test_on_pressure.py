@@ -303,9 +303,10 @@ def test_pages_freed_equal_dense_minus_compact(tiny_engine_factory, photos):
 @pytest.mark.parametrize("ratios,pages", [(None, 12), ((0.6, 0.4), 11)], ids=["one-step", "two-steps"])
 def test_sessions_under_a_small_pool_equal_the_masked_oracle(tiny_engine_factory, photos, oracles, ratios, pages):
     """Three sessions asked in turn with conversation reuse on, a pool for about two dense
-    prefixes and a request (11-12 pages; dense prefixes take 4-5): extensions go, entries are compacted (with two steps, to 0.4 as well), and every
-    answer equals its oracle: dense hits the compaction-off engine, compact hits the masked dense
-    oracle on exactly the positions the entry held when the request ran."""
+    prefixes and a request (11-12 pages; dense prefixes take 4-5): extensions go, entries are
+    compacted (with two steps, to 0.4 as well), and every answer equals its oracle: dense hits
+    the compaction-off engine, compact hits the masked dense oracle on exactly the positions the
+    entry held when the request ran."""
     engine = tiny_engine_factory(**{**EXACT, "kv_cache_bytes": pool_bytes(pages)}, compaction_mode="on_pressure",
                                  pressure_keep_ratios=ratios)
     moves = guard_moves(engine)

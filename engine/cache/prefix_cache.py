@@ -210,7 +210,8 @@ class PrefixCache:
 
     def __init__(self, pool: PagePool, pressure_steps: tuple[CompactionConfig, ...] = ()):
         ratios = [s.keep_ratio for s in pressure_steps]
-        if any(s.method is None for s in pressure_steps) or any(b >= a for a, b in zip([1.0, *ratios], ratios)):
+        decreasing = all(b < a for a, b in zip([1.0, *ratios], ratios, strict=False))
+        if any(s.method is None for s in pressure_steps) or not decreasing:
             raise ValueError(f"pressure steps need a selector and keep ratios decreasing below 1, got {ratios}")
         self.pool = pool
         self.pressure_steps = tuple(pressure_steps)

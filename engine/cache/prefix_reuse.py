@@ -12,7 +12,10 @@
    (:meth:`PrefixReuse.drop`: reported ``stale``, the hit taken back) and the prompt computed cold.
 4. **Compact and cache** (loop, after the step that computed a cold prefix,
    :meth:`PrefixReuse.after_step`): the prefix's kept visual tokens are moved together, the pages
-   beyond them freed, and the compact prefix cached.
+   beyond them freed, and the compact prefix cached. Under ``mode="on_pressure"`` the prefix is
+   cached dense instead; the cache compacts it later, only when pages run short
+   (:meth:`PrefixCache.make_room <engine.cache.prefix_cache.PrefixCache.make_room>`), under the
+   same key. A hit reports which form it used (telemetry ``prefix_form``).
 5. **Keep the conversation** (loop, when a request finishes, :meth:`PrefixReuse.keep_conversation`):
    a finished turn's KV becomes an extension of its prefix, so the next turn prefills only its
    question.
