@@ -86,7 +86,8 @@ def test_settings_from_cli_and_environment(tmp_path):
     assert opts["max_pixels"] == 1_003_520
     assert parse_settings(["--resize-pixels", "262144"], env).engine_options()["max_pixels"] == 262144
     assert opts["compaction_mode"] == "always"
-    assert parse_settings(["--compaction-mode", "on_pressure"], env).engine_options()["compaction_mode"] == "on_pressure"
+    on_pressure = parse_settings(["--compaction-mode", "on_pressure"], env).engine_options()
+    assert on_pressure["compaction_mode"] == "on_pressure"
     assert parse_settings([], {**env, "PRISM_COMPACTION_MODE": "on_pressure"}).compaction_mode == "on_pressure"
 
 
@@ -105,8 +106,8 @@ def test_help_explains_every_option(capsys):
         parse_settings(["--help"], {})
     text = capsys.readouterr().out
     for flag in ("--model", "--device", "--host", "--port", "--data-dir", "--kv-cache-bytes", "--kv-cache-dtype",
-                 "--compaction", "--compaction-mode", "--keep-ratio", "--cache-scope", "--max-image-pixels", "--max-upload-mb",
-                 "--resize-pixels"):
+                 "--compaction", "--compaction-mode", "--keep-ratio", "--cache-scope", "--max-image-pixels",
+                 "--max-upload-mb", "--resize-pixels"):
         assert flag in text
     assert "PRISM_MAX_UPLOAD_MB" in text
 

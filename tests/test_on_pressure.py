@@ -270,7 +270,12 @@ def test_compacted_entrys_next_hit_computes_only_the_question(tiny_engine_factor
     assert (first.telemetry.prefix_cache, first.telemetry.prefix_form) == ("miss", "dense")
     dense_pages = first.telemetry.prefix_pages_dense
     assert first.telemetry.prefix_pages == dense_pages == 5 and engine.stats()["pages_free"] == 4
+    (shown,) = engine.prefix_info("a")  # what the image viewer shows: dense while it fits
+    assert (shown["selector"], shown["keep_ratio"], shown["kept_count"]) == (None, 1.0, first.telemetry.visual_tokens)
     engine.generate(media_first_messages([b], QUESTIONS[0]), SP, cache_salt="b")
+    (shown,) = engine.prefix_info("a")  # ... and what the compaction kept once it ran
+    assert (shown["selector"], shown["keep_ratio"]) == ("uniform", 0.6)
+    assert shown["kept_count"] < first.telemetry.visual_tokens
     stats = engine.stats()
     assert stats["cache_pressure_compactions"] == 1 and stats["cache_evictions"] == 0 and moves
     messages = media_first_messages([a], QUESTIONS[1])

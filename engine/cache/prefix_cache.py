@@ -320,9 +320,7 @@ class PrefixCache:
                 if idle:
                     self.evict(idle[0])
                     continue
-                plans = self.compactable()
-                if plans:
-                    self.compact(*plans[0])
+                if self._compact_one():
                     continue
             victims = self.evictable()
             if not victims:
@@ -337,23 +335,37 @@ class PrefixCache:
         ratio = entry.kept.keep_ratio if entry.kept is not None else 1.0
         return next((i for i, s in enumerate(self.pressure_steps) if s.keep_ratio < ratio), None)
 
-    def compactable(self) -> list[tuple[PrefixEntry, int, torch.Tensor]]:
-        """``(entry, step index, kept logical positions)`` of every prefix a compaction step would
-        shrink now, in compaction order: earlier steps first (every entry gets the first step
-        before any gets the second), then lowest value, then least recently used. Only prefixes
-        no request reads (``users == 0``, no live extension, every page held by the entry alone)
-        and whose step frees at least one page qualify."""
+    def compactable(self) -> list[tuple[PrefixEntry, int]]:
+        """``(entry, step index)`` of every prefix a compaction step may shrink now, in compaction
+        order: earlier steps first (every entry gets the first step before any gets the second),
+        then lowest value, then least recently used. Only prefixes no request reads (``users ==
+        0``, no live extension, every page held by the entry alone) qualify; :meth:`plan` says
+        what the step keeps."""
         plans = []
         for entry in self.prefixes.values():
             step = self.next_step(entry)
             if (step is None or not entry.alive or entry.users or entry.kept is None
                     or any(c.alive for c in entry.children) or any(self.pool.refcount[p] != 1 for p in entry.pages)):
                 continue
-            kept = self.pressure_steps[step].kept_positions(entry.prefix_len, list(entry.spans), scores=entry.scores,
-                                                            within=entry.kept.positions)
-            if -(-len(kept) // self.pool.page_size) < len(entry.pages):
-                plans.append((entry, step, kept))
+            plans.append((entry, step))
         return sorted(plans, key=lambda p: (p[1], p[0].value(), p[0].last_used))
+
+    def plan(self, entry: PrefixEntry, step: int) -> torch.Tensor | None:
+        """The logical positions (int64, increasing) step ``step`` keeps of ``entry``, chosen among
+        those it keeps now, with the entry's stored selector scores; None when the step would
+        free no page."""
+        kept = self.pressure_steps[step].kept_positions(entry.prefix_len, list(entry.spans), scores=entry.scores,
+                                                        within=entry.kept.positions)
+        return kept if -(-len(kept) // self.pool.page_size) < len(entry.pages) else None
+
+    def _compact_one(self) -> bool:
+        """Compact the first entry of :meth:`compactable` whose step frees a page; whether one was."""
+        for entry, step in self.compactable():
+            kept = self.plan(entry, step)
+            if kept is not None:
+                self.compact(entry, step, kept)
+                return True
+        return False
 
     def compact(self, entry: PrefixEntry, step: int, kept: torch.Tensor) -> int:
         """Compact prefix ``entry`` in place to the logical positions ``kept`` (int64 increasing, a
