@@ -90,7 +90,9 @@ def _tok(n) -> str:
 
 def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
     """The compact line shown beside an answer, e.g.
-    ``prefix HIT · TTFT 41 ms · reused 1,568 tok (compact 941) · computed 19 tok · 23 tok/s``.
+    ``prefix HIT · TTFT 41 ms · reused 1,568 tok (compact 941) · computed 19 tok · 23 tok/s``, or
+    ``reused 1,568 tok (dense)`` when the prefix it used kept every visual token (telemetry
+    ``prefix_form``; older telemetry without it says nothing when nothing was dropped).
 
     A ``miss`` says that the prefix is now cached: it is the expected first question about a
     set of images, not a failure.
@@ -116,7 +118,12 @@ def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
     if cached:
         dropped = int(tel.get("visual_tokens", 0) or 0) - int(tel.get("visual_tokens_kept", 0) or 0)
         kept = cached - dropped if tel.get("visual_tokens_kept") and 0 < dropped < cached else cached
-        parts.append(f"reused {_tok(cached)}" + (f" (compact {kept:,})" if kept != cached else ""))
+        form = tel.get("prefix_form")
+        if form == "dense" or (form is None and kept == cached):
+            note = " (dense)" if form == "dense" else ""
+        else:
+            note = f" (compact {kept:,})"
+        parts.append(f"reused {_tok(cached)}{note}")
     parts.append(f"computed {_tok(tel.get('computed_tokens', 0) or 0)}")
     tps = float(tel.get("decode_tokens_per_s", 0.0) or 0.0)
     if tps:

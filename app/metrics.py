@@ -10,7 +10,9 @@ series for a vLLM server's): ``prism:time_to_first_token_seconds``,
 ``prism:num_requests_waiting`` and ``prism:kv_cache_usage_perc`` (a fraction, 1 = full). Prism's
 own quantities have their own names: ``prism:prefix_cache_lookups_total{result}`` (requests whose
 image prefix was a hit, a miss or stale), ``prism:prefix_cache_evictions_total{kind}`` (image
-prefixes and conversation extensions apart), ``prism:prefix_cache_entries{kind}``,
+prefixes and conversation extensions apart), ``prism:prefix_cache_pressure_compactions_total`` and
+``prism:prefix_cache_pressure_freed_pages_total`` (compactions made to free pages, and the pages they
+freed, under ``--compaction-mode on_pressure``), ``prism:prefix_cache_entries{kind}``,
 ``prism:kv_cache_pages{state}`` and ``prism:vision_encoder_time_seconds``.
 
 Two sources: each finished request (chat turn or API call) is observed once, by the code that
@@ -163,6 +165,11 @@ class _EngineCollector:
         evictions.add_metric(["prefix"], s["cache_prefix_evictions"])
         evictions.add_metric(["extension"], s["cache_extension_evictions"])
         yield evictions
+        yield CounterMetricFamily("prism:prefix_cache_pressure_compactions", "Image prefixes compacted one step "
+                                  "to free KV pages (compaction_mode on_pressure).",
+                                  value=s.get("cache_pressure_compactions", 0))
+        yield CounterMetricFamily("prism:prefix_cache_pressure_freed_pages", "KV pages freed by those "
+                                  "compactions.", value=s.get("cache_pressure_pages_freed", 0))
         entries = GaugeMetricFamily("prism:prefix_cache_entries", "Prefix-cache entries held: image prefixes, "
                                     "conversation extensions.", labels=["kind"])
         entries.add_metric(["prefix"], s["cache_prefixes"])

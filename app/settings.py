@@ -80,6 +80,7 @@ class Settings:
     kv_cache_bytes: int | None = None
     kv_cache_dtype: str = "fp8_e4m3"
     compaction: str = "uniform"
+    compaction_mode: str = "always"
     keep_ratio: float = 0.6
     cache_scope: str = "session"
     max_image_pixels: int = 50_000_000  # engine.images.ImageOptions' defaults (not imported: --help stays fast)
@@ -111,6 +112,7 @@ class Settings:
             "kv_cache_dtype": self.kv_cache_dtype,
             "compaction": None if self.compaction == "off" else self.compaction,
             "keep_ratio": self.keep_ratio,
+            "compaction_mode": self.compaction_mode,
             "cache_scope": self.cache_scope,
             "max_image_pixels": self.max_image_pixels,
             "max_image_bytes": self.max_upload_bytes,
@@ -137,6 +139,9 @@ _OPTIONS = [
      "KV cache storage: Scaled-FP8 pages (fp8_e4m3) or the model's own dtype (auto)"),
     ("--compaction", "compaction", str, ("uniform", "off"),
      "how the cached image prefix drops visual tokens: uniform (keep --keep-ratio of them) or off"),
+    ("--compaction-mode", "compaction_mode", str, ("always", "on_pressure"),
+     "when the cached image prefix is compacted: always (as soon as it is computed) or on_pressure "
+     "(kept dense, compacted only when KV memory runs short, before anything is evicted)"),
     ("--keep-ratio", "keep_ratio", _ratio, None, "share of visual tokens the compact prefix keeps, in (0, 1]"),
     ("--cache-scope", "cache_scope", str, ("session", "global"),
      "session: a cached prefix is reused only within its chat session (and its forks); "

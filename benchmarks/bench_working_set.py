@@ -7,8 +7,8 @@
 
 Chat sessions ("groups") of 2-9 photos each ask questions about their photos in a traffic mix
 whose hot groups fit in the KV memory and whose tail does not; every variant (compact FP8 prefix,
-dense FP8, dense bf16, vision-feature cache only, and policies added to
-``working_set.VARIANTS``) serves the same seeded trace on the same KV bytes. The protocol is
+compaction on pressure in one step and in two, dense FP8, dense bf16, vision-feature cache only,
+and policies added to ``working_set.VARIANTS``) serves the same seeded trace on the same KV bytes. The protocol is
 in ``benchmarks/working_set.py`` and docs/PERFORMANCE.md ("Working set").
 
 The model (a tiny checkpoint, ``--model test|demo|FOLDER``, or random weights at a real shape,

@@ -4,8 +4,9 @@
 # Steps (STEPS="..."): tests (every engine test with its engines on CUDA; the web app's tests need
 # gradio & co. and are left out; skip counts and reasons go to tests_skips.txt and tests.txt), kernels,
 # fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving, workingset (benchmarks/bench_working_set.py
-# at the 8B shape; WS_ARGS replaces its arguments but --out; default: the pressure workset, every variant,
-# 200 requests each, ~6-7 min, no variant started past 470 s).
+# at the 8B shape; WS_ARGS replaces its arguments but --out; default: the pressure workset, the four variants
+# issue 19 compares (compact_fp8, on_pressure, on_pressure_steps, dense_fp8), 200 requests each, ~6-7 min, no
+# variant started past 470 s), workingset_rest (the same for dense_bf16 and vision_only, ~3-4 min; ws_rest.json).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -39,8 +40,12 @@ for step in ${STEPS:-kernels smoke bench}; do
     kernels) timeout 300 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -n ${TEST_WORKERS:-6} 2>&1 | tail -15 | tee "$OUT/kernels.txt" ;;
     smoke) timeout 300 python3 benchmarks/gpu_smoke.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/smoke.txt" ;;
     workingset) timeout 560 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
-             ${WS_ARGS:---worksets pressure --requests 200 --time-budget-s 470} --out "$OUT/ws.json" 2>&1 \
+             ${WS_ARGS:---worksets pressure --requests 200 --time-budget-s 470 \
+               --variants compact_fp8,on_pressure,on_pressure_steps,dense_fp8} --out "$OUT/ws.json" 2>&1 \
              | grep -v Warning | tail -40 | tee "$OUT/ws.txt" ;;
+    workingset_rest) timeout 400 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
+             --worksets pressure --requests 200 --time-budget-s 330 --variants dense_bf16,vision_only \
+             --out "$OUT/ws_rest.json" 2>&1 | grep -v Warning | tail -40 | tee "$OUT/ws_rest.txt" ;;
     bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;
   esac
 done

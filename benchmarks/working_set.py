@@ -22,8 +22,9 @@ measures it; ``benchmarks/bench_working_set.py`` is its command line.
   the same KV bytes and the same vision-feature cache size. A later policy is one more line.
 * **Metrics** (:func:`run_variant`): TTFT and E2E from the planned arrival, recomputed prompt
   tokens, hit / miss / stale counts, resident prefixes, prefix and extension evictions apart,
-  resident prefix pages against their dense equivalent, peak GPU memory, output tokens/s, and a
-  hash of the request trace each variant actually sent.
+  resident prefix pages against their dense equivalent, on-pressure compactions and the pages they
+  freed, hits on a dense and on a compact prefix, peak GPU memory, output tokens/s, a hash of the
+  request trace each variant actually sent and one of its outputs (token ids in trace order).
 """
 
 from __future__ import annotations
@@ -42,9 +43,14 @@ from collections.abc import Callable
 import torch
 
 #: Variants compared, each on the same KV bytes: name -> EngineOptions overrides over
-#: :func:`base_options`. Issue 19 adds ``"on_pressure": {"compaction_mode": "on_pressure"}``.
+#: :func:`base_options`. ``on_pressure`` (issue 19) caches prefixes dense and compacts them to 0.6
+#: only when pages run short; ``on_pressure_steps`` compacts in two steps, 0.6 then 0.4.
 VARIANTS: dict[str, dict] = {
     "compact_fp8": {"kv_cache_dtype": "fp8_e4m3", "compaction": "uniform", "keep_ratio": 0.6},
+    "on_pressure": {"kv_cache_dtype": "fp8_e4m3", "compaction": "uniform", "keep_ratio": 0.6,
+                    "compaction_mode": "on_pressure"},
+    "on_pressure_steps": {"kv_cache_dtype": "fp8_e4m3", "compaction": "uniform", "keep_ratio": 0.6,
+                          "compaction_mode": "on_pressure", "pressure_keep_ratios": (0.6, 0.4)},
     "dense_fp8": {"kv_cache_dtype": "fp8_e4m3", "compaction": None},
     "dense_bf16": {"kv_cache_dtype": "auto", "compaction": None},  # KV in the model dtype (bf16 by default)
     "vision_only": {"kv_cache_dtype": "fp8_e4m3", "prefix_cache": False},  # vision-feature cache only
@@ -381,7 +387,8 @@ def ask(engine, group: Group, arrival: Arrival, sampling, planned: float) -> dic
             "ttft_ms": late_ms + tel.ttft_ms, "e2e_ms": late_ms + tel.e2e_ms,
             "finished": called + tel.e2e_ms / 1e3, "prompt_tokens": tel.prompt_tokens,
             "computed_tokens": tel.computed_tokens, "generated_tokens": tel.generated_tokens,
-            "encoder_ran": tel.vision_encoder_ran, "preempted": tel.preempted}
+            "encoder_ran": tel.vision_encoder_ran, "preempted": tel.preempted, "prefix_form": tel.prefix_form,
+            "token_ids": list(done.token_ids)}
 
 
 def summarise(results: list[dict], before: dict, after: dict, start: float) -> dict:
@@ -416,6 +423,11 @@ def summarise(results: list[dict], before: dict, after: dict, start: float) -> d
         "resident_prefixes": int(after.get("cache_prefixes", 0)),
         "resident_entries": int(after.get("cache_entries", 0)),
         "prefix_evictions": delta("cache_prefix_evictions"),
+        "pressure_compactions": delta("cache_pressure_compactions"),
+        "pressure_pages_freed": delta("cache_pressure_pages_freed"),
+        "dense_hits": sum(r["state"] == "hit" and r.get("prefix_form") == "dense" for r in ok),
+        "compact_hits": sum(r["state"] == "hit" and r.get("prefix_form") == "compact" for r in ok),
+        "outputs_sha256": outputs_hash(results),
         "extension_evictions": delta("cache_extension_evictions"),
         "prefix_pages": int(after.get("cache_prefix_pages", 0)),
         "prefix_pages_dense_equivalent": int(after.get("cache_prefix_pages_dense", 0)),
@@ -426,6 +438,13 @@ def summarise(results: list[dict], before: dict, after: dict, start: float) -> d
         "per_request": [{k: r.get(k) for k in ("group", "question", "state", "ttft_ms", "computed_tokens", "error")}
                         for r in results],
     }
+
+
+def outputs_hash(results: list[dict]) -> str:
+    """SHA-256 hex of every measured request's output token ids, in trace order (a failed request
+    counts as its error text), so two variants' outputs can be compared for equality."""
+    rows = [r.get("token_ids", r.get("error")) for r in results]
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
 def pool_description(engine) -> dict:

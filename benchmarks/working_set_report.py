@@ -33,6 +33,7 @@ COLUMNS = (
     ("E2E p99 ms", "e2e_ms_p99"), ("recomputed prompt tokens", "recomputed_prompt_tokens"),
     ("hit / miss / stale", None), ("resident prefixes", "resident_prefixes"),
     ("prefix evictions", "prefix_evictions"), ("extension evictions", "extension_evictions"),
+    ("on-pressure compactions (pages freed)", None), ("hits dense / compact", None),
     ("prefix pages (dense equiv.)", None), ("KV MiB", None), ("peak GPU GiB", None),
     ("output tok/s", "output_tokens_per_s"),
 )
@@ -65,6 +66,8 @@ def markdown(result: dict) -> str:
             cells.append(f"{m['hits']} / {m['misses']} / {m['stale']}")
             for key in ("resident_prefixes", "prefix_evictions", "extension_evictions"):
                 cells.append(_fmt(m[key]) + (_change(m[key], ref[key]) if ref and key in RELATIVE else ""))
+            cells.append(f"{m.get('pressure_compactions', 0)} ({m.get('pressure_pages_freed', 0)})")
+            cells.append(f"{m.get('dense_hits', '-')} / {m.get('compact_hits', '-')}")
             cells.append(f"{m['prefix_pages']} ({m['prefix_pages_dense_equivalent']})")
             cells.append(f"{m['kv_cache_bytes'] / 2**20:,.2f}")
             peak = m["peak_gpu_memory_bytes"]

@@ -92,11 +92,13 @@ class Engine:
             model_dtype=model.dtype, device=model.device,
         )
         self.max_model_len = min(options.max_model_len or t.max_position_embeddings, self.pool.capacity_tokens)
-        self.prefix_cache = PrefixCache(self.pool) if options.prefix_cache else None
+        steps = options.pressure_steps()
+        self.prefix_cache = PrefixCache(self.pool, steps) if options.prefix_cache else None
         reuse = None
         if self.prefix_cache is not None:
             reuse = PrefixReuse(self.prefix_cache, self.compaction, self.namespace,
-                                conversation_reuse=options.conversation_reuse)
+                                conversation_reuse=options.conversation_reuse,
+                                mode=options.compaction_mode if self.compaction.method else "always")
         self.prefix_reuse = reuse
         step = SchedulerConfig(options.max_num_seqs, options.step_budget(model.device), options.max_waiting)
         scheduler = Scheduler(self.pool, step, reuse)
@@ -218,7 +220,9 @@ class Engine:
         public prefixes' ``cache_prefix_pages``, against ``cache_prefix_pages_dense`` without
         compaction), hits, misses, stale fallbacks, evictions (``cache_evictions``, the sum of
         ``cache_prefix_evictions``, image prefixes, and ``cache_extension_evictions``, finished
-        turns kept for reuse), prompt tokens saved;
+        turns kept for reuse), prompt tokens saved, compactions made to free pages under
+        ``compaction_mode="on_pressure"`` and the pages they freed (``cache_pressure_compactions``,
+        ``cache_pressure_pages_freed``; one per step of one entry);
         the processed-image cache's hits, entries and refused entries (``image_cache_hits``,
         ``image_cache_entries``, ``image_cache_mismatches``) and the vision-feature cache's hits
         and entries; with the vision encoder's CUDA graphs, their eager runs, captures and

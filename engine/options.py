@@ -13,6 +13,7 @@ from .inputs.images import ImageOptions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_SCOPES = ("session", "global")
+COMPACTION_MODES = ("always", "on_pressure")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,14 @@ class EngineOptions:
         compaction: ``"uniform"`` or None: how a cached prefix drops visual tokens.
         keep_ratio, min_keep, compact_video: compaction settings (see
             :class:`~engine.cache.compaction.CompactionConfig`).
+        compaction_mode: when a cached prefix is compacted (with ``compaction`` set): ``"always"``
+            (when it is computed, so every answer uses the compact prefix) or ``"on_pressure"``
+            (cached dense; compacted only when the KV pool must free pages, after idle
+            conversation extensions and before evicting whole prefixes: see
+            :mod:`engine.cache.prefix_cache`).
+        pressure_keep_ratios: under ``"on_pressure"``, the keep ratio of each compaction step in
+            order, decreasing, each step choosing among the tokens the one before kept (None:
+            one step to ``keep_ratio``). E.g. ``(0.6, 0.4)``.
         cache_scope: ``"session"`` (prefixes are shared only under the same ``cache_salt``) or
             ``"global"`` (salts ignored; for single-user setups).
         conversation_reuse: also keep a finished turn's KV so the next turn of the same chat
@@ -78,6 +87,8 @@ class EngineOptions:
     keep_ratio: float = 0.6
     min_keep: int = 16
     compact_video: bool = False
+    compaction_mode: str = "always"
+    pressure_keep_ratios: tuple[float, ...] | None = None
     cache_scope: str = "session"
     conversation_reuse: bool = True
     vision_cache_bytes: int = 256 << 20
@@ -106,10 +117,29 @@ class EngineOptions:
         Raises:
             InvalidRequestError: an unknown method, ``keep_ratio`` outside (0, 1], ``min_keep`` < 1.
         """
+        if self.compaction_mode not in COMPACTION_MODES:
+            raise InvalidRequestError(
+                f"compaction_mode must be 'always' or 'on_pressure', got {self.compaction_mode!r}")
         try:
             return CompactionConfig(self.compaction, self.keep_ratio, self.min_keep, self.compact_video)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+
+    def pressure_steps(self) -> tuple[CompactionConfig, ...]:
+        """The compaction steps applied on pressure: one per ``pressure_keep_ratios`` (default
+        ``(keep_ratio,)``) under ``compaction_mode="on_pressure"`` with a selector; else none.
+
+        Raises:
+            InvalidRequestError: as :meth:`compaction_config`, or ratios outside (0, 1) or not
+                decreasing.
+        """
+        base = self.compaction_config()
+        if self.compaction_mode != "on_pressure" or base.method is None:
+            return ()
+        ratios = tuple(self.pressure_keep_ratios or (self.keep_ratio,))
+        if not all(0 < r < 1 for r in ratios) or any(b >= a for a, b in zip(ratios, ratios[1:], strict=False)):
+            raise InvalidRequestError(f"pressure_keep_ratios must decrease within (0, 1), got {list(ratios)}")
+        return tuple(CompactionConfig(base.method, r, base.min_keep, base.compact_video) for r in ratios)
 
     def salt(self, cache_salt: str | None) -> str:
         """The salt every cache of a request is keyed by: the caller's (None is the one anonymous

@@ -85,9 +85,14 @@ def test_settings_from_cli_and_environment(tmp_path):
     # a 12-megapixel phone photo is resized to about 1 megapixel (~980 visual tokens), not 16.7
     assert opts["max_pixels"] == 1_003_520
     assert parse_settings(["--resize-pixels", "262144"], env).engine_options()["max_pixels"] == 262144
+    assert opts["compaction_mode"] == "always"
+    on_pressure = parse_settings(["--compaction-mode", "on_pressure"], env).engine_options()
+    assert on_pressure["compaction_mode"] == "on_pressure"
+    assert parse_settings([], {**env, "PRISM_COMPACTION_MODE": "on_pressure"}).compaction_mode == "on_pressure"
 
 
 @pytest.mark.parametrize("argv,env", [(["--compaction", "sometimes"], {}), ([], {"PRISM_CACHE_SCOPE": "world"}),
+                                      (["--compaction-mode", "later"], {}),
                                       (["--keep-ratio", "2"], {}), ([], {"PRISM_PORT": "http"})])
 def test_bad_settings_exit_with_a_message(argv, env, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -101,8 +106,8 @@ def test_help_explains_every_option(capsys):
         parse_settings(["--help"], {})
     text = capsys.readouterr().out
     for flag in ("--model", "--device", "--host", "--port", "--data-dir", "--kv-cache-bytes", "--kv-cache-dtype",
-                 "--compaction", "--keep-ratio", "--cache-scope", "--max-image-pixels", "--max-upload-mb",
-                 "--resize-pixels"):
+                 "--compaction", "--compaction-mode", "--keep-ratio", "--cache-scope", "--max-image-pixels",
+                 "--max-upload-mb", "--resize-pixels"):
         assert flag in text
     assert "PRISM_MAX_UPLOAD_MB" in text
 
@@ -139,6 +144,17 @@ def test_telemetry_line_hit():
            "visual_tokens_kept": 873, "computed_tokens": 19, "decode_tokens_per_s": 23.4}
     assert telemetry_line(tel) == ("prefix HIT · TTFT 41 ms · reused 1,568 tok (compact 941) · computed 19 tok · "
                                    "23 tok/s")
+    assert "reused 1,568 tok (compact 941) ·" in telemetry_line({**tel, "prefix_form": "compact"})
+
+
+def test_telemetry_line_says_dense_or_compact():
+    """Under on-pressure compaction the same session's hits are dense first, compact later: the
+    chip names the form the prefix had when the question used it."""
+    dense = {"prefix_cache": "hit", "ttft_ms": 9, "cached_tokens": 1568, "visual_tokens": 1500,
+             "visual_tokens_kept": 1500, "prefix_form": "dense", "computed_tokens": 19}
+    assert "· reused 1,568 tok (dense) · computed 19 tok" in telemetry_line(dense)
+    compact = {**dense, "visual_tokens_kept": 873, "prefix_form": "compact"}
+    assert "· reused 1,568 tok (compact 941) · computed 19 tok" in telemetry_line(compact)
 
 
 def test_telemetry_line_miss_stale_off():

@@ -96,6 +96,9 @@ def test_requests_latencies_cache_and_pool_in_prometheus_format(tmp_path, engine
     assert one(m, "prism:prefix_cache_evictions_total", kind="prefix") == 1  # the clear
     assert one(m, "prism:prefix_cache_evictions_total", kind="extension") >= 1  # the turns kept for reuse
     assert one(m, "prism:prefix_cache_entries", kind="prefix") == 0
+    # the app's default compaction mode is "always": nothing is compacted on pressure
+    assert one(m, "prism:prefix_cache_pressure_compactions_total") == 0
+    assert one(m, "prism:prefix_cache_pressure_freed_pages_total") == 0
     assert 0 <= one(m, "prism:kv_cache_usage_perc") <= 1
     assert one(m, "prism:num_requests_running") == 0 and one(m, "prism:num_requests_waiting") == 0
     assert one(m, "prism:kv_cache_pages", state="free") > 0

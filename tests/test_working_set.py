@@ -33,13 +33,14 @@ import working_set as ws  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("media_dir")
 
-VARIANTS = ["compact_fp8", "broken", "dense_fp8", "dense_bf16", "vision_only"]
+VARIANTS = ["compact_fp8", "broken", "on_pressure", "dense_fp8", "dense_bf16", "vision_only"]
 REAL = [v for v in VARIANTS if v != "broken"]
 #: The metrics issue 18 lists, per variant and workset.
 FIELDS = ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "recomputed_prompt_tokens", "hits", "misses",
           "stale", "resident_prefixes", "prefix_evictions", "extension_evictions", "prefix_pages",
           "prefix_pages_dense_equivalent", "peak_gpu_memory_bytes", "output_tokens_per_s", "kv_cache_bytes",
-          "trace_hash", "requests", "ttft_ms")
+          "trace_hash", "requests", "ttft_ms", "pressure_compactions", "pressure_pages_freed", "dense_hits",
+          "compact_hits", "outputs_sha256")
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,18 @@ def test_compact_recomputes_fewer_tokens_than_dense_fp8_at_pressure(quick_run):
     assert compact["recomputed_prompt_tokens"] < dense["recomputed_prompt_tokens"]
     assert compact["prefix_pages"] < compact["prefix_pages_dense_equivalent"]
     assert dense["prefix_pages"] == dense["prefix_pages_dense_equivalent"]
+
+
+def test_on_pressure_compacts_under_pressure_and_always_never_does(quick_run):
+    """Issue 19's variant under pressure: it compacted cached prefixes to make room (and freed
+    pages doing it), some hits used a compact prefix; the always-compacting variant never
+    compacts on pressure and never hits a dense prefix."""
+    _, result, _, _ = quick_run
+    runs = result["results"]["pressure"]
+    on, always = runs["on_pressure"], runs["compact_fp8"]
+    assert on["pressure_compactions"] > 0 and on["pressure_pages_freed"] >= on["pressure_compactions"]
+    assert on["dense_hits"] + on["compact_hits"] == on["hits"] and on["compact_hits"] > 0
+    assert always["pressure_compactions"] == 0 and always["dense_hits"] == 0
 
 
 def test_every_field_is_present(quick_run):

@@ -17,6 +17,16 @@ Memory: entries may use every idle page. When pages are needed, entries that no 
 uses and that no other entry extends are evicted, lowest value first, where
 value = prompt tokens saved × (1 + hits) / pages held (ties: least recently used first).
 
+Compaction on pressure (``compaction_mode="on_pressure"``, a cache built with ``pressure_steps``):
+prefixes are cached dense, and :meth:`PrefixCache.make_room` reclaims pages in this order: idle
+conversation extensions (lowest value first); then it compacts a prefix entry one step further
+(each entry to the first step, lowest value first, before any entry goes to the second), only an
+entry no request reads (``users == 0``, no live extension: the slots are moved in place, so a
+reader would see them move); then it evicts whole entries by value as above. A compaction keeps the
+entry's key (a later hit on the same images finds it), moves the kept slots to the front of its
+pages (:meth:`~engine.cache.kv_pool.PagePool.move_slots`), frees the pages past them, drops its
+extensions (their KV attended to the tokens that are gone) and records what it kept.
+
 What a prefix kept: each prefix entry records which logical prefix tokens its KV still holds
 (:class:`KeptTokens`, set by :meth:`PrefixEntry.record_kept` whenever the entry is compacted), and
 which images it was built from (their content keys and visual spans), so a caller can be shown
@@ -33,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.rope import VisualSpan
+from .compaction import CompactionConfig
 from .kv_pool import PagePool
 
 _clock = itertools.count()
@@ -118,6 +129,13 @@ class PrefixEntry:
         self.visual_kept = int(inside[kept.positions].sum())
 
     @property
+    def compact(self) -> bool:
+        """Whether the prefix's KV dropped visual tokens (False for a dense prefix, and for one whose
+        selector had to keep every token)."""
+        base = self if self.parent is None else self.parent
+        return base.kv_len < base.prefix_len
+
+    @property
     def kv_offset(self) -> int:
         """Logical tokens removed by compaction (logical index - physical index after the prefix)."""
         return len(self.tokens) - self.kv_len
@@ -149,6 +167,8 @@ class CacheStats:
     extension_evictions: int = 0  # conversation extensions (finished turns kept for reuse) evicted
     tokens_saved: int = 0
     conversation_hits: int = 0
+    pressure_compactions: int = 0  # prefixes compacted (one step each) to make room
+    pressure_pages_freed: int = 0  # pages those compactions freed
 
     @property
     def evictions(self) -> int:
@@ -176,10 +196,25 @@ def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
 
 
 class PrefixCache:
-    """Entries by key, their pages in ``pool``, the eviction policy and counters."""
+    """Entries by key, their pages in ``pool``, the eviction policy and counters.
 
-    def __init__(self, pool: PagePool):
+    Args:
+        pool: the KV pool the entries' pages live in.
+        pressure_steps: compaction steps applied on pressure, in order (each keeps fewer visual
+            tokens than the one before, choosing among what the earlier step kept); empty: never
+            compact on pressure (prefixes were compacted when cached, or not at all).
+
+    Raises:
+        ValueError: a step without a selector, or steps whose keep ratios do not decrease.
+    """
+
+    def __init__(self, pool: PagePool, pressure_steps: tuple[CompactionConfig, ...] = ()):
+        ratios = [s.keep_ratio for s in pressure_steps]
+        decreasing = all(b < a for a, b in zip([1.0, *ratios], ratios, strict=False))
+        if any(s.method is None for s in pressure_steps) or not decreasing:
+            raise ValueError(f"pressure steps need a selector and keep ratios decreasing below 1, got {ratios}")
         self.pool = pool
+        self.pressure_steps = tuple(pressure_steps)
         self.prefixes: dict[str, PrefixEntry] = {}
         self.stats = CacheStats()
 
@@ -276,13 +311,96 @@ class PrefixCache:
         return sorted(leaves, key=lambda e: (e.value(), e.last_used))
 
     def make_room(self, pages_needed: int) -> bool:
-        """Evict entries until ``pages_needed`` pages are free. Returns whether that succeeded."""
+        """Free pages until ``pages_needed`` are free: with ``pressure_steps``, idle extensions go
+        first, then prefixes are compacted a step (:meth:`compactable`); then entries are evicted
+        by value. Returns whether that succeeded."""
         while self.pool.num_free < pages_needed:
+            if self.pressure_steps:
+                idle = [e for e in self.evictable() if e.parent is not None]
+                if idle:
+                    self.evict(idle[0])
+                    continue
+                if self._compact_one():
+                    continue
             victims = self.evictable()
             if not victims:
                 return False
             self.evict(victims[0])
         return True
+
+    # ------------------------------------------------------------------ compaction on pressure
+    def next_step(self, entry: PrefixEntry) -> int | None:
+        """Index in :attr:`pressure_steps` of the step that would compact ``entry`` next (the first
+        keeping a smaller share than it keeps now), or None when it has had every step."""
+        ratio = entry.kept.keep_ratio if entry.kept is not None else 1.0
+        return next((i for i, s in enumerate(self.pressure_steps) if s.keep_ratio < ratio), None)
+
+    def compactable(self) -> list[tuple[PrefixEntry, int]]:
+        """``(entry, step index)`` of every prefix a compaction step may shrink now, in compaction
+        order: earlier steps first (every entry gets the first step before any gets the second),
+        then lowest value, then least recently used. Only prefixes no request reads (``users ==
+        0``, no live extension, every page held by the entry alone) qualify; :meth:`plan` says
+        what the step keeps."""
+        plans = []
+        for entry in self.prefixes.values():
+            step = self.next_step(entry)
+            if (step is None or not entry.alive or entry.users or entry.kept is None
+                    or any(c.alive for c in entry.children) or any(self.pool.refcount[p] != 1 for p in entry.pages)):
+                continue
+            plans.append((entry, step))
+        return sorted(plans, key=lambda p: (p[1], p[0].value(), p[0].last_used))
+
+    def plan(self, entry: PrefixEntry, step: int) -> torch.Tensor | None:
+        """The logical positions (int64, increasing) step ``step`` keeps of ``entry``, chosen among
+        those it keeps now, with the entry's stored selector scores; None when the step would
+        free no page."""
+        kept = self.pressure_steps[step].kept_positions(entry.prefix_len, list(entry.spans), scores=entry.scores,
+                                                        within=entry.kept.positions)
+        return kept if -(-len(kept) // self.pool.page_size) < len(entry.pages) else None
+
+    def _compact_one(self) -> bool:
+        """Compact the first entry of :meth:`compactable` whose step frees a page; whether one was."""
+        for entry, step in self.compactable():
+            kept = self.plan(entry, step)
+            if kept is not None:
+                self.compact(entry, step, kept)
+                return True
+        return False
+
+    def compact(self, entry: PrefixEntry, step: int, kept: torch.Tensor) -> int:
+        """Compact prefix ``entry`` in place to the logical positions ``kept`` (int64 increasing, a
+        subset of ``entry.kept.positions``), step ``step`` of :attr:`pressure_steps`: its
+        extensions are dropped, the kept slots moved to the front of its pages, the pages past
+        them freed, the kept tokens recorded. Its key stays. Returns the pages freed.
+
+        Raises:
+            RuntimeError: the entry is read by a request, extended, or holds shared pages.
+        """
+        if entry.users or entry.parent is not None or not entry.alive:
+            raise RuntimeError("compaction of a prefix entry that a request reads")
+        children = [c for c in entry.children if c.alive]
+        if any(c.users for c in children):
+            raise RuntimeError("compaction of a prefix entry whose extension a request reads")
+        for child in children:
+            self.evict(child)
+        if any(self.pool.refcount[p] != 1 for p in entry.pages):
+            raise RuntimeError("compaction of a prefix entry holding shared pages")
+        page = self.pool.page_size
+        # physical slot i holds logical entry.kept.positions[i]: where each kept token is now
+        src = torch.searchsorted(entry.kept.positions, kept).tolist()
+        table = entry.pages
+        self.pool.move_slots([table[i // page] * page + i % page for i in src],
+                             [table[i // page] * page + i % page for i in range(len(src))])
+        keep_pages = -(-len(src) // page)
+        freed = table[keep_pages:]
+        self.pool.release(freed)
+        entry.pages = table[:keep_pages]
+        entry.kv_len = len(src)
+        cfg = self.pressure_steps[step]
+        entry.record_kept(KeptTokens(kept, cfg.method, cfg.keep_ratio))
+        self.stats.pressure_compactions += 1
+        self.stats.pressure_pages_freed += len(freed)
+        return len(freed)
 
     def evict(self, entry: PrefixEntry) -> None:
         entry.alive = False
@@ -306,8 +424,9 @@ class PrefixCache:
         """The cache's part of :meth:`Engine.stats() <engine.Engine.stats>`: entries (prefixes and
         conversation extensions), prefixes, pages held (all entries; of them the public prefixes',
         ``cache_prefix_pages``, against the pages those prefixes would take without compaction,
-        ``cache_prefix_pages_dense``), hits, misses, stale fallbacks, evictions and prompt tokens
-        saved."""
+        ``cache_prefix_pages_dense``), hits, misses, stale fallbacks, evictions, prompt tokens
+        saved, and the compactions made on pressure with the pages they freed
+        (``cache_pressure_compactions``, ``cache_pressure_pages_freed``)."""
         prefixes = list(self.prefixes.values())
         return {
             "prefix_cache": True,
@@ -323,6 +442,8 @@ class PrefixCache:
             "cache_prefix_evictions": self.stats.prefix_evictions,
             "cache_extension_evictions": self.stats.extension_evictions,
             "prompt_tokens_saved": self.stats.tokens_saved,
+            "cache_pressure_compactions": self.stats.pressure_compactions,
+            "cache_pressure_pages_freed": self.stats.pressure_pages_freed,
         }
 
     def holders(self) -> list[list[int]]:

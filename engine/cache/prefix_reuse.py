@@ -12,7 +12,10 @@
    (:meth:`PrefixReuse.drop`: reported ``stale``, the hit taken back) and the prompt computed cold.
 4. **Compact and cache** (loop, after the step that computed a cold prefix,
    :meth:`PrefixReuse.after_step`): the prefix's kept visual tokens are moved together, the pages
-   beyond them freed, and the compact prefix cached.
+   beyond them freed, and the compact prefix cached. Under ``mode="on_pressure"`` the prefix is
+   cached dense instead; the cache compacts it later, only when pages run short
+   (:meth:`PrefixCache.make_room <engine.cache.prefix_cache.PrefixCache.make_room>`), under the
+   same key. A hit reports which form it used (telemetry ``prefix_form``).
 5. **Keep the conversation** (loop, when a request finishes, :meth:`PrefixReuse.keep_conversation`):
    a finished turn's KV becomes an extension of its prefix, so the next turn prefills only its
    question.
@@ -29,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
+
+import torch
 
 from .compaction import CompactionConfig
 from .prefix_cache import KeptTokens, Match, PrefixCache, PrefixEntry, prefix_key
@@ -68,15 +73,33 @@ class PrefixReuse:
         namespace: the model namespace keys start with (checkpoint and settings that change tokens
             or pixels).
         conversation_reuse: keep finished turns as extensions.
+        mode: ``"always"`` (a cold prefix is compacted with ``compaction`` before it is cached) or
+            ``"on_pressure"`` (cached dense; the cache compacts it when it needs pages, with its
+            ``pressure_steps``).
+
+    Raises:
+        ValueError: an unknown ``mode``.
     """
 
     def __init__(self, cache: PrefixCache, compaction: CompactionConfig, namespace: str, *,
-                 conversation_reuse: bool = True):
+                 conversation_reuse: bool = True, mode: str = "always"):
+        if mode not in ("always", "on_pressure"):
+            raise ValueError(f"mode must be 'always' or 'on_pressure', got {mode!r}")
         self.cache = cache
         self.pool = cache.pool
         self.compaction = compaction
         self.namespace = namespace
         self.conversation_reuse = conversation_reuse
+        self.mode = mode
+
+    def key_namespace(self) -> str:
+        """The compaction part of every prefix key. Under ``"on_pressure"`` it names the policy
+        (mode and steps), not an entry's state: a prefix compacted later keeps its key, so the
+        next question about the same images still finds it."""
+        if self.mode == "always":
+            return self.compaction.namespace()
+        steps = ",".join(repr(s.keep_ratio) for s in self.cache.pressure_steps)
+        return f"mode=on_pressure;steps={steps};{self.compaction.namespace()}"
 
     # ------------------------------------------------------------------ intake
     def key(self, prompt, salt: str) -> str | None:
@@ -85,7 +108,7 @@ class PrefixReuse:
         if not 0 < prompt.prefix_len < len(prompt.input_ids):
             return None
         return prefix_key(self.namespace, salt, prompt.image_hashes + prompt.video_hashes,
-                          self.compaction.namespace(), prompt.input_ids[: prompt.prefix_len])
+                          self.key_namespace(), prompt.input_ids[: prompt.prefix_len])
 
     def look_up(self, req: CachingRequest) -> None:
         """Find the request's cached prefix (before admission): sets ``req.match`` and reports
@@ -104,12 +127,16 @@ class PrefixReuse:
     # ------------------------------------------------------------------ admission
     def admission_match(self, req: CachingRequest) -> Match | None:
         """The match to attach when ``req`` is admitted: its intake match if the entry is still
-        there (else dropped, see :meth:`drop`), or, for a request preempted since, a fresh lookup
-        (its own prefix may be cached by now)."""
+        there, else a fresh lookup (an evicted extension's prefix may still be cached; when nothing
+        is, the match is dropped, see :meth:`drop`), or, for a request preempted since, a fresh
+        lookup (its own prefix may be cached by now)."""
         match = req.match
         if match is not None and not match.entry.alive:
-            self.drop(req)
-            match = None
+            # an extension dropped since intake (evicted, or its prefix compacted on pressure)
+            # may leave its prefix cached: attach that rather than compute everything again
+            match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
+            if match is None:
+                self.drop(req)
         if match is None and req.telemetry.preempted and req.prefix_key is not None:
             match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
         return match
@@ -155,9 +182,11 @@ class PrefixReuse:
             # prompt_tokens) or be the request's own prefix (a "miss" reporting cached tokens).
             tel.cached_tokens = match.length
             tel.conversation_reuse_tokens = match.length - entry.prefix_len
-        tel.visual_tokens_kept = entry.visual_kept
+        base = entry if entry.parent is None else entry.parent
+        tel.visual_tokens_kept = base.visual_kept
         tel.prefix_pages = self._pages(entry.prefix_len - entry.kv_offset)
         tel.prefix_pages_dense = entry.dense_pages
+        tel.prefix_form = "compact" if entry.compact else "dense"
 
     def detach(self, req: CachingRequest) -> None:
         """The request no longer uses the entry it attached (its page references are its own to
@@ -179,10 +208,12 @@ class PrefixReuse:
 
     def compact_and_cache(self, req: CachingRequest) -> None:
         """Keep the prefix's selected tokens (moved to the front of its pages, the pages beyond
-        released), then cache the compact prefix and attach the request to it."""
+        released), then cache the compact prefix and attach the request to it. Under
+        ``"on_pressure"`` every token is kept: the prefix is cached dense."""
         page = self.pool.page_size
         n = req.prompt.prefix_len
-        kept = self.compaction.kept_positions(n, req.prompt.spans)
+        dense = self.mode == "on_pressure" or self.compaction.method is None
+        kept = torch.arange(n) if dense else self.compaction.kept_positions(n, req.prompt.spans)
         k = len(kept)
         if k < n:
             table = req.block_table
@@ -198,12 +229,13 @@ class PrefixReuse:
         tel.visual_tokens_kept = visual_kept
         tel.prefix_pages = len(req.block_table)
         tel.prefix_pages_dense = self._pages(n)
+        tel.prefix_form = "dense" if k == n else "compact"
         entry = self.cache.add_prefix(
             req.prefix_key, req.salt, req.tokens[:n], req.block_table, k, tel.prefix_pages_dense, visual_kept,
             images=req.prompt.image_keys, spans=req.prompt.spans,
         )
         if entry is not None:
-            method = self.compaction.method
+            method = None if dense else self.compaction.method
             entry.record_kept(KeptTokens(kept, method, self.compaction.keep_ratio if method else 1.0))
             entry.users += 1
             req.attached = entry

@@ -72,9 +72,11 @@ class MaskedDenseCache(DenseKVCache):
 
 def removed_positions(engine, prompt) -> torch.Tensor:
     """int64 logical indices of the prefix tokens ``engine`` drops when it caches ``prompt``'s
-    public prefix (empty when the prompt is not prefix-cached or compaction keeps everything)."""
+    public prefix (empty when the prompt is not prefix-cached, compaction keeps everything, or the
+    engine caches prefixes dense and compacts only on pressure)."""
     n = prompt.prefix_len
-    if engine.prefix_cache is None or not 0 < n < len(prompt.input_ids):
+    reuse = engine.prefix_reuse
+    if reuse is None or reuse.mode == "on_pressure" or not 0 < n < len(prompt.input_ids):
         return torch.empty(0, dtype=torch.long)
     keep = torch.zeros(n, dtype=torch.bool)
     keep[engine.compaction.kept_positions(n, prompt.spans)] = True
@@ -82,8 +84,11 @@ def removed_positions(engine, prompt) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def masked_greedy_logits(engine, messages, max_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy decoding of ``messages`` under the compaction mask of ``engine``'s settings.
+def masked_greedy_logits(engine, messages, max_tokens: int, kept: torch.Tensor | None = None
+                         ) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding of ``messages`` under the compaction mask of ``engine``'s settings, or, with
+    ``kept`` (int64 logical prefix positions, e.g. a cache entry's ``kept.positions`` after an
+    on-pressure compaction), under the mask that keeps exactly those prefix tokens.
 
     The whole prompt is prefilled in one dense forward (images' features from
     ``engine.vision_features``), then ``max_tokens`` tokens are decoded one by one (end-of-sequence
@@ -97,7 +102,8 @@ def masked_greedy_logits(engine, messages, max_tokens: int) -> tuple[list[int], 
     n = len(prompt.input_ids)
     cache = MaskedDenseCache(
         cfg.num_hidden_layers, n + max_tokens, cfg.num_key_value_heads, cfg.head_dim,
-        prefix_len=prompt.prefix_len, removed=removed_positions(engine, prompt),
+        prefix_len=prompt.prefix_len, removed=removed_positions(engine, prompt) if kept is None
+        else _complement(kept, prompt.prefix_len),
         dtype=model.dtype, device=model.device,
     )
     visual = None
@@ -119,7 +125,13 @@ def masked_greedy_logits(engine, messages, max_tokens: int) -> tuple[list[int], 
     return tokens, torch.stack(rows)
 
 
-def masked_greedy(engine, messages, max_tokens: int) -> list[int]:
+def masked_greedy(engine, messages, max_tokens: int, kept: torch.Tensor | None = None) -> list[int]:
     """The ``max_tokens`` greedy token ids the compacted engine should produce for ``messages``
     (see :func:`masked_greedy_logits`)."""
-    return masked_greedy_logits(engine, messages, max_tokens)[0]
+    return masked_greedy_logits(engine, messages, max_tokens, kept)[0]
+
+
+def _complement(kept: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    keep = torch.zeros(prefix_len, dtype=torch.bool)
+    keep[kept] = True
+    return (~keep).nonzero().flatten()

@@ -32,7 +32,9 @@ class Telemetry:
             again) or ``"off"`` (no images, or prefix caching disabled).
         cached_tokens: prompt tokens whose KV was reused (prefix and conversation).
         conversation_reuse_tokens: of those, tokens of earlier turns beyond the public prefix.
-        visual_tokens_kept: visual tokens the compact prefix keeps.
+        visual_tokens_kept: visual tokens the prefix's KV keeps (all of them when dense).
+        prefix_form: ``"dense"`` or ``"compact"``: whether the public prefix the request used (hit)
+            or cached (miss) had dropped visual tokens; None without a cached prefix.
         prefix_pages / prefix_pages_dense: KV pages of the public prefix, compacted vs dense.
     """
 
@@ -55,6 +57,7 @@ class Telemetry:
     cached_tokens: int = 0
     conversation_reuse_tokens: int = 0
     visual_tokens_kept: int = 0
+    prefix_form: str | None = None
     prefix_pages: int = 0
     prefix_pages_dense: int = 0
 
