@@ -47,8 +47,11 @@ __all__ = ["DecodedVideo", "InvalidVideoError", "VideoOptions", "VideoSampling",
 _CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "gif"})
 #: FFmpeg's decoder names for the video codecs we decode.
 _CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "libdav1d", "mpeg4", "gif", "libvpx", "libvpx-vp9"})
-_NOT_A_VIDEO = ("The file is not a video Prism can read (supported: MP4, WebM and animated GIF with H.264, HEVC, "
-                "VP8, VP9, AV1 or GIF frames). Convert it to MP4 (H.264) and upload again.")
+_NOT_A_VIDEO = ("The file is not a video Prism can read, or it is damaged or truncated (supported: MP4, "
+                "WebM and animated GIF with H.264, HEVC, VP8, VP9, AV1 or GIF frames). Convert it to MP4 "
+                "(H.264) and upload again.")
+
+_NO_FRAMES = "The video has no frames. Upload a clip with at least two frames."
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ def sample_indices(total_frames: int, video_fps: float, sampling: VideoSampling)
         InvalidVideoError: ``total_frames < 1`` or a non-positive rate.
     """
     if total_frames < 1 or not video_fps > 0:
-        raise InvalidVideoError("The video has no frames. Upload a clip with at least two frames.")
+        raise InvalidVideoError(_NO_FRAMES)
     wanted = int(total_frames / video_fps * sampling.fps)
     n = min(max(wanted, sampling.min_frames), sampling.max_frames, total_frames)
     return [int(i) for i in np.linspace(0, total_frames - 1, n).round().astype(int)]
@@ -218,8 +221,11 @@ def decode_video(source, sampling: VideoSampling | None = None, options: VideoOp
 
 
 def _video_stream(container):
-    if container.format.name not in _CONTAINERS or not container.streams.video:
+    if container.format.name not in _CONTAINERS:
         raise InvalidVideoError(_NOT_A_VIDEO)
+    if not container.streams.video:
+        raise InvalidVideoError("The file holds no video frames: it has no video stream, or is truncated or "
+                                "damaged. Upload a clip with at least two frames.")
     stream = container.streams.video[0]
     if stream.codec_context is None or stream.codec_context.name not in _CODECS:
         raise InvalidVideoError(_NOT_A_VIDEO)

@@ -35,7 +35,7 @@ def pan_frames(n: int) -> list[Image.Image]:
 
 
 def write_mp4(path: pathlib.Path) -> None:
-    with av.open(str(path), "w") as out:
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as out:
         stream = out.add_stream("libx264", rate=MP4_RATE)
         stream.width, stream.height, stream.pix_fmt = WIDTH, HEIGHT, "yuv420p"
         stream.options = {"crf": "30", "preset": "veryslow"}
