@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlite_utils
@@ -82,7 +82,9 @@ class ImageRecord:
     ``width`` and ``height`` are the decoded size after EXIF orientation (what the model sees);
     ``bytes`` is the file size; ``mime`` its type (``image/png``, ``image/jpeg``, ...).
     ``filename`` is the display name the uploader gave in this session (``None`` if none); it is
-    untrusted text, escape it before showing it.
+    untrusted text, escape it before showing it. ``kind`` is ``"image"`` or ``"video"`` (a clip:
+    ``width``/``height`` its frame size, ``duration_s`` its length in seconds, ``poster`` a JPEG of
+    its first sampled frame; both None for images).
     """
 
     sha256: str
@@ -91,6 +93,13 @@ class ImageRecord:
     height: int
     bytes: int
     mime: str
+    kind: str = "image"
+    duration_s: float | None = None
+    poster: bytes | None = field(default=None, repr=False)
+
+    @property
+    def is_video(self) -> bool:
+        return self.kind == "video"
 
 
 @dataclass
@@ -203,10 +212,14 @@ def session_from_row(row: dict, shas: list[str]) -> Session:
     )
 
 
+#: The columns of an :class:`ImageRecord`, for a query joining ``session_images si`` and ``images i``.
+MEDIA_COLUMNS = "i.sha256, si.filename, i.width, i.height, i.bytes, i.mime, i.kind, i.duration_s, i.poster"
+
+
 def image_record(db: sqlite_utils.Database, session_id: str, sha: str) -> ImageRecord | None:
     rows = list(
         db.query(
-            "SELECT i.sha256, si.filename, i.width, i.height, i.bytes, i.mime FROM session_images si "
+            f"SELECT {MEDIA_COLUMNS} FROM session_images si "
             "JOIN images i ON i.sha256 = si.sha256 WHERE si.session_id = ? AND si.sha256 = ?",
             [session_id, sha],
         )

@@ -427,17 +427,22 @@ def media_first_messages(images, question: str, history=None, *, system: str | N
 
     Args:
         images: image sources (PIL images, paths or bytes) in order, or image parts without their
-            type (``{"image": path, "sha256": digest}``) to pass a known digest along.
+            type (``{"image": path, "sha256": digest}``) to pass a known digest along; a video clip
+            is a part ``{"video": path or bytes}``, laid out as ``Video N: <video>`` in its place
+            (images and videos are numbered separately).
         question: the question to answer now.
         history: earlier ``(question, answer)`` pairs, oldest first.
         system: an optional system message (placed before the images).
     """
     history = list(history or [])
     questions = [q for q, _ in history] + [question]
-    first = [part for i, img in enumerate(images, 1)
-             for part in ({"type": "text", "text": f"Image {i}: "},
-                          {**img, "type": "image"} if isinstance(img, dict) else {"type": "image", "image": img},
-                          {"type": "text", "text": "\n"})]
+    first, counts = [], {"image": 0, "video": 0}
+    for item in images:
+        kind = "video" if isinstance(item, dict) and "video" in item else "image"
+        counts[kind] += 1
+        part = {**item, "type": kind} if isinstance(item, dict) else {"type": "image", "image": item}
+        first += [{"type": "text", "text": f"{kind.capitalize()} {counts[kind]}: "}, part,
+                  {"type": "text", "text": "\n"}]
     first.append({"type": "text", "text": f"Question: {questions[0]}"})
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": first})

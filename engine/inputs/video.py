@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import InvalidVideoError
 
 __all__ = ["DecodedVideo", "InvalidVideoError", "VideoOptions", "VideoSampling", "decode_video",
-           "read_video_bytes", "sample_indices"]
+           "poster_jpeg", "read_video_bytes", "sample_indices", "sniff_video"]
 
 #: FFmpeg's demuxer names for the containers we open (MP4/MOV and Matroska/WebM share a demuxer).
 _CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "gif"})
@@ -305,3 +305,26 @@ def _decode(container, stream, indices: list[int], size: tuple[int, int], option
         raise InvalidVideoError(f"The video file ends early: its header promises frames up to {last + 1}, "
                                 f"the file holds fewer. It is truncated or damaged; upload it again.")
     return frames
+
+
+def sniff_video(data: bytes) -> str | None:
+    """``"video/mp4"`` (an ISO BMFF ``ftyp`` box: MP4, MOV) or ``"video/webm"`` (an EBML header:
+    WebM, Matroska) from a file's first bytes, else None. For routing uploads and MIME types only:
+    it does not validate (animated GIFs are images to this test)."""
+    if len(data) >= 12 and data[4:8] == b"ftyp":
+        return "video/mp4"
+    if data.startswith(b"\x1a\x45\xdf\xa3"):
+        return "video/webm"
+    return None
+
+
+def poster_jpeg(video: DecodedVideo, longest_edge: int = 320) -> bytes:
+    """The clip's first sampled frame as a JPEG of at most ``longest_edge`` pixels a side (bytes):
+    the poster a video card shows."""
+    from PIL import Image
+
+    im = Image.fromarray(video.frames[0])
+    im.thumbnail((longest_edge, longest_edge))
+    out = io.BytesIO()
+    im.save(out, "JPEG", quality=85)
+    return out.getvalue()
