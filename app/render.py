@@ -21,6 +21,10 @@ STATIC_VERSION = "6"  # bump to make browsers refetch static/prism.css and prism
 _CHAT_ICON = ('<svg viewBox="0 0 24 24" width="22" height="22" aria-hidden="true" fill="none" '
               'stroke="currentColor" stroke-width="1.8" stroke-linejoin="round">'
               '<path d="M4 5h16v11H9l-5 4z"/></svg>')
+#: A chat of video clips only: a play triangle in a frame, drawn inline like the speech bubble.
+_CLIP_ICON = ('<svg viewBox="0 0 24 24" width="22" height="22" aria-hidden="true" fill="none" '
+              'stroke="currentColor" stroke-width="1.8" stroke-linejoin="round">'
+              '<rect x="3" y="5" width="18" height="14" rx="2"/><path d="M10 9v6l5-3z"/></svg>')
 #: The image cards' "open" button: four arrows out to the corners (the whole image, uncropped).
 _OPEN_ICON = ('<svg viewBox="0 0 24 24" width="14" height="14" aria-hidden="true" fill="none" '
               'stroke="currentColor" stroke-width="2.2" stroke-linecap="round" stroke-linejoin="round">'
@@ -114,16 +118,24 @@ def banner(status: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------- sessions
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
 def sessions_list(sessions, active_id: str | None) -> str:
     """The sidebar list: thumbnail, title and age of each session, newest first."""
     if not sessions:
         return '<div class="prism-empty">No chats yet. Add images or ask a question to start one.</div>'
     items = []
     for s in sessions:
-        thumb = (f'<img src="{_e(image_url(s.image_shas[0]))}" alt="" loading="lazy">' if s.image_shas
-                 else f'<span class="prism-thumb-empty">{_CHAT_ICON}</span>')
-        n = len(s.image_shas)
-        meta = f"{n} image{'s' if n != 1 else ''} · {ago(s.updated_at)}"
+        clips = getattr(s, "video_shas", frozenset())
+        photos = [sha for sha in s.image_shas if sha not in clips]
+        thumb = (f'<img src="{_e(image_url(photos[0]))}" alt="" loading="lazy">' if photos
+                 else f'<span class="prism-thumb-empty">{_CLIP_ICON if clips else _CHAT_ICON}</span>')
+        meta = f"{_count(len(photos), 'image')} · {ago(s.updated_at)}"
+        if clips:
+            meta = (f"{_count(len(photos), 'image')}, " if photos else "") + f"{_count(len(clips), 'clip')} · " \
+                + ago(s.updated_at)
         active = " prism-session-active" if s.id == active_id else ""
         items.append(
             f'<button type="button" class="prism-session{active}" data-session="{_e(s.id)}" title="{_e(s.title)}">'

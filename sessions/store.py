@@ -315,15 +315,18 @@ class SessionStore:
                 )
             )
             shas: dict[str, list[str]] = {row["id"]: [] for row in rows}
+            videos: dict[str, set[str]] = {row["id"]: set() for row in rows}
             if rows:
                 for link in db.query(
-                    "SELECT si.session_id, si.sha256 FROM session_images si "
-                    "JOIN sessions s ON s.id = si.session_id WHERE s.owner_hash = ? "
-                    "ORDER BY si.session_id, si.position",
+                    "SELECT si.session_id, si.sha256, i.kind FROM session_images si "
+                    "JOIN sessions s ON s.id = si.session_id JOIN images i ON i.sha256 = si.sha256 "
+                    "WHERE s.owner_hash = ? ORDER BY si.session_id, si.position",
                     [owner_hash(owner)],
                 ):
                     shas[link["session_id"]].append(link["sha256"])
-            return [session_from_row(row, shas[row["id"]]) for row in rows]
+                    if link["kind"] == "video":
+                        videos[link["session_id"]].add(link["sha256"])
+            return [session_from_row(row, shas[row["id"]], videos[row["id"]]) for row in rows]
 
     def get_session(self, session_id: str, owner: str | None = None) -> Session | None:
         """Return the session, or ``None``.

@@ -156,6 +156,17 @@ def test_the_video_card_shows_its_duration_and_poster(store):
     assert re.search(r'poster="data:image/jpeg;base64,[A-Za-z0-9+/=]{100,}"', html)
     assert 'preload="none"' in html and "pan &amp; &lt;i&gt;.mp4" in html and "<i>" not in html
     assert [render.duration_text(s) for s in (0.4, 8.008, 61, 3725)] == ["0:00", "0:08", "1:01", "1:02:05"]
+    # the sidebar: a chat of one clip shows no broken thumbnail and counts the clip as a clip
+    side = render.sessions_list(store.list_sessions(OWNER), session.id)
+    assert "1 clip · " in side and "<img" not in side and store.get_session(session.id).video_shas
+
+
+def test_the_sidebar_counts_images_and_clips(store, media_path):
+    session = store.create_session(OWNER)
+    store.add_video(session.id, OWNER, CLIP.read_bytes())
+    image = store.add_image(session.id, OWNER, media_path("chelsea.png").read_bytes())
+    side = render.sessions_list(store.list_sessions(OWNER), None)
+    assert "1 image, 1 clip · " in side and f'src="/images/{image.sha256}"' in side
 
 
 def test_the_clip_is_served_to_its_owner_and_on_its_share_page(tmp_path, engine):
