@@ -100,6 +100,20 @@ def test_the_committed_clip_is_what_the_tests_say():
     assert MP4.stat().st_size < 300_000 and GIF.stat().st_size < 300_000
 
 
+def test_later_questions_in_a_session_reuse_the_decoded_clip(pair):
+    """The decoded clip is kept per salt: the same bytes again under that salt are not decoded
+    again (and give the same prompt); under another salt they are."""
+    builder = pair.engine.prompts
+    first = builder.build(_messages(str(MP4)), salt="video-a")
+    hits = builder.videos.hits
+    again = builder.build(_messages(MP4.read_bytes(), "Another question?"), salt="video-a")
+    assert builder.videos.hits == hits + 1
+    assert torch.equal(again.pixel_values_videos, first.pixel_values_videos)
+    assert again.video_hashes == first.video_hashes
+    builder.build(_messages(str(MP4)), salt="video-b")
+    assert builder.videos.hits == hits + 1
+
+
 def test_sampling_equals_transformers_sampler(pair):
     """Our index rule against ``Qwen3VLVideoProcessor.sample_frames`` on many (frames, rate)."""
     vp = pair.processor.video_processor
@@ -199,11 +213,18 @@ def test_limits_refuse_with_a_message(limit, match):
     decode_video(MP4, options=VideoOptions(**{k: v * 2 for k, v in limit.items()}))  # inside: decodes
 
 
+def test_decoding_stops_at_its_deadline():
+    with pytest.raises(InvalidVideoError, match="took over"):
+        decode_video(MP4, options=VideoOptions(max_decode_s=1e-9))
+
+
 def test_not_a_video_and_one_frame(pair, media_path):
     with pytest.raises(InvalidVideoError, match="not a video"):
         pair.engine.prompts.build(_messages(media_path("chelsea.png").read_bytes()))
     with pytest.raises(InvalidVideoError, match="not a video"):
         pair.engine.prompts.build(_messages(bytes(range(256)) * 8))
+    with pytest.raises(InvalidVideoError, match="not a video"):  # a codec we do not decode (MPEG-2)
+        decode_video(_encode("matroska", "mpeg2video", 8, 10))
     with pytest.raises(InvalidVideoError, match="single frame"):
         decode_video(_encode("mp4", "libx264", 1, 30))
     with pytest.raises(InvalidVideoError, match="could not read"):

@@ -42,7 +42,7 @@ from ..errors import InvalidRequestError
 from ..model.rope import VisualSpan, find_visual_spans, mrope_positions
 from .images import ImageOptions, image_sha256, open_image
 from .processed_images import BYTE_SOURCES, ProcessedImage, ProcessedImages, Source
-from .video import DecodedVideo, VideoOptions, VideoSampling, decode_video
+from .video import DecodedVideo, DecodedVideos, VideoOptions, VideoSampling
 
 ROLES = ("system", "user", "assistant")
 _HEX64 = re.compile("[0-9a-fA-F]{64}")
@@ -264,6 +264,7 @@ class PromptBuilder:
         self.processor = processor
         self.video_options = video_options or VideoOptions()
         self.video_sampling = VideoSampling.of(getattr(processor, "video_processor", None))
+        self.videos = DecodedVideos(self.video_sampling, self.video_options)
         self.image_token_id, self.video_token_id, self.merge_size = image_token_id, video_token_id, merge_size
         self.image_options = image_options or ImageOptions()
         size = dict(getattr(processor.image_processor, "size", None) or {})
@@ -358,7 +359,7 @@ class PromptBuilder:
         arrays, metadata, hashes = [], [], []
         for source, fps in raw_videos:
             if fps is None:  # a file: decoded and sampled here, as transformers' PyAV backend would
-                video = decode_video(source, self.video_sampling, self.video_options)
+                video = self.videos.get(source, salt)
                 arrays.append(video.frames)
                 metadata.append(video.metadata())
                 hashes.append(_video_file_sha256(video, self.video_sampling))

@@ -328,3 +328,56 @@ def poster_jpeg(video: DecodedVideo, longest_edge: int = 320) -> bytes:
     out = io.BytesIO()
     im.save(out, "JPEG", quality=85)
     return out.getvalue()
+
+
+class DecodedVideos:
+    """Decoded clips kept per cache salt, so that each later question about a clip in a session
+    skips decoding it (the file is still read and hashed: the key is its SHA-256). LRU, bounded by
+    the sampled frames' bytes; keyed by the salt as the processed-image cache is, so one session's
+    decoding is never another's (a hit would tell it the other had the clip).
+
+    Args:
+        sampling: the video processor's settings. options: the limits. cache_bytes: bound of the
+            kept frames (bytes); a clip larger than it is decoded and not kept.
+
+    Counters: ``hits`` (clips taken from the cache), ``entries``. The frames handed out are
+    shared with later prompts: callers must not write to them (the processor copies them).
+    """
+
+    def __init__(self, sampling: VideoSampling, options: VideoOptions, cache_bytes: int = 128 << 20):
+        from collections import OrderedDict
+        from threading import Lock
+
+        self.sampling, self.options, self.cache_bytes = sampling, options, int(cache_bytes)
+        self._entries: OrderedDict[tuple[str, str], DecodedVideo] = OrderedDict()
+        self._bytes, self._lock, self.hits = 0, Lock(), 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    def get(self, source, salt: str) -> DecodedVideo:
+        """The clip's sampled frames (see :func:`decode_video`), from the cache when this salt
+        decoded the same bytes before.
+
+        Raises:
+            InvalidVideoError: as :func:`decode_video`.
+        """
+        data = read_video_bytes(source, self.options)
+        key = (salt, hashlib.sha256(data).hexdigest())
+        with self._lock:
+            if (found := self._entries.get(key)) is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return found
+        video = decode_video(data, self.sampling, self.options)
+        size = video.frames.nbytes
+        if size <= self.cache_bytes:
+            with self._lock:
+                if key not in self._entries:
+                    self._entries[key] = video
+                    self._bytes += size
+                while self._bytes > self.cache_bytes:
+                    _, old = self._entries.popitem(last=False)
+                    self._bytes -= old.frames.nbytes
+        return video
