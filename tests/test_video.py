@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import CI
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 if not CI:  # under PRISM_CI=1 a missing PyAV is a failure, not a skip
     pytest.importorskip("av")
@@ -152,10 +154,13 @@ def _encode(fmt: str, codec: str, n: int, rate, size=(32, 32)) -> bytes:
     return buf.getvalue()
 
 
+WEBM = _encode("webm", "libvpx", 30, 10)
+
+
 def test_webm_without_a_frame_count_is_counted_and_sampled():
     """WebM does not record its frame count (transformers' PyAV loader cannot sample it): the
     packets are counted, then sampled by the same rule."""
-    data = _encode("webm", "libvpx", 30, 10)
+    data = WEBM
     with av.open(io.BytesIO(data)) as c:
         assert c.streams.video[0].frames == 0
     video = decode_video(data)
@@ -189,12 +194,12 @@ def test_a_zero_frame_file_is_refused_clearly(pair):
 
 
 def test_an_over_long_clip_is_refused_before_decoding(pair, monkeypatch):
-    """301 s at 1 fps: over the 300 s default, refused from the header (nothing decoded)."""
-    data = _encode("mp4", "libx264", 301, 1)
+    """121 s at 1 fps: over the 120 s default, refused from the header (nothing decoded)."""
+    data = _encode("mp4", "libx264", 121, 1)
     decoded = []
     real = av.container.InputContainer.decode
     monkeypatch.setattr(av.container.InputContainer, "decode", lambda *a, **k: decoded.append(1) or real(*a, **k))
-    with pytest.raises(InvalidVideoError, match=r"301\.0 s long .* up to 300 s"):
+    with pytest.raises(InvalidVideoError, match=r"121\.0 s long .* up to 120 s"):
         pair.engine.prompts.build(_messages(data))
     assert not decoded
 
@@ -211,6 +216,30 @@ def test_limits_refuse_with_a_message(limit, match):
     with pytest.raises(InvalidVideoError, match=match):
         decode_video(MP4, options=VideoOptions(**limit))
     decode_video(MP4, options=VideoOptions(**{k: v * 2 for k, v in limit.items()}))  # inside: decodes
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_damaged_files_raise_only_invalid_video_error(data):
+    """Whatever a client does to a clip's bytes (cut it, overwrite a run of bytes, splice in
+    garbage), decoding either works or says why with InvalidVideoError, never another exception."""
+    clip = bytearray(data.draw(st.sampled_from([MP4.read_bytes(), GIF.read_bytes(), WEBM])))
+    cut = data.draw(st.integers(0, len(clip)))
+    start = data.draw(st.integers(0, len(clip) - 1))
+    junk = data.draw(st.binary(min_size=1, max_size=64))
+    mode = data.draw(st.sampled_from(["cut", "overwrite", "insert"]))
+    if mode == "cut":
+        clip = clip[:cut]
+    elif mode == "overwrite":
+        clip[start : start + len(junk)] = junk
+    else:
+        clip[start:start] = junk
+    try:
+        video = decode_video(bytes(clip), options=VideoOptions(max_decode_s=10))
+    except InvalidVideoError as exc:
+        assert str(exc)
+    else:
+        assert video.frames.ndim == 4 and len(video.frames) == len(video.indices) >= 2
 
 
 def test_decoding_stops_at_its_deadline():
