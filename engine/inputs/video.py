@@ -40,7 +40,7 @@ import numpy as np
 
 from ..errors import InvalidVideoError
 
-__all__ = ["DecodedVideo", "InvalidVideoError", "VideoOptions", "VideoSampling", "decode_video",
+__all__ = ["DecodedVideo", "DecodedVideos", "InvalidVideoError", "VideoOptions", "VideoSampling", "decode_video",
            "poster_jpeg", "read_video_bytes", "sample_indices", "sniff_video"]
 
 #: FFmpeg's demuxer names for the containers we open (MP4/MOV and Matroska/WebM share a demuxer).
