@@ -17,7 +17,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import Completion, ImageDigestMismatchError, PrismError, SamplingParams, media_first_messages
+from engine import (
+    Completion,
+    ImageDigestMismatchError,
+    InvalidVideoError,
+    PrismError,
+    SamplingParams,
+    media_first_messages,
+)
+from engine.inputs.video import sniff_video
 from sessions import (
     MAX_TITLE_LENGTH,
     InvalidImageError,
@@ -383,7 +391,8 @@ class ChatService:
     # ------------------------------------------------------------------ images
     def add_images(self, session_id: str | None, owner: str, uploads: list[tuple[str, str | Path | bytes]]
                    ) -> tuple[Session | None, list[str]]:
-        """Add uploaded images (``(file name, path or bytes)`` pairs) to the session, creating it
+        """Add uploaded images and video clips (``(file name, path or bytes)`` pairs; MP4 and WebM
+        files are clips, everything else, animated GIFs too, an image) to the session, creating it
         if needed. Returns the session and one message per refused file; a refused file is not
         stored and the others are. When every file of a first upload is refused, no session is
         left behind and the session returned is None."""
@@ -394,9 +403,10 @@ class ChatService:
             label = os.path.basename(str(name or "")) or "image"
             try:
                 data = self._read_upload(source)
-                self.store.add_image(session.id, owner, data, filename=label)
+                add = self.store.add_video if sniff_video(data) else self.store.add_image
+                add(session.id, owner, data, filename=label)
                 stored += 1
-            except (InvalidImageError, LimitExceeded, ChatError) as exc:
+            except (InvalidImageError, InvalidVideoError, LimitExceeded, ChatError) as exc:
                 problems.append(f"{label}: {exc}")
             except (NotFound, PermissionDenied) as exc:
                 raise ChatError(str(exc)) from None
@@ -459,7 +469,9 @@ class ChatService:
                        if t.finished_at is not None and not t.error and t.answer]
         # the store is content-addressed: passing each file's digest spares the engine reading
         # and hashing every image again for each question (it checks the digest when it processes)
-        images = [{"image": self.store.image_path(sha), "sha256": sha} for sha in session.image_shas]
+        kinds = {r.sha256: r.kind for r in self.store.list_images(session.id)}
+        images = [{"video": self.store.image_path(sha)} if kinds.get(sha) == "video"
+                  else {"image": self.store.image_path(sha), "sha256": sha} for sha in session.image_shas]
         if session.title == DEFAULT_TITLE and not self.store.list_turns(session.id):
             title = " ".join(question.split())
             title = title if len(title) <= TITLE_FROM_QUESTION_CHARS else title[: TITLE_FROM_QUESTION_CHARS - 1] + "…"
@@ -467,7 +479,7 @@ class ChatService:
         turn = self.store.add_turn(session.id, question)
         with self._lock:
             self._active_turns.add(turn.id)
-        if any(p["image"] is None for p in images):
+        if any(p.get("image", p.get("video")) is None for p in images):
             return ActiveTurn(self, session, turn, error="An image of this chat is missing on the server.")
         try:
             sampling = options.sampling()
@@ -583,7 +595,8 @@ class ChatService:
         ``kept_count``, ``selector`` and ``keep_ratio`` as :meth:`engine.Engine.prefix_info`
         reports them (the browser draws them, it computes nothing).
         """
-        shas = list(session.image_shas)
+        videos = {r.sha256 for r in self.store.list_images(session.id) if r.is_video}
+        shas = [sha for sha in session.image_shas if sha not in videos]  # clips have no viewer
         engine, info, reason = self.engine_or_none(), None, NOT_CACHED
         if engine is None:
             reason = NOT_LOADED

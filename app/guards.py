@@ -41,7 +41,8 @@ class BodyCaps:
 
     Attributes:
         upload: ``POST /gradio_api/upload``: every image a chat may hold, each at the upload limit.
-        api: ``/v1/...``: as many images as base64 ``data:`` URLs (4 bytes per 3), plus text.
+        api: ``/v1/...``: as many images (or video clips) as base64 ``data:`` URLs (4 bytes per 3),
+            plus text.
         text: every other route (Gradio events, share forks): :data:`TEXT_BODY_BYTES`.
     """
 

@@ -1,7 +1,10 @@
 """An OpenAI-compatible API: ``POST /v1/chat/completions`` and ``GET /v1/models``.
 
-Messages may mix text parts and ``image_url`` parts whose URL is a base64 ``data:`` URL (remote
-URLs are refused: the server never fetches anything). ``stream: true`` answers with server-sent
+Messages may mix text parts, ``image_url`` parts and ``video_url`` parts (an MP4, WebM or animated
+GIF clip, as vLLM accepts them) whose URL is a base64 ``data:`` URL (remote URLs are refused: the
+server never fetches anything). A video counts as one file against the same body cap and per-file
+limit as an image; a file the engine cannot use (not a video, truncated, no frames, too long or
+too large to decode) is a 400 with the engine's message. ``stream: true`` answers with server-sent
 events. A client that disconnects mid-answer cancels its request in the engine.
 
 ``model`` may be left out (the served model answers); a model this server does not serve is a
@@ -94,27 +97,31 @@ def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def decode_data_url(url: object, max_bytes: int) -> bytes:
-    """The bytes of a base64 ``data:`` URL (an image), or :class:`APIError` 400."""
+def decode_data_url(url: object, max_bytes: int, what: str = "image") -> bytes:
+    """The bytes of a base64 ``data:`` URL (``what``: ``"image"`` or ``"video"``, for the
+    messages), at most ``max_bytes`` of them, or :class:`APIError` 400."""
+    example = "data:video/mp4;base64,..." if what == "video" else "data:image/png;base64,..."
     if not isinstance(url, str):
-        raise _bad("image_url.url must be a string", "messages")
+        raise _bad(f"{what}_url.url must be a string", "messages")
     if not url.startswith("data:"):
-        raise _bad("only base64 data: URLs are accepted for images (data:image/png;base64,...); "
+        raise _bad(f"only base64 data: URLs are accepted for {what}s ({example}); "
                    "this server does not fetch remote URLs", "messages")
     match = _DATA_URL_RE.match(url)
     if not match or ";base64" not in match.group("params").lower():
-        raise _bad("image data: URLs must be base64 encoded (data:image/png;base64,...)", "messages")
+        raise _bad(f"{what} data: URLs must be base64 encoded ({example})", "messages")
     payload = match.group("data").strip()
     if len(payload) * 3 // 4 > max_bytes + 3:
-        raise _bad(f"an image is larger than the limit of {max_bytes / 2**20:g} MiB", "messages")
+        raise _bad(f"a{'n' if what == 'image' else ''} {what} is larger than the limit of "
+                   f"{max_bytes / 2**20:g} MiB", "messages")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise _bad("an image data: URL is not valid base64", "messages") from None
+        raise _bad(f"a{'n' if what == 'image' else ''} {what} data: URL is not valid base64", "messages") from None
 
 
 def convert_messages(raw: object, max_image_bytes: int) -> list[dict]:
-    """OpenAI chat messages -> engine messages (image parts as bytes)."""
+    """OpenAI chat messages -> engine messages (image and video parts as bytes; a video file is
+    held to the same per-file limit as an image, ``max_image_bytes``)."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty array", "messages")
     out = []
@@ -143,9 +150,13 @@ def convert_messages(raw: object, max_image_bytes: int) -> list[dict]:
                 spec = part.get("image_url")
                 url = spec.get("url") if isinstance(spec, dict) else spec
                 parts.append({"type": "image", "image": decode_data_url(url, max_image_bytes)})
+            elif kind == "video_url":  # as vLLM accepts it: {"video_url": {"url": "data:video/mp4;base64,..."}}
+                spec = part.get("video_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                parts.append({"type": "video", "video": decode_data_url(url, max_image_bytes, "video")})
             else:
-                raise _bad(f"messages[{n}]: unsupported content part type {kind!r} (use text or image_url)",
-                           "messages")
+                raise _bad(f"messages[{n}]: unsupported content part type {kind!r} (use text, image_url or "
+                           "video_url)", "messages")
         out.append({"role": role, "content": parts})
     return out
 

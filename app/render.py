@@ -14,13 +14,17 @@ from urllib.parse import quote
 
 from .chat import TurnView
 
-STATIC_VERSION = "5"  # bump to make browsers refetch static/prism.css and prism.js
+STATIC_VERSION = "6"  # bump to make browsers refetch static/prism.css and prism.js
 
 #: A text-only chat's thumbnail: a speech bubble drawn inline (an emoji needs an emoji font, which
 #: many machines lack, and then shows as an empty box).
 _CHAT_ICON = ('<svg viewBox="0 0 24 24" width="22" height="22" aria-hidden="true" fill="none" '
               'stroke="currentColor" stroke-width="1.8" stroke-linejoin="round">'
               '<path d="M4 5h16v11H9l-5 4z"/></svg>')
+#: A chat of video clips only: a play triangle in a frame, drawn inline like the speech bubble.
+_CLIP_ICON = ('<svg viewBox="0 0 24 24" width="22" height="22" aria-hidden="true" fill="none" '
+              'stroke="currentColor" stroke-width="1.8" stroke-linejoin="round">'
+              '<rect x="3" y="5" width="18" height="14" rx="2"/><path d="M10 9v6l5-3z"/></svg>')
 #: The image cards' "open" button: four arrows out to the corners (the whole image, uncropped).
 _OPEN_ICON = ('<svg viewBox="0 0 24 24" width="14" height="14" aria-hidden="true" fill="none" '
               'stroke="currentColor" stroke-width="2.2" stroke-linecap="round" stroke-linejoin="round">'
@@ -114,16 +118,24 @@ def banner(status: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------- sessions
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
 def sessions_list(sessions, active_id: str | None) -> str:
     """The sidebar list: thumbnail, title and age of each session, newest first."""
     if not sessions:
         return '<div class="prism-empty">No chats yet. Add images or ask a question to start one.</div>'
     items = []
     for s in sessions:
-        thumb = (f'<img src="{_e(image_url(s.image_shas[0]))}" alt="" loading="lazy">' if s.image_shas
-                 else f'<span class="prism-thumb-empty">{_CHAT_ICON}</span>')
-        n = len(s.image_shas)
-        meta = f"{n} image{'s' if n != 1 else ''} · {ago(s.updated_at)}"
+        clips = getattr(s, "video_shas", frozenset())
+        photos = [sha for sha in s.image_shas if sha not in clips]
+        thumb = (f'<img src="{_e(image_url(photos[0]))}" alt="" loading="lazy">' if photos
+                 else f'<span class="prism-thumb-empty">{_CLIP_ICON if clips else _CHAT_ICON}</span>')
+        meta = f"{_count(len(photos), 'image')} · {ago(s.updated_at)}"
+        if clips:
+            meta = (f"{_count(len(photos), 'image')}, " if photos else "") + f"{_count(len(clips), 'clip')} · " \
+                + ago(s.updated_at)
         active = " prism-session-active" if s.id == active_id else ""
         items.append(
             f'<button type="button" class="prism-session{active}" data-session="{_e(s.id)}" title="{_e(s.title)}">'
@@ -134,31 +146,74 @@ def sessions_list(sessions, active_id: str | None) -> str:
     return '<nav class="prism-sessions">' + "".join(items) + "</nav>"
 
 
+def _remove_button(r, label: str, editable: bool) -> str:
+    return (f'<button type="button" class="prism-remove" data-remove="{_e(r.sha256)}" '
+            f'title="Remove {label}" aria-label="Remove {label}">×</button>') if editable else ""
+
+
+def image_card(r, n: int, editable: bool, url: Callable[[str], str]) -> str:
+    """One image's card: the photo (cropped), its number and size, an "open" button and, when
+    editable, a remove button."""
+    remove = _remove_button(r, f"image {n}", editable)
+    name = r.filename or f"image {n}"
+    size = f"{int(r.width)}×{int(r.height)}"
+    # the remove button sits in the caption, beside the name: over the photo it hid part of it
+    return (
+        f'<figure class="prism-image" data-number="{n}" data-sha="{_e(r.sha256)}">'
+        f'<img src="{_e(url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
+        f'<button type="button" class="prism-open" data-open-image="{n}" title="Open image {n}: the whole '
+        f'image and what the model keeps of it" aria-label="Open image {n}">{_OPEN_ICON}</button>'
+        f'<figcaption><span class="prism-image-label" title="Image {n} · {size}"><b>Image {n}</b> · {size}</span>'
+        f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>{remove}'
+        f"</span></figcaption></figure>"
+    )
+
+
+def duration_text(seconds: float | None) -> str:
+    """A clip's length as ``m:ss`` (``0:08``), or ``h:mm:ss`` from an hour; ``?`` when unknown."""
+    if seconds is None:
+        return "?"
+    total = int(round(float(seconds)))
+    h, rest = divmod(total, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def video_card(r, n: int, editable: bool, url: Callable[[str], str]) -> str:
+    """One video clip's card: its poster frame (a JPEG the store made at upload, inline), the clip
+    itself behind the browser's player (loaded only when played), its duration, and when editable
+    a remove button."""
+    import base64
+
+    remove = _remove_button(r, f"video {n}", editable)
+    name = r.filename or f"video {n}"
+    length = duration_text(r.duration_s)
+    poster = f"data:image/jpeg;base64,{base64.b64encode(r.poster).decode()}" if r.poster else ""
+    return (
+        f'<figure class="prism-image prism-video" data-video-number="{n}" data-sha="{_e(r.sha256)}">'
+        f'<video src="{_e(url(r.sha256))}" poster="{_e(poster)}" preload="none" controls muted playsinline '
+        f'aria-label="{_e(name)}"></video>'
+        f'<span class="prism-duration" aria-hidden="true">▶ {length}</span>'
+        f'<figcaption><span class="prism-image-label" title="Video {n} · {length} · {int(r.width)}×{int(r.height)}">'
+        f"<b>Video {n}</b> · {length}</span>"
+        f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>{remove}'
+        f"</span></figcaption></figure>"
+    )
+
+
 def images_strip(records, *, editable: bool = True, url: Callable[[str], str] = image_url,
                  prefix: str | None = None) -> str:
-    """The session's images in prompt order, each with its number, an "open" button (prism.js
-    shows the whole image, and with ``prefix``, the URL of :func:`prefix_url` or
-    :func:`shared_prefix_url`, what the model keeps of it) and, when editable, a remove button;
-    ``url`` maps an image's hash to its URL."""
+    """The session's images and video clips in prompt order: each image with its number, an "open"
+    button (prism.js shows the whole image, and with ``prefix``, the URL of :func:`prefix_url` or
+    :func:`shared_prefix_url`, what the model keeps of it), each clip as :func:`video_card`; when
+    editable, a remove button; ``url`` maps a file's hash to its URL."""
     if not records:
         return ('<div class="prism-images prism-images-empty">No images yet: drop, paste or choose some '
-                "below. Without images, questions are a plain text chat.</div>")
-    figures = []
-    for n, r in enumerate(records, 1):
-        remove = (f'<button type="button" class="prism-remove" data-remove="{_e(r.sha256)}" '
-                  f'title="Remove image {n}" aria-label="Remove image {n}">×</button>') if editable else ""
-        name = r.filename or f"image {n}"
-        size = f"{int(r.width)}×{int(r.height)}"
-        # the remove button sits in the caption, beside the name: over the photo it hid part of it
-        figures.append(
-            f'<figure class="prism-image" data-number="{n}" data-sha="{_e(r.sha256)}">'
-            f'<img src="{_e(url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
-            f'<button type="button" class="prism-open" data-open-image="{n}" title="Open image {n}: the whole '
-            f'image and what the model keeps of it" aria-label="Open image {n}">{_OPEN_ICON}</button>'
-            f'<figcaption><span class="prism-image-label" title="Image {n} · {size}"><b>Image {n}</b> · {size}</span>'
-            f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>{remove}'
-            f"</span></figcaption></figure>"
-        )
+                "below (short MP4 or WebM clips too). Without images, questions are a plain text chat.</div>")
+    figures, counts = [], {"image": 0, "video": 0}
+    for r in records:
+        kind = "video" if getattr(r, "kind", "image") == "video" else "image"
+        counts[kind] += 1
+        figures.append((video_card if kind == "video" else image_card)(r, counts[kind], editable, url))
     viewer = f' data-prefix-url="{_e(prefix)}"' if prefix else ""
     return f'<div class="prism-images"{viewer}>' + "".join(figures) + "</div>"
 

@@ -203,7 +203,7 @@ class PrismUI:
         if session is None:
             return ""
         notes = [self.chat.upscale_notice(r.filename or "an image", r.width, r.height)
-                 for r in self.chat.store.list_images(session.id) if r.sha256 not in known]
+                 for r in self.chat.store.list_images(session.id) if r.sha256 not in known and not r.is_video]
         notes = [n for n in notes if n]
         return _notice(" ".join(notes), "info") if notes else ""
 
@@ -368,8 +368,8 @@ class PrismUI:
             c.delete = gr.Button("Delete", scale=0, min_width=90, variant="stop", elem_id="prism-delete")
         c.images = gr.HTML(render.images_strip([]), elem_id="prism-images",
                            js_on_load=_CLICK_JS % {"attr": "remove", "key": "remove"})
-        c.upload = gr.File(file_count="multiple", file_types=["image"], type="filepath", height=76,
-                           show_label=False, label="Add images", elem_id="prism-upload")
+        c.upload = gr.File(file_count="multiple", file_types=["image", ".mp4", ".webm"], type="filepath", height=76,
+                           show_label=False, label="Add images or clips", elem_id="prism-upload")
         c.notice = gr.HTML("", elem_id="prism-notice")
         c.chat = gr.Chatbot(elem_id="prism-chat", height=440, show_label=False, buttons=[], editable="user",
                             placeholder="Ask anything about your images. Answers stream here, each with its "

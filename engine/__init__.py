@@ -11,6 +11,7 @@ from .errors import (
     ImageDigestMismatchError,
     InvalidImageError,
     InvalidRequestError,
+    InvalidVideoError,
     PrismError,
     RequestTooLargeError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "RequestTooLargeError",
     "InvalidImageError",
     "InvalidRequestError",
+    "InvalidVideoError",
     "PrismError",
     "SamplingParams",
     "Telemetry",

@@ -27,6 +27,11 @@ class InvalidRequestError(PrismError, ValueError):
     """A request is malformed (bad message format, bad sampling parameters)."""
 
 
+class InvalidVideoError(InvalidRequestError):
+    """A user-supplied video cannot be used: not a supported video, truncated, no frames, too long or
+    too large to decode. The message is written for the uploader and says what to do."""
+
+
 class ImageDigestMismatchError(InvalidRequestError):
     """An image part's ``sha256`` is not the SHA-256 of its bytes."""
 

@@ -89,8 +89,16 @@ def _migration_2(db: sqlite_utils.Database) -> None:
         db.execute("UPDATE sessions SET owner_hash = ? WHERE id = ?", [owner_hash(owner), session_id])
 
 
+def _migration_3(db: sqlite_utils.Database) -> None:
+    """Video clips beside images: ``images.kind`` (``'image'`` for every existing row), the clip's
+    ``duration_s`` and its ``poster`` (a JPEG of its first sampled frame); NULL for images."""
+    db.execute("ALTER TABLE images ADD COLUMN kind TEXT NOT NULL DEFAULT 'image' CHECK (kind IN ('image', 'video'))")
+    db.execute("ALTER TABLE images ADD COLUMN duration_s REAL")
+    db.execute("ALTER TABLE images ADD COLUMN poster BLOB")
+
+
 #: ``_MIGRATIONS[i]`` takes the schema from version ``i`` to ``i + 1``. Append, never edit.
-_MIGRATIONS = [_migration_1, _migration_2]
+_MIGRATIONS = [_migration_1, _migration_2, _migration_3]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlite_utils
@@ -49,7 +49,8 @@ class Session:
     ``image_shas`` lists the session's images in the order they were added (the order the model
     sees them). ``cache_salt`` is a server-chosen secret that namespaces the engine's prefix cache
     for this conversation; never show it to anyone, never accept one from a client.
-    ``forked_from`` is the id of the session this one was forked from, if any. ``owner_hash`` is
+    ``forked_from`` is the id of the session this one was forked from, if any. ``video_shas``: which
+    of ``image_shas`` are video clips (the rest are images). ``owner_hash`` is
     the SHA-256 (hex) of the owner key, never the key itself.
     """
 
@@ -61,6 +62,7 @@ class Session:
     updated_at: float
     image_shas: list[str]
     forked_from: str | None
+    video_shas: frozenset[str] = frozenset()
 
     def to_public_dict(self) -> dict[str, Any]:
         """The fields safe to send to a browser, even a share visitor's: everything except
@@ -82,7 +84,9 @@ class ImageRecord:
     ``width`` and ``height`` are the decoded size after EXIF orientation (what the model sees);
     ``bytes`` is the file size; ``mime`` its type (``image/png``, ``image/jpeg``, ...).
     ``filename`` is the display name the uploader gave in this session (``None`` if none); it is
-    untrusted text, escape it before showing it.
+    untrusted text, escape it before showing it. ``kind`` is ``"image"`` or ``"video"`` (a clip:
+    ``width``/``height`` its frame size, ``duration_s`` its length in seconds, ``poster`` a JPEG of
+    its first sampled frame; both None for images).
     """
 
     sha256: str
@@ -91,6 +95,13 @@ class ImageRecord:
     height: int
     bytes: int
     mime: str
+    kind: str = "image"
+    duration_s: float | None = None
+    poster: bytes | None = field(default=None, repr=False)
+
+    @property
+    def is_video(self) -> bool:
+        return self.kind == "video"
 
 
 @dataclass
@@ -184,13 +195,14 @@ def load_session(db: sqlite_utils.Database, session_id: str) -> Session | None:
     row = session_row(db, session_id)
     if row is None:
         return None
-    shas = [r[0] for r in db.execute(
-        "SELECT sha256 FROM session_images WHERE session_id = ? ORDER BY position", [session_id]
-    )]
-    return session_from_row(row, shas)
+    rows = db.execute(
+        "SELECT si.sha256, i.kind FROM session_images si JOIN images i ON i.sha256 = si.sha256 "
+        "WHERE si.session_id = ? ORDER BY si.position", [session_id]
+    ).fetchall()
+    return session_from_row(row, [sha for sha, _ in rows], {sha for sha, kind in rows if kind == "video"})
 
 
-def session_from_row(row: dict, shas: list[str]) -> Session:
+def session_from_row(row: dict, shas: list[str], videos: set[str] | frozenset[str] = frozenset()) -> Session:
     return Session(
         id=row["id"],
         owner_hash=row["owner_hash"],
@@ -200,13 +212,18 @@ def session_from_row(row: dict, shas: list[str]) -> Session:
         updated_at=row["updated_at"],
         image_shas=shas,
         forked_from=row["forked_from"],
+        video_shas=frozenset(videos),
     )
+
+
+#: The columns of an :class:`ImageRecord`, for a query joining ``session_images si`` and ``images i``.
+MEDIA_COLUMNS = "i.sha256, si.filename, i.width, i.height, i.bytes, i.mime, i.kind, i.duration_s, i.poster"
 
 
 def image_record(db: sqlite_utils.Database, session_id: str, sha: str) -> ImageRecord | None:
     rows = list(
         db.query(
-            "SELECT i.sha256, si.filename, i.width, i.height, i.bytes, i.mime FROM session_images si "
+            f"SELECT {MEDIA_COLUMNS} FROM session_images si "
             "JOIN images i ON i.sha256 = si.sha256 WHERE si.session_id = ? AND si.sha256 = ?",
             [session_id, sha],
         )

@@ -6,7 +6,7 @@ the app; what they delegate to lives in the modules listed below.)
 Layout of ``data_dir``::
 
     prism.db                      SQLite database (WAL mode), see :mod:`sessions.migrations` for the schema
-    images/<sha[:2]>/<sha256>     uploaded image files, content-addressed by the SHA-256 of their bytes
+    images/<sha[:2]>/<sha256>     uploaded image and video files, content-addressed by the SHA-256 of their bytes
 
 :class:`SessionStore` is the facade: it holds the connection, the lock and the transactions, checks
 ownership, and keeps the sessions, images and turns; it delegates to :mod:`sessions.records` (the
@@ -59,8 +59,9 @@ from pathlib import Path
 
 import sqlite_utils
 
-from engine.errors import InvalidImageError
+from engine.errors import InvalidImageError, InvalidVideoError
 from engine.inputs.images import ImageOptions, open_image, sniff_format
+from engine.inputs.video import VideoOptions, decode_video, poster_jpeg, sniff_video
 
 from . import shares
 from .blobs import BlobStore, private_dir, private_files
@@ -71,6 +72,7 @@ from .records import (
     DEFAULT_TITLE,
     MAX_FILENAME_LENGTH,
     MAX_TITLE_LENGTH,
+    MEDIA_COLUMNS,
     ImageRecord,
     LimitExceeded,
     NotFound,
@@ -100,6 +102,7 @@ __all__ = [
     "SHARE_MODES",
     "ImageRecord",
     "InvalidImageError",
+    "InvalidVideoError",
     "LimitExceeded",
     "NotFound",
     "PermissionDenied",
@@ -140,6 +143,7 @@ class SessionStore:
         *,
         image_options: ImageOptions | None = None,
         max_images_per_session: int = 16,
+        video_options: VideoOptions | None = None,
     ) -> None:
         """Open (creating if needed) the store in ``data_dir``.
 
@@ -150,7 +154,8 @@ class SessionStore:
             data_dir: folder holding the database and the image files.
             image_options: limits applied to uploads by :meth:`add_image` (default
                 ``ImageOptions()``).
-            max_images_per_session: most images one session may hold (at least 1).
+            max_images_per_session: most images and video clips one session may hold (at least 1).
+            video_options: limits applied to clips by :meth:`add_video` (default ``VideoOptions()``).
 
         Raises:
             ValueError: ``max_images_per_session`` is below 1.
@@ -161,6 +166,7 @@ class SessionStore:
             raise ValueError(f"max_images_per_session must be at least 1, got {max_images_per_session}")
         self.data_dir = Path(data_dir)
         self.image_options = image_options if image_options is not None else ImageOptions()
+        self.video_options = video_options if video_options is not None else VideoOptions()
         self.max_images_per_session = int(max_images_per_session)
         self.images_dir = self.data_dir / IMAGES_DIRNAME
         self.db_path = self.data_dir / DB_FILENAME
@@ -309,15 +315,18 @@ class SessionStore:
                 )
             )
             shas: dict[str, list[str]] = {row["id"]: [] for row in rows}
+            videos: dict[str, set[str]] = {row["id"]: set() for row in rows}
             if rows:
                 for link in db.query(
-                    "SELECT si.session_id, si.sha256 FROM session_images si "
-                    "JOIN sessions s ON s.id = si.session_id WHERE s.owner_hash = ? "
-                    "ORDER BY si.session_id, si.position",
+                    "SELECT si.session_id, si.sha256, i.kind FROM session_images si "
+                    "JOIN sessions s ON s.id = si.session_id JOIN images i ON i.sha256 = si.sha256 "
+                    "WHERE s.owner_hash = ? ORDER BY si.session_id, si.position",
                     [owner_hash(owner)],
                 ):
                     shas[link["session_id"]].append(link["sha256"])
-            return [session_from_row(row, shas[row["id"]]) for row in rows]
+                    if link["kind"] == "video":
+                        videos[link["session_id"]].add(link["sha256"])
+            return [session_from_row(row, shas[row["id"]], videos[row["id"]]) for row in rows]
 
     def get_session(self, session_id: str, owner: str | None = None) -> Session | None:
         """Return the session, or ``None``.
@@ -413,8 +422,38 @@ class SessionStore:
         image = open_image(data, self.image_options)  # raises InvalidImageError
         width, height = image.size
         image.close()
+        return self._attach(session_id, owner, data, filename, {
+            "width": width, "height": height, "mime": _sniff_mime(data), "kind": "image"})
+
+    def add_video(self, session_id: str, owner: str, data: bytes, filename: str | None = None) -> ImageRecord:
+        """Validate an uploaded video clip (MP4, WebM) and append it to the session's media, as
+        :meth:`add_image` does for an image (the same files, the same per-session count).
+
+        The clip is decoded and sampled (:func:`engine.inputs.video.decode_video`, this store's
+        ``video_options``, Qwen3-VL's default sampling) before anything is stored: a truncated or
+        over-long clip is refused at upload, not at the first question. Its duration and a poster
+        (a JPEG of its first sampled frame) are stored with it.
+
+        Raises:
+            InvalidVideoError: not a usable clip (message for the uploader); nothing is stored.
+            LimitExceeded, NotFound, PermissionDenied, TypeError: as :meth:`add_image`.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, not {type(data).__name__}")
+        data = bytes(data)
+        filename = clean_filename(filename)
+        with self._read() as db:
+            self._owned(db, session_id, owner)
+        video = decode_video(data, options=self.video_options)  # raises InvalidVideoError
+        height, width = video.frames.shape[1:3]
+        return self._attach(session_id, owner, data, filename, {
+            "width": int(width), "height": int(height), "mime": sniff_video(data) or "application/octet-stream",
+            "kind": "video", "duration_s": float(video.duration_s), "poster": poster_jpeg(video)})
+
+    def _attach(self, session_id: str, owner: str, data: bytes, filename: str | None, row: dict) -> ImageRecord:
+        """Store a validated file (``row``: its ``images`` columns but the hash, size and time) and
+        append it to the session, as :meth:`add_image` describes."""
         sha = hashlib.sha256(data).hexdigest()
-        mime = _sniff_mime(data)
         created_file = False
         try:
             with self._write() as db:
@@ -428,15 +467,15 @@ class SessionStore:
                 ).fetchone()[0]
                 if count >= self.max_images_per_session:
                     raise LimitExceeded(
-                        f"A chat can hold at most {self.max_images_per_session} images. "
+                        f"A chat can hold at most {self.max_images_per_session} images and clips. "
                         "Remove one or start a new chat."
                     )
                 now = self._now()
                 created_file = self._blobs.write(sha, data)
+                columns = {"sha256": sha, **row, "bytes": len(data), "created_at": now}
                 db.execute(
-                    "INSERT OR IGNORE INTO images (sha256, width, height, bytes, mime, created_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    [sha, width, height, len(data), mime, now],
+                    f"INSERT OR IGNORE INTO images ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                    list(columns.values()),
                 )
                 position = db.execute(
                     "SELECT coalesce(max(position), -1) + 1 FROM session_images WHERE session_id = ?", [session_id]
@@ -478,7 +517,7 @@ class SessionStore:
         """
         with self._read() as db:
             rows = db.query(
-                "SELECT i.sha256, si.filename, i.width, i.height, i.bytes, i.mime FROM session_images si "
+                f"SELECT {MEDIA_COLUMNS} FROM session_images si "
                 "JOIN images i ON i.sha256 = si.sha256 WHERE si.session_id = ? ORDER BY si.position",
                 [session_id],
             )
@@ -512,7 +551,8 @@ class SessionStore:
             return None
         with self._read() as db:
             rows = list(
-                db.query("SELECT sha256, width, height, bytes, mime FROM images WHERE sha256 = ?", [sha256])
+                db.query("SELECT sha256, width, height, bytes, mime, kind, duration_s, poster FROM images "
+                         "WHERE sha256 = ?", [sha256])
             )
             return ImageRecord(filename=None, **rows[0]) if rows else None
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import pathlib
 import queue
 import time
 
 import pytest
+from conftest import CI
 from fastapi.testclient import TestClient
 
 from app.model_loader import ModelChoice, ModelLoader
@@ -355,3 +357,55 @@ class JSONRequest:
 
     async def is_disconnected(self) -> bool:
         return False
+
+
+# ------------------------------------------------------------------------------------------------
+# video_url parts (base64 data: URLs, as vLLM accepts them)
+# ------------------------------------------------------------------------------------------------
+
+CLIP = pathlib.Path(__file__).resolve().parent / "media" / "pan.mp4"
+
+
+def video_message(url, text="What happens?"):
+    return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def _clip_url(data: bytes, mime: str = "video/mp4") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def test_completion_with_a_video_clip_hits_the_prefix_cache_like_images(client, engine):
+    """A clip in a data: URL is decoded and sampled by the engine (its tokens are the prompt
+    builder's for the same bytes); the same clip with the same prompt_cache_key hits."""
+    if not CI:
+        pytest.importorskip("av")
+    engine.clear_prefix_cache()
+    data = CLIP.read_bytes()
+    body = {"messages": video_message(_clip_url(data)), "max_tokens": 3, "temperature": 0, "prompt_cache_key": "v"}
+    first = client.post("/v1/chat/completions", json=body)
+    assert first.status_code == 200, first.text
+    want = engine.prompts.build([{"role": "user", "content": [{"type": "video", "video": data},
+                                                              {"type": "text", "text": "What happens?"}]}])
+    assert first.json()["usage"]["prompt_tokens"] == len(want.input_ids)
+    assert first.json()["prism"]["telemetry"]["prefix_cache"] == "miss"
+    again = client.post("/v1/chat/completions", json={**body, "messages": video_message(_clip_url(data), "Colours?")})
+    assert again.json()["prism"]["telemetry"]["prefix_cache"] == "hit"
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("url,needle", [
+    ("https://example.com/clip.mp4", "data: URLs"),
+    ("data:video/mp4,raw", "base64"),
+    ("data:video/mp4;base64,@@@", "base64"),
+    ("data:video/mp4;base64," + "A" * (4 << 20), "MiB"),
+    (_clip_url(b"plain text, not a clip"), "not a video"),
+    (_clip_url(CLIP.read_bytes()[:4000]), "truncated"),
+])
+def test_bad_video_urls_get_clear_400s(client, url, needle):
+    if not CI:
+        pytest.importorskip("av")
+    r = client.post("/v1/chat/completions", json={"messages": video_message(url), "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and needle.lower() in err["message"].lower(), err

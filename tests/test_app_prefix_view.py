@@ -162,7 +162,7 @@ def test_a_loading_model_says_so(tmp_path):
     try:
         chat = ChatService(store, types.SimpleNamespace(engine=None, state="loading"))
         session = store.create_session(SessionStore.new_owner_key(), "t")
-        session = types.SimpleNamespace(image_shas=["0" * 64], cache_salt=session.cache_salt)
+        session = types.SimpleNamespace(id=session.id, image_shas=["0" * 64], cache_salt=session.cache_salt)
         assert chat.prefix_view(session) == {"images": [
             {"number": 1, "sha256": "0" * 64, "cached": False, "summary": NOT_LOADED}]}
     finally:

@@ -11,7 +11,9 @@ nothing from outside, then opens a read-only share link in a second browser cont
 pastes a small image in the first (a notice says it was upscaled) and removes it, regenerates an
 older answer (the later turns go, the prefix still hits) and edits a past question. Screenshots
 and the server log go to ``artifacts/e2e/`` (``PRISM_UPDATE_SCREENSHOTS=1`` also copies the main
-one to ``docs/screenshot.png``). Finally Ctrl-C (SIGINT) must stop the server cleanly.
+one to ``docs/screenshot.png``, and the clip's to ``docs/screenshot-video.png``). A first test
+uploads a video clip and asks two questions about it (MISS, then HIT). Finally Ctrl-C (SIGINT)
+must stop the server cleanly.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import media_file, missing_fixture
+from conftest import CI, media_file, missing_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -137,6 +139,62 @@ def _short_answers(page, tokens: int = 16) -> None:
     page.fill("#prism-max-tokens input[type=number]", str(tokens))
     page.press("#prism-max-tokens input[type=number]", "Enter")
     page.get_by_role("tab", name="Session").click()
+
+
+def test_browser_video_clip_miss_then_hit(sync_playwright, server):
+    """A clip uploaded beside nothing else: a video card with its duration and poster frame, then
+    two questions, the first a prefix MISS (the vision encoder ran over the sampled frames) and the
+    second a HIT. Runs before the test below, which stops the server."""
+    if not CI:  # the server decodes the clip with PyAV: under PRISM_CI=1 it must be there
+        pytest.importorskip("av")
+    url, _, _ = server
+    clip = ROOT / "tests" / "media" / "pan.mp4"
+    outside: list[str] = []
+
+    def only_local(route):
+        if route.request.url.startswith(("http://127.0.0.1", "http://localhost", "data:", "blob:")):
+            return route.continue_()
+        outside.append(route.request.url)
+        return route.abort()
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
+            ctx.route("**/*", only_local)
+            page = ctx.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            page.wait_for_selector("#prism-upload input[type=file]", state="attached")
+            _short_answers(page)
+            page.set_input_files("#prism-upload input[type=file]", [str(clip)])
+            page.wait_for_selector("#prism-images .prism-video", timeout=120_000)
+            label = page.inner_text("#prism-images .prism-video .prism-image-label")
+            assert label == "Video 1 · 0:08", label
+            assert page.inner_text("#prism-images .prism-video .prism-duration") == "▶ 0:08"
+            # the poster frame (a JPEG the store made at upload) decodes in the browser
+            poster_size = page.evaluate("""() => new Promise((done) => {
+                const im = new Image(); im.onload = () => done([im.naturalWidth, im.naturalHeight]);
+                im.onerror = () => done(null); im.src = document.querySelector('.prism-video video').poster; })""")
+            assert poster_size == [96, 64], poster_size
+            assert page.query_selector(".prism-notice-error") is None, page.inner_text("#prism-notice")
+
+            for n, question in enumerate(("What moves in this clip?", "Which way does it pan?"), 1):
+                page.fill("#prism-question textarea", question)
+                page.press("#prism-question textarea", "Enter")
+                page.wait_for_function(ANSWERED, arg=n, timeout=120_000)
+            chips = [c.inner_text() for c in page.query_selector_all("#prism-chat .prism-tel")]
+            assert chips[0].startswith("prefix MISS") and "vision encoder ran" in chips[0], chips
+            assert chips[1].startswith("prefix HIT") and "vision encoder ran" not in chips[1], chips
+            assert _tokens(chips[1], "computed") < _tokens(chips[1], "reused"), chips
+            assert page.query_selector(".prism-tel-error") is None
+            page.evaluate("window.scrollTo(0, 0)")
+            page.screenshot(path=str(ARTIFACTS / "video.png"))
+            assert not outside, f"the page asked for outside resources: {outside}"
+        finally:
+            browser.close()
+    if os.environ.get("PRISM_UPDATE_SCREENSHOTS"):
+        shutil.copyfile(ARTIFACTS / "video.png", ROOT / "docs" / "screenshot-video.png")
 
 
 def test_browser_chat_share_and_shutdown(sync_playwright, server):

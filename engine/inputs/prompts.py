@@ -6,7 +6,17 @@ Messages use the transformers chat format::
      {"role": "user", "content": [{"type": "image", "image": <PIL.Image | path | bytes>},
                                   {"type": "text", "text": "What is this?"}]}]
 
-plus ``{"type": "video", "video": [frame, frame, ...], "fps": 2.0}`` parts. An image part whose
+plus video parts, either a file or a list of frames:
+
+* ``{"type": "video", "video": <path | bytes>}``: an MP4, WebM or animated GIF file, decoded by
+  :mod:`engine.inputs.video` (PyAV, our limits) and sampled exactly as transformers' Qwen3-VL video
+  processor samples it with its PyAV backend (the checkpoint's ``fps``, ``min_frames``,
+  ``max_frames``); each temporal patch's timestamp is the mean of its frames' ``index / rate``.
+* ``{"type": "video", "video": [frame, frame, ...], "fps": 2.0}``: frames already sampled, taken
+  one for one (no sampling): frame ``i`` is at ``i / fps`` seconds (``fps`` defaults to 2), so a
+  temporal patch of frames ``2k, 2k+1`` is labelled ``(2k + 0.5) / fps`` seconds.
+
+An image part whose
 source is a file or bytes may carry ``"sha256"``, the hex SHA-256 of those bytes, when the caller
 already knows it (the app's store is content-addressed): a question about images processed before
 then neither reads nor hashes them. The digest is checked against the bytes whenever the image is
@@ -21,15 +31,18 @@ pixel processing are the checkpoint's own transformers processor.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
 from ..model.rope import VisualSpan, find_visual_spans, mrope_positions
 from .images import ImageOptions, image_sha256, open_image
 from .processed_images import BYTE_SOURCES, ProcessedImage, ProcessedImages, Source
+from .video import DecodedVideo, DecodedVideos, VideoOptions, VideoSampling
 
 ROLES = ("system", "user", "assistant")
 _HEX64 = re.compile("[0-9a-fA-F]{64}")
@@ -49,7 +62,8 @@ class Prompt:
             ``(t, h, w)`` grid (patches), in order.
         pixel_values_videos / video_grids: the same for videos.
         image_hashes: SHA-256 of each image's decoded pixels, in order.
-        video_hashes: SHA-256 over each video's frame hashes and fps, in order.
+        video_hashes: per video, in order: SHA-256 over its frames' hashes and fps (a frame list), or
+            over the sampling settings and the file's SHA-256 (a file).
         image_keys: each image as its caller names it, in order: the SHA-256 (hex) of a file's or
             bytes' content (the part's ``sha256`` when given), ``"pil:"`` and the pixels' SHA-256
             for a PIL image, None for a source without one. A caller asks about its cached
@@ -95,6 +109,21 @@ def _video_sha256(frames, fps: float) -> str:
     for frame in frames:
         h.update(image_sha256(frame).encode())
     return h.hexdigest()
+
+
+def _video_file_sha256(video: DecodedVideo, sampling: VideoSampling) -> str:
+    return hashlib.sha256(f"file;{sampling.namespace()};{video.sha256}".encode()).hexdigest()
+
+
+def _frame_list_array(frames) -> np.ndarray:
+    """uint8 ``[n, H, W, 3]`` of a frame list's RGB images.
+
+    Raises:
+        InvalidRequestError: frames of different sizes.
+    """
+    if len({f.size for f in frames}) != 1:
+        raise InvalidRequestError("the frames of a video part must all have one size")
+    return np.stack([np.asarray(f, dtype=np.uint8) for f in frames])
 
 
 #: Qwen3-VL's vision markers: typed into a text part they would be read as image slots.
@@ -152,9 +181,21 @@ def _unicode_text(text: str, n: int) -> str:
     return text
 
 
+#: A video part's file: its path or its bytes.
+VIDEO_FILE_SOURCES = (str, bytes, bytearray, memoryview, os.PathLike)
+
+
+def _frame_rate(part: dict, n: int) -> float:
+    """A frame list's ``fps`` (default 2): a finite positive number, or InvalidRequestError."""
+    fps = part.get("fps", DEFAULT_VIDEO_FPS)
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < 1000:
+        raise InvalidRequestError(f"message {n}: a video part's fps must be a number between 0 and 1000")
+    return float(fps)
+
+
 def _normalise(messages) -> tuple[list[dict], list, list[str | None], list[tuple[list, float]]]:
     """Validate messages; return template messages, image sources, their claimed digests (None
-    where not given) and video frame lists."""
+    where not given) and videos: ``(frames, fps)`` for a frame list, ``(source, None)`` for a file."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts")
     template, images, claims, videos = [], [], [], []
@@ -176,7 +217,13 @@ def _normalise(messages) -> tuple[list[dict], list, list[str | None], list[tuple
                 images.append(part["image"])
                 parts.append({"type": "image"})
             elif kind == "video" and isinstance(part.get("video"), (list, tuple)) and part["video"]:
-                videos.append((list(part["video"]), float(part.get("fps", DEFAULT_VIDEO_FPS))))
+                videos.append((list(part["video"]), _frame_rate(part, n)))
+                parts.append({"type": "video"})
+            elif kind == "video" and isinstance(part.get("video"), VIDEO_FILE_SOURCES):
+                if "fps" in part:
+                    raise InvalidRequestError(f"message {n}: a video file's frame rate is the file's own; "
+                                              "'fps' is for frame lists")
+                videos.append((part["video"], None))
                 parts.append({"type": "video"})
             else:
                 raise InvalidRequestError(
@@ -203,6 +250,8 @@ class PromptBuilder:
         pixel_dtype: dtype images' patches are kept in (the vision encoder's; None keeps the
             processor's float32). Rounding here gives the same values as rounding on the device,
             and half the bytes to cache and to copy there in bfloat16.
+        video_options: our limits on video files (:class:`~engine.inputs.video.VideoOptions`);
+            frames are sampled with the checkpoint's video processor settings.
 
     Counters (of ``images``): ``cache_hits`` (images taken from the cache), ``cache_mismatches``
     (cached PIL images refused because their size or grid did not match the image given),
@@ -211,8 +260,11 @@ class PromptBuilder:
 
     def __init__(self, processor, *, image_token_id, video_token_id, merge_size, image_options=None,
                  min_pixels=None, max_pixels=None, cache_bytes: int = 256 << 20,
-                 pixel_dtype: torch.dtype | None = None):
+                 pixel_dtype: torch.dtype | None = None, video_options: VideoOptions | None = None):
         self.processor = processor
+        self.video_options = video_options or VideoOptions()
+        self.video_sampling = VideoSampling.of(getattr(processor, "video_processor", None))
+        self.videos = DecodedVideos(self.video_sampling, self.video_options)
         self.image_token_id, self.video_token_id, self.merge_size = image_token_id, video_token_id, merge_size
         self.image_options = image_options or ImageOptions()
         size = dict(getattr(processor.image_processor, "size", None) or {})
@@ -251,7 +303,8 @@ class PromptBuilder:
         return "|".join([
             f"size={sorted(self.size.items())}", f"patch={getattr(ip, 'patch_size', None)}",
             f"merge={getattr(ip, 'merge_size', None)}", f"temporal={getattr(ip, 'temporal_patch_size', None)}",
-            self.image_options.namespace(),
+            self.image_options.namespace(), self.video_sampling.namespace(),
+            f"video_size={sorted(dict(getattr(self.processor.video_processor, 'size', None) or {}).items())}",
         ])
 
     def build(self, messages, salt: str = "") -> Prompt:
@@ -263,6 +316,7 @@ class PromptBuilder:
         Raises:
             InvalidRequestError: malformed messages.
             InvalidImageError: an image or video frame cannot be used.
+            InvalidVideoError: a video file cannot be used (see :func:`~engine.inputs.video.decode_video`).
         """
         template, raw_images, claims, raw_videos = _normalise(messages)
         text = self.processor.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
@@ -302,19 +356,25 @@ class PromptBuilder:
         """With videos the processor takes the images and videos of the prompt in one call."""
         opened = [self.images.open(source) for source in sources]
         images = [im for im, _, _ in opened]
-        videos = [([open_image(f, self.image_options) for f in frames], fps) for frames, fps in raw_videos]
+        arrays, metadata, hashes = [], [], []
+        for source, fps in raw_videos:
+            if fps is None:  # a file: decoded and sampled here, as transformers' PyAV backend would
+                video = self.videos.get(source, salt)
+                arrays.append(video.frames)
+                metadata.append(video.metadata())
+                hashes.append(_video_file_sha256(video, self.video_sampling))
+            else:  # frames already sampled: frame i is at i / fps seconds
+                frames = [open_image(f, self.image_options) for f in source]
+                arrays.append(_frame_list_array(frames))
+                metadata.append({"fps": fps, "total_num_frames": len(frames),
+                                 "frames_indices": list(range(len(frames)))})
+                hashes.append(_video_sha256(frames, fps))
         kwargs = {"return_tensors": "pt"}
         if images:
             kwargs["images"] = images
             kwargs["images_kwargs"] = {"size": self.size}
-        kwargs["videos"] = [frames for frames, _ in videos]
-        kwargs["videos_kwargs"] = {
-            "do_sample_frames": False,
-            "video_metadata": [
-                {"fps": fps, "total_num_frames": len(frames), "frames_indices": list(range(len(frames)))}
-                for frames, fps in videos
-            ],
-        }
+        kwargs["videos"] = arrays
+        kwargs["videos_kwargs"] = {"do_sample_frames": False, "video_metadata": metadata}
         out = self.processor(text=[text], **kwargs)
         processed = []
         if images:
@@ -325,8 +385,7 @@ class PromptBuilder:
                 self.images.remember(salt, key, processed[-1])
         video_grids = [tuple(g) for g in out["video_grid_thw"].tolist()]
         return self._prompt(
-            out["input_ids"][0].tolist(), processed, video_grids, out.get("pixel_values_videos"),
-            [_video_sha256(frames, fps) for frames, fps in videos],
+            out["input_ids"][0].tolist(), processed, video_grids, out.get("pixel_values_videos"), hashes,
         )
 
 
@@ -369,17 +428,22 @@ def media_first_messages(images, question: str, history=None, *, system: str | N
 
     Args:
         images: image sources (PIL images, paths or bytes) in order, or image parts without their
-            type (``{"image": path, "sha256": digest}``) to pass a known digest along.
+            type (``{"image": path, "sha256": digest}``) to pass a known digest along; a video clip
+            is a part ``{"video": path or bytes}``, laid out as ``Video N: <video>`` in its place
+            (images and videos are numbered separately).
         question: the question to answer now.
         history: earlier ``(question, answer)`` pairs, oldest first.
         system: an optional system message (placed before the images).
     """
     history = list(history or [])
     questions = [q for q, _ in history] + [question]
-    first = [part for i, img in enumerate(images, 1)
-             for part in ({"type": "text", "text": f"Image {i}: "},
-                          {**img, "type": "image"} if isinstance(img, dict) else {"type": "image", "image": img},
-                          {"type": "text", "text": "\n"})]
+    first, counts = [], {"image": 0, "video": 0}
+    for item in images:
+        kind = "video" if isinstance(item, dict) and "video" in item else "image"
+        counts[kind] += 1
+        part = {**item, "type": kind} if isinstance(item, dict) else {"type": "image", "image": item}
+        first += [{"type": "text", "text": f"{kind.capitalize()} {counts[kind]}: "}, part,
+                  {"type": "text", "text": "\n"}]
     first.append({"type": "text", "text": f"Question: {questions[0]}"})
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": first})
