@@ -344,8 +344,9 @@ class Engine:
     def tensor_parallel_counters(self) -> list[dict]:
         """Per-rank counters, rank 0 first: ``vision_images_encoded`` (images that rank's vision
         tower encoded; under tensor parallelism only rank 0 encodes, so they sum to the images
-        encoded, not to that times the ranks) and ``steps`` (forwards run; rank 0's is the loop's).
-        One entry with tensor parallelism off.
+        encoded, not to that times the ranks) and ``steps`` (forwards run; rank 0's is the loop's);
+        a worker's also ``page_copies`` and ``slot_moves`` (the copy-on-write copies and compaction
+        moves rank 0 sent it and it applied). One entry with tensor parallelism off.
 
         Raises:
             PrismError: the engine is closed. TensorParallelError: a rank failed.

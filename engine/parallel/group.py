@@ -18,7 +18,6 @@ of step) sets :attr:`TensorParallelGroup.error`; from then on every step raises 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -51,7 +50,7 @@ class WorkerSpec:
         device: rank 0's device (``"cpu"`` or ``"cuda:i"``); rank ``r`` uses ``cuda:i + r``.
         dtype: the model dtype.
         timeout_s: timeout of every collective, seconds.
-        init_method: the ``torch.distributed`` rendezvous address (``tcp://127.0.0.1:port``).
+        host, port: rank 0's TCP store (the rendezvous).
         world: ranks in the group.
     """
 
@@ -59,7 +58,8 @@ class WorkerSpec:
     device: str
     dtype: torch.dtype
     timeout_s: float
-    init_method: str
+    host: str
+    port: int
     world: int
 
     def device_of(self, rank: int) -> torch.device:
@@ -71,24 +71,43 @@ class WorkerSpec:
         return "nccl" if torch.device(self.device).type == "cuda" else "gloo"
 
 
-def join_group(spec: WorkerSpec, rank: int) -> None:
-    """Join the default ``torch.distributed`` group as ``rank``.
+class Collectives:
+    """This rank's process group of one tensor-parallel engine: gloo on the CPU, NCCL on CUDA,
+    rendezvous through rank 0's TCP store. An explicit group, not ``torch.distributed``'s default
+    one, so one process may hold several tensor-parallel engines (tests, benchmarks).
 
-    Raises:
-        TensorParallelError: this process already has a group (one tensor-parallel engine per process).
+    Every collective waits at most ``spec.timeout_s``.
     """
-    if dist.is_initialized():
-        raise TensorParallelError("this process already runs a tensor-parallel engine (one per process)")
-    if spec.backend == "nccl":
-        torch.cuda.set_device(spec.device_of(rank))
-    dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.world,
-                            timeout=timedelta(seconds=spec.timeout_s))
 
+    def __init__(self, spec: WorkerSpec, rank: int, store: dist.TCPStore | None = None):
+        timeout = timedelta(seconds=spec.timeout_s)
+        if store is None:
+            store = dist.TCPStore(spec.host, spec.port, spec.world, False, timeout=timeout)
+        self.store = store  # rank 0 serves it: keep it alive
+        if spec.backend == "nccl":
+            torch.cuda.set_device(spec.device_of(rank))
+            self.group = dist.ProcessGroupNCCL(store, rank, spec.world)
+        else:
+            self.group = dist.ProcessGroupGloo(store, rank, spec.world, timeout)
 
-def all_reduce_sum(partial: torch.Tensor) -> torch.Tensor:
-    """``partial`` summed over every rank, in place (the row-parallel projections' reduce)."""
-    dist.all_reduce(partial)
-    return partial
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """``partial`` summed over every rank, in place (the row-parallel projections' reduce)."""
+        self.group.allreduce([partial]).wait()
+        return partial
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """``tensor`` becomes rank 0's on every rank (in place)."""
+        self.group.broadcast(tensor, 0).wait()
+
+    def abort(self) -> None:
+        """Unblock collectives waiting on a dead peer (NCCL; gloo's fail by themselves).
+        Untested on GPU (no two-GPU machine was lent); best effort."""
+        abort = getattr(self.group, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # an older torch: the collective's timeout ends it instead
+                log.warning("aborting the tensor-parallel group failed", exc_info=True)
 
 
 def feature_shape(features: VisionFeatures) -> tuple:
@@ -96,25 +115,19 @@ def feature_shape(features: VisionFeatures) -> tuple:
     return (*features.embeds.shape, features.embeds.dtype, len(features.deepstack))
 
 
-def broadcast_features(features: VisionFeatures) -> None:
+def broadcast_features(collectives: Collectives, features: VisionFeatures) -> None:
     """Send ``features`` (rank 0's) to every rank: embeds, then each DeepStack tap."""
     for tensor in (features.embeds, *features.deepstack):
-        dist.broadcast(tensor.contiguous(), src=0)
+        collectives.broadcast(tensor.contiguous())
 
 
-def receive_features(shape: tuple, device: torch.device) -> VisionFeatures:
+def receive_features(collectives: Collectives, shape: tuple, device: torch.device) -> VisionFeatures:
     """A worker's copy of the features rank 0 broadcasts (see :func:`feature_shape`)."""
     rows, hidden, dtype, depth = shape
     parts = [torch.empty(rows, hidden, dtype=dtype, device=device) for _ in range(depth + 1)]
     for tensor in parts:
-        dist.broadcast(tensor, src=0)
+        collectives.broadcast(tensor)
     return VisionFeatures(parts[0], parts[1:])
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class TensorParallelGroup:
@@ -126,8 +139,8 @@ class TensorParallelGroup:
         error: the :class:`TensorParallelError` the group failed with, or None while it works.
     """
 
-    def __init__(self, spec: WorkerSpec, processes: list, conns: list):
-        self.spec, self.world = spec, spec.world
+    def __init__(self, spec: WorkerSpec, collectives: Collectives, processes: list, conns: list):
+        self.spec, self.world, self.collectives = spec, spec.world, collectives
         self._processes, self._conns = processes, conns
         self.error: TensorParallelError | None = None
         self._send_lock = threading.Lock()  # plans, data moves and counter queries keep one order
@@ -143,7 +156,9 @@ class TensorParallelGroup:
         Raises:
             TensorParallelError: a worker failed to start, or the rendezvous timed out.
         """
-        spec = WorkerSpec(str(folder), str(device), dtype, float(timeout_s), f"tcp://127.0.0.1:{_free_port()}", world)
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        spec = WorkerSpec(str(folder), str(device), dtype, float(timeout_s), "127.0.0.1", store.port, world)
         from .worker import worker_main  # the spawned process imports it by name
 
         ctx = mp.get_context("spawn")
@@ -156,17 +171,17 @@ class TensorParallelGroup:
             processes.append(proc)
             conns.append(mine)
         try:
-            join_group(spec, 0)
+            collectives = Collectives(spec, 0, store)
         except Exception as exc:
             for proc in processes:
                 proc.kill()
             raise TensorParallelError(f"tensor-parallel ranks did not join: {exc}") from exc
-        return cls(spec, processes, conns)
+        return cls(spec, collectives, processes, conns)
 
     # ------------------------------------------------------------------ setup
     def shard(self, model: Qwen3VL) -> None:
         """Shard rank 0's model (see :func:`~engine.parallel.sharding.shard_decoder`)."""
-        shard_decoder(model, 0, self.world, all_reduce_sum)
+        shard_decoder(model, 0, self.world, self.collectives.all_reduce)
 
     def start_workers(self, pool_spec: dict, graphs: dict | None) -> None:
         """Tell every worker its KV pool (``pool_spec``: :class:`~engine.cache.kv_pool.PagePool`
@@ -214,7 +229,7 @@ class TensorParallelGroup:
         self.send(message)
         try:
             if features is not None:
-                broadcast_features(features)
+                broadcast_features(self.collectives, features)
             return run()
         except Exception as exc:
             dead = self._dead_rank(wait_s=2.0)
@@ -225,7 +240,8 @@ class TensorParallelGroup:
 
     def counters(self) -> list[dict]:
         """Every rank's counters, rank 0 first (rank 0's are ``{}`` here; the engine fills them):
-        ``vision_images_encoded`` (images the rank's vision tower encoded), ``steps``.
+        ``vision_images_encoded`` (images the rank's vision tower encoded), ``steps`` (forwards),
+        ``page_copies`` (copy-on-write copies applied), ``slot_moves`` (compaction moves applied).
 
         Raises:
             TensorParallelError: the group has failed or a worker did not answer.
@@ -250,11 +266,7 @@ class TensorParallelGroup:
                 proc.join(5)
         for conn in self._conns:
             conn.close()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a failed group may refuse; the process is leaving it anyway
-                log.warning("destroying the tensor-parallel process group failed", exc_info=True)
+        self.collectives = None  # its peers are gone; dropping it closes the connections
 
     @property
     def pids(self) -> list[int]:
@@ -287,7 +299,8 @@ class TensorParallelGroup:
             if cause is not None:
                 self.error.__cause__ = cause
             log.error("%s", self.error)
-            self._abort_collectives()
+            if self.collectives is not None:
+                self.collectives.abort()
         return self.error
 
     def _exit_of(self, rank: int) -> str:
@@ -304,16 +317,6 @@ class TensorParallelGroup:
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
-
-    def _abort_collectives(self) -> None:
-        """Unblock rank 0 if it waits in an NCCL collective on a dead peer (gloo raises by itself).
-        Untested on GPU (no two-GPU machine was lent); best effort."""
-        if self.spec.backend != "nccl" or not dist.is_initialized():
-            return
-        try:
-            dist.distributed_c10d._abort_process_group()
-        except Exception:  # older torch: the collective's timeout ends it instead
-            log.warning("aborting the NCCL group failed", exc_info=True)
 
     def _watch(self) -> None:
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._processes, start=1)}

@@ -27,7 +27,7 @@ from ..graphs.capture import capture_step_graphs
 from ..model.qwen3_vl import Qwen3VL, load_model
 from ..model.vision import EncodeCounter
 from ..serving.runner import ModelRunner, StepInputs
-from .group import WorkerSpec, all_reduce_sum, join_group, receive_features
+from .group import Collectives, WorkerSpec, receive_features
 from .sharding import shard_decoder
 
 
@@ -47,13 +47,13 @@ def worker_main(spec: WorkerSpec, rank: int, conn) -> None:
     _exit_with_parent()
     try:
         device = spec.device_of(rank)
-        join_group(spec, rank)
+        collectives = Collectives(spec, rank)
         model = load_model(spec.folder, device=device, dtype=spec.dtype, progress=False)
-        shard_decoder(model, rank, spec.world, all_reduce_sum)
+        shard_decoder(model, rank, spec.world, collectives.all_reduce)
         counter = EncodeCounter(model.visual)
         runner = _start(model, conn.recv(), device)
         conn.send(("ready", os.getpid()))
-        _serve(conn, runner, counter, device)
+        _serve(conn, runner, collectives, counter, device)
     except (EOFError, KeyboardInterrupt):  # rank 0 closed the pipe: leave quietly
         os._exit(0)
     except BaseException:
@@ -79,8 +79,9 @@ def _start(model: Qwen3VL, init: tuple, device: torch.device) -> ModelRunner:
     return ModelRunner(model, pool, None, decode, prefill)
 
 
-def _serve(conn, runner: ModelRunner, counter: EncodeCounter, device: torch.device) -> None:
-    steps = 0
+def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeCounter,
+           device: torch.device) -> None:
+    steps = copies = moves = 0
     while True:
         message = conn.recv()
         kind = message[0]
@@ -89,7 +90,7 @@ def _serve(conn, runner: ModelRunner, counter: EncodeCounter, device: torch.devi
             inputs.positions = torch.tensor(inputs.positions, dtype=torch.long)
             if inputs.visual is not None:
                 rows, shape = inputs.visual
-                inputs.visual = (torch.tensor(rows, dtype=torch.long), receive_features(shape, device))
+                inputs.visual = (torch.tensor(rows, dtype=torch.long), receive_features(collectives, shape, device))
             runner.forward(inputs, head=False)
             steps += 1
         elif kind == "decode":
@@ -97,16 +98,19 @@ def _serve(conn, runner: ModelRunner, counter: EncodeCounter, device: torch.devi
             steps += 1
         elif kind == "prefill":
             ids, positions, slots, rows, shape = message[1]
-            features = receive_features(shape, device) if shape is not None else None
+            features = receive_features(collectives, shape, device) if shape is not None else None
             runner.replay_prefill(ids, torch.tensor(positions, dtype=torch.long), slots,
                                   torch.tensor(rows, dtype=torch.long), features)
             steps += 1
         elif kind == "copy":
             runner.pool.copy_page(*message[1])
+            copies += 1
         elif kind == "move":
             runner.pool.move_slots(*message[1])
+            moves += 1
         elif kind == "counters":
-            conn.send(("counters", {"vision_images_encoded": counter.images, "steps": steps}))
+            conn.send(("counters", {"vision_images_encoded": counter.images, "steps": steps, "page_copies": copies,
+                                 "slot_moves": moves}))
         elif kind == "stop":
             return
         else:

@@ -1,0 +1,170 @@
+"""Tensor parallelism on the CPU: two gloo processes on the tiny checkpoint (engine/parallel/).
+
+TP2 is checked against TP1 on the same weights, fp32 and ``kv_cache_dtype="auto"``: the greedy
+tokens must be equal (the decoder's all-reduce sums each layer's two halves in another order than
+one matrix product does, float32 rounding only), with images, chunked prefill, batched requests, a
+prefix hit and a conversation extension, with compaction off and with the same compaction on
+both. Vision runs once per image (rank 0) and a killed rank becomes a clear error for every
+waiting caller. Each TP2 engine costs two process start-ups (~10 s on two busy cores), so the
+module builds two and kills a rank of the last one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from PIL import Image
+
+from engine import Engine, SamplingParams, media_first_messages
+from engine.errors import InvalidRequestError, PrismError
+from engine.serving.outputs import Completion
+
+pytestmark = pytest.mark.tensor_parallel
+
+SP = SamplingParams(max_tokens=10, ignore_eos=True)
+#: Exact settings: float32 pages, chunks of 24 tokens (an image here is 16 visual tokens or fewer), page
+#: accounting checked every step.
+EXACT = {"min_pixels": 32 * 32, "max_pixels": 128 * 128, "kv_cache_bytes": 8 << 20, "kv_cache_dtype": "auto",
+         "debug_checks": True, "max_num_batched_tokens": 24, "progress": False}
+DENSE = {**EXACT, "compaction": None}
+COMPACT = {**EXACT, "compaction": "uniform", "keep_ratio": 0.5, "min_keep": 4}
+TIMEOUT_S = 20.0
+
+
+def images(*colours: str, size: int = 128) -> list[Image.Image]:
+    return [Image.new("RGB", (size, size - 16 * i), colour) for i, colour in enumerate(colours)]
+
+
+def tp_engine(tiny_ckpt, **options) -> Engine:
+    return Engine.from_pretrained(tiny_ckpt, device="cpu", tensor_parallel_size=2,
+                                  tensor_parallel_timeout_s=TIMEOUT_S, **options)
+
+
+@pytest.fixture(scope="module")
+def dense_pair(tiny_ckpt, tiny_engine_factory):
+    tp2 = tp_engine(tiny_ckpt, **DENSE)
+    yield tiny_engine_factory(**DENSE), tp2
+    tp2.close()
+
+
+@pytest.fixture(scope="module")
+def compact_pair(tiny_ckpt, tiny_engine_factory):
+    tp2 = tp_engine(tiny_ckpt, **COMPACT)
+    yield tiny_engine_factory(**COMPACT), tp2
+    tp2.close()
+
+
+def both(pair, messages, salt: str) -> tuple[Completion, Completion]:
+    return tuple(engine.generate(messages, SP, cache_salt=salt) for engine in pair)
+
+
+def test_tp2_equals_tp1_with_images_and_chunked_prefill(dense_pair):
+    tp1, tp2 = dense_pair
+    messages = media_first_messages(images("red", "navy"), "What is in these pictures?")
+    assert tp2.count_prompt_tokens(messages) > 2 * DENSE["max_num_batched_tokens"]  # three chunks or more
+    steps_before = tp2.tensor_parallel_counters()[1]["steps"]
+    one, two = both(dense_pair, messages, "chunked")
+    assert two.token_ids == one.token_ids
+    assert two.telemetry.prefix_cache == one.telemetry.prefix_cache == "miss"
+    worker_steps = tp2.tensor_parallel_counters()[1]["steps"] - steps_before
+    assert worker_steps >= 3 + SP.max_tokens - 1  # the worker ran every prefill chunk and decode step
+
+
+def test_tp2_prefix_hit_and_conversation_equal_tp1(dense_pair):
+    tp1, tp2 = dense_pair
+    pics = images("green", "orange")
+    first = both(dense_pair, media_first_messages(pics, "Describe them."), "hit")
+    copies = tp2.tensor_parallel_counters()[1]["page_copies"]
+    second = both(dense_pair, media_first_messages(pics, "Which colours?"), "hit")
+    assert first[1].token_ids == first[0].token_ids
+    assert second[1].token_ids == second[0].token_ids
+    assert second[1].telemetry.prefix_cache == second[0].telemetry.prefix_cache == "hit"
+    assert second[1].telemetry.cached_tokens % DENSE.get("page_size", 16)  # a partly filled last page:
+    assert tp2.tensor_parallel_counters()[1]["page_copies"] > copies  # copied on write on the worker too
+    # the next turn extends the conversation kept from the second
+    history = [("Which colours?", second[0].text)]
+    third = both(dense_pair, media_first_messages(pics, "And the shapes?", history), "hit")
+    assert third[1].token_ids == third[0].token_ids
+    assert third[1].telemetry.prefix_cache == third[0].telemetry.prefix_cache == "hit"
+    assert third[1].telemetry.conversation_reuse_tokens == third[0].telemetry.conversation_reuse_tokens > 0
+
+
+def test_tp2_batched_requests_equal_tp1(dense_pair):
+    tp1, tp2 = dense_pair
+    prompts = [media_first_messages(images(c), q) for c, q in (("purple", "What?"), ("teal", "Why?"),
+                                                               ("gold", "Which colour is it?"))]
+    expected = [tp1.generate(m, SP, cache_salt=f"batch{i}").token_ids for i, m in enumerate(prompts)]
+    reqs = [tp2.submit(m, SP, cache_salt=f"batch{i}") for i, m in enumerate(prompts)]  # one loop, batched
+    got = [[item for item in tp2.loop.stream(r) if isinstance(item, Completion)][0].token_ids for r in reqs]
+    assert got == expected
+
+
+def test_vision_encoder_runs_once_per_image_not_once_per_rank(dense_pair):
+    tp1, tp2 = dense_pair
+    messages = media_first_messages(images("white", "black", "yellow"), "Count them.")
+    before = [rank["vision_images_encoded"] for rank in tp2.tensor_parallel_counters()]
+    tp1_before = tp1.tensor_parallel_counters()[0]["vision_images_encoded"]
+    one, two = both(dense_pair, messages, "vision")
+    after = [rank["vision_images_encoded"] for rank in tp2.tensor_parallel_counters()]
+    delta = [a - b for a, b in zip(after, before, strict=True)]
+    assert delta == [3, 0]  # rank 0 encoded each image once, the worker none
+    assert sum(delta) == 3 == tp1.tensor_parallel_counters()[0]["vision_images_encoded"] - tp1_before
+    assert two.token_ids == one.token_ids  # the worker used rank 0's broadcast features
+
+
+def test_tp2_compaction_equals_tp1_compaction(compact_pair):
+    tp1, tp2 = compact_pair
+    pics = images("red", "blue")
+    moves = tp2.tensor_parallel_counters()[1]["slot_moves"]
+    cold = both(compact_pair, media_first_messages(pics, "What is here?"), "compact")
+    hit = both(compact_pair, media_first_messages(pics, "Anything else?"), "compact")
+    for one, two in (cold, hit):
+        assert two.token_ids == one.token_ids
+    assert hit[1].telemetry.prefix_cache == "hit"
+    kept = cold[1].telemetry.visual_tokens_kept
+    assert kept == cold[0].telemetry.visual_tokens_kept
+    assert 0 < kept < cold[1].telemetry.visual_tokens
+    assert tp2.tensor_parallel_counters()[1]["slot_moves"] == moves + 1  # the worker moved its slots too
+
+
+def test_bad_tensor_parallel_sizes_are_refused(tiny_ckpt):
+    with pytest.raises(InvalidRequestError, match="must divide"):
+        Engine.from_pretrained(tiny_ckpt, device="cpu", tensor_parallel_size=3, progress=False)
+    with pytest.raises(InvalidRequestError, match=">= 1"):
+        Engine.from_pretrained(tiny_ckpt, device="cpu", tensor_parallel_size=0, progress=False)
+
+
+def test_killing_a_rank_gives_every_waiting_caller_a_clear_error(compact_pair):
+    """Runs last: it breaks the compact pair's TP2 engine."""
+    _, tp2 = compact_pair
+    (pid,) = tp2.parallel.pids
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    running = tp2.stream(media_first_messages(images("pink"), "Talk."), long, cache_salt="kill")
+    waiting = [tp2.submit(media_first_messages(images("gray"), f"Wait {i}."), long, cache_salt="kill")
+               for i in range(2)]
+    assert isinstance(next(running), str)  # the stream is under way
+    os.kill(pid, signal.SIGKILL)
+    errors: list[BaseException] = []
+
+    def drain(items) -> None:
+        try:
+            for _ in items:
+                pass
+        except PrismError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drain, args=(it,)) for it in (running, *(tp2.loop.stream(r) for r in waiting))]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S + 10)
+    assert not any(t.is_alive() for t in threads), "a caller still waits after the rank died"
+    assert len(errors) == 3 and all("tensor-parallel rank 1" in str(e) for e in errors), errors
+    assert time.monotonic() - start < TIMEOUT_S  # noticed at once, not at a collective's timeout
+    with pytest.raises(PrismError, match="tensor-parallel rank 1"):  # and every later caller too
+        tp2.generate(media_first_messages(images("red"), "Again?"), SP, cache_salt="kill")
