@@ -5,7 +5,7 @@
 # gradio & co. and are left out; skip counts and reasons go to tests_skips.txt and tests.txt), kernels,
 # fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving, workingset (benchmarks/bench_working_set.py
 # at the 8B shape; WS_ARGS replaces its arguments but --out; default: the pressure workset, every variant,
-# 200 requests each, ~6-7 min, no variant started past 470 s).
+# 200 requests each, ~6-7 min, no variant started past 470 s), tp (benchmarks/bench_tp.py: two GPUs).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -42,6 +42,9 @@ for step in ${STEPS:-kernels smoke bench}; do
     workingset) timeout 560 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
              ${WS_ARGS:---worksets pressure --requests 200 --time-budget-s 470} --out "$OUT/ws.json" 2>&1 \
              | grep -v Warning | tail -40 | tee "$OUT/ws.txt" ;;
+    # needs two GPUs (nvidia-h200-x2): TP2 beside TP1 at the 8B shape; NVLink multicast off
+    tp) NCCL_NVLS_ENABLE=0 timeout 590 python3 benchmarks/bench_tp.py --shape 8b --device cuda ${TP_ARGS:-} \
+             --out "$OUT/bench_tp.json" 2>&1 | grep -v Warning | tail -20 | tee "$OUT/bench_tp.txt" ;;
     bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;
   esac
 done

@@ -85,10 +85,14 @@ def test_settings_from_cli_and_environment(tmp_path):
     # a 12-megapixel phone photo is resized to about 1 megapixel (~980 visual tokens), not 16.7
     assert opts["max_pixels"] == 1_003_520
     assert parse_settings(["--resize-pixels", "262144"], env).engine_options()["max_pixels"] == 262144
+    assert "tensor_parallel_size" not in opts  # one GPU unless asked
+    assert parse_settings(["--tensor-parallel-size", "2"], env).engine_options()["tensor_parallel_size"] == 2
+    assert parse_settings([], {"PRISM_TENSOR_PARALLEL_SIZE": "4"}).engine_options()["tensor_parallel_size"] == 4
 
 
 @pytest.mark.parametrize("argv,env", [(["--compaction", "sometimes"], {}), ([], {"PRISM_CACHE_SCOPE": "world"}),
-                                      (["--keep-ratio", "2"], {}), ([], {"PRISM_PORT": "http"})])
+                                      (["--keep-ratio", "2"], {}), ([], {"PRISM_PORT": "http"}),
+                                      (["--tensor-parallel-size", "0"], {})])
 def test_bad_settings_exit_with_a_message(argv, env, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_settings(argv, env)

@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+import torch
 from PIL import Image
 
 from engine import Engine, SamplingParams, media_first_messages
@@ -129,6 +130,29 @@ def test_tp2_compaction_equals_tp1_compaction(compact_pair):
     assert kept == cold[0].telemetry.visual_tokens_kept
     assert 0 < kept < cold[1].telemetry.visual_tokens
     assert tp2.tensor_parallel_counters()[1]["slot_moves"] == moves + 1  # the worker moved its slots too
+
+
+def test_token_scores_are_summed_over_ranks_in_name_order():
+    """The selector-scores hook (engine/parallel/scores.py) with a stand-in for two ranks whose
+    partial scores are ``partial`` and ``other``."""
+    from engine.parallel.scores import combine_token_scores
+
+    other = {"attn": torch.tensor([1.0, 0.0, 2.0]), "norm": torch.tensor([[0.5], [0.5], [0.5]])}
+    seen = []
+
+    class TwoRanks:
+        def all_reduce(self, t):
+            name = "attn" if t.dim() == 1 else "norm"
+            seen.append(name)
+            t += other[name]
+            return t
+
+    partial = {"norm": torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float16), "attn": torch.tensor([3.0, 1.0, 0.0])}
+    out = combine_token_scores(partial, TwoRanks())
+    assert seen == ["attn", "norm"]
+    assert torch.equal(out["attn"], torch.tensor([4.0, 1.0, 2.0]))
+    assert out["norm"].dtype == torch.float32 and torch.equal(out["norm"], torch.tensor([[1.5], [2.5], [3.5]]))
+    assert partial["attn"].tolist() == [3.0, 1.0, 0.0]  # the caller's partial scores are left alone
 
 
 def test_bad_tensor_parallel_sizes_are_refused(tiny_ckpt):
