@@ -117,6 +117,18 @@ def test_vision_encoder_runs_once_per_image_not_once_per_rank(dense_pair):
     assert two.token_ids == one.token_ids  # the worker used rank 0's broadcast features
 
 
+def test_a_failing_rank_gives_a_clear_error(dense_pair):
+    """Runs after the dense pair's other tests: it breaks its TP2 engine. A worker that raises
+    (here on a plan it does not know) reports its error and exits; every later request fails with
+    both."""
+    _, tp2 = dense_pair
+    tp2.parallel.send(("no such plan",))
+    with pytest.raises(PrismError, match=r"tensor-parallel rank 1 died .*unknown plan message"):
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:  # the watchdog notices within ~0.5 s
+            tp2.generate(media_first_messages(images("red"), "Still there?"), SP, cache_salt="fail")
+
+
 def test_tp2_compaction_equals_tp1_compaction(compact_pair):
     tp1, tp2 = compact_pair
     pics = images("red", "blue")

@@ -144,6 +144,7 @@ class TensorParallelGroup:
         self._processes, self._conns = processes, conns
         self.error: TensorParallelError | None = None
         self._send_lock = threading.Lock()  # plans, data moves and counter queries keep one order
+        self._recv_lock = threading.Lock()  # answers are read by one thread at a time
         self._closing = False
         self._watchdog = threading.Thread(target=self._watch, name="prism-tp-watchdog", daemon=True)
         self._watchdog.start()
@@ -279,8 +280,9 @@ class TensorParallelGroup:
         deadline = time.monotonic() + self.spec.timeout_s
         while True:
             try:
-                if conn.poll(0.1):
-                    message = conn.recv()
+                with self._recv_lock:
+                    message = conn.recv() if conn.poll(0.1) else None
+                if message is not None:
                     break
             except (OSError, EOFError) as exc:
                 raise self._fail(f"tensor-parallel rank {rank} is gone ({self._exit_of(rank)})", exc) from exc
@@ -325,4 +327,16 @@ class TensorParallelGroup:
                 rank = sentinels.pop(sentinel)
                 if not self._closing:
                     self._fail(f"tensor-parallel rank {rank} died ({self._exit_of(rank)}, "
-                               f"pid {self._processes[rank - 1].pid})", None)
+                               f"pid {self._processes[rank - 1].pid}){self._last_words(rank)}", None)
+
+    def _last_words(self, rank: int) -> str:
+        """The error a worker sent before it exited (its traceback's last line), or ""."""
+        conn = self._conns[rank - 1]
+        with self._recv_lock:
+            try:
+                message = conn.recv() if conn.poll(0.5) else None
+            except (OSError, EOFError):
+                return ""
+        if message is None or message[0] != "error":
+            return ""
+        return ": " + message[1].strip().splitlines()[-1]

@@ -22,6 +22,8 @@ import traceback
 
 import torch
 
+from ops.dispatch import warm_up as warm_up_kernels
+
 from ..cache.kv_pool import PagePool
 from ..graphs.capture import capture_step_graphs
 from ..model.qwen3_vl import Qwen3VL, load_model
@@ -76,6 +78,7 @@ def _start(model: Qwen3VL, init: tuple, device: torch.device) -> ModelRunner:
     decode = prefill = None
     if graphs is not None:
         decode, prefill = capture_step_graphs(model, pool, **graphs)
+    warm_up_kernels(pool.layers[0], model.language_model.layers[0].self_attn.heads, model.dtype)
     return ModelRunner(model, pool, None, decode, prefill)
 
 
