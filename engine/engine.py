@@ -66,6 +66,8 @@ class Engine:
         intake: the :class:`~engine.serving.intake.Intake` (prompt -> request; its ``make_sampler``).
         loop: the :class:`~engine.serving.loop.EngineLoop` (its ``scheduler``, ``runner`` and
             ``paused()``).
+        parallel: the :class:`~engine.parallel.group.TensorParallelGroup` of rank 0 (its
+            ``pids``, ``error``), None with ``tensor_parallel_size=1``.
     """
 
     def __init__(self, model: Qwen3VL, processor, *, model_id: str, folder: Path, options: EngineOptions,
@@ -147,9 +149,16 @@ class Engine:
                 bfloat16 on CUDA and float32 on CPU.
             **options: fields of :class:`EngineOptions`.
 
+        With ``tensor_parallel_size=N > 1`` this process becomes rank 0 of ``N`` (see
+        :mod:`engine.parallel`): ranks ``1 .. N-1`` are started as processes that load the
+        checkpoint themselves; a script that calls this must guard its top level with
+        ``if __name__ == "__main__":`` (they are spawned).
+
         Raises:
             CheckpointError: the checkpoint cannot be found or does not match Qwen3-VL.
-            InvalidRequestError: unknown options or a bad dtype.
+            InvalidRequestError: unknown options, a bad dtype, or a tensor-parallel size that does
+                not divide the model's heads or exceeds the GPUs.
+            TensorParallelError: a tensor-parallel rank failed to start.
         """
         from transformers import AutoProcessor
 

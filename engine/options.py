@@ -57,7 +57,9 @@ class EngineOptions:
             first chunk) of fewer than 512 tokens replays a graph captured for its token-count
             bucket (see :mod:`engine.graphs.prefill`).
         tensor_parallel_size: ranks the decoder is split across, one process per GPU of this host
-            (gloo processes on the CPU; see :mod:`engine.parallel`). 1: this process alone.
+            (gloo processes on the CPU; see :mod:`engine.parallel`). 1: this process alone. Each
+            rank holds ``1 / N`` of the KV heads in a pool of ``kv_cache_bytes`` (or its default,
+            measured on rank 0's GPU), so the pool holds ``N`` times the tokens of one GPU's.
         tensor_parallel_timeout_s: under tensor parallelism, how long (seconds) a collective or a
             worker's answer may take before the group is declared failed.
     """

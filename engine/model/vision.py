@@ -78,8 +78,9 @@ def span_features(spans, items: dict, start: int, end: int, device) -> tuple[tor
 
 class EncodeCounter:
     """Counts the images and video clips ``encoder`` (a :class:`VisionEncoder`) encodes, through a
-    forward hook: eager runs only (replays of the encoder's CUDA graphs are counted by
-    ``vision_graph_replays``). :meth:`remove` takes the hook off.
+    forward hook: every call of its forward (eager runs, and the run a CUDA-graph capture makes);
+    replays of the encoder's graphs are not calls (``vision_graph_replays`` counts them).
+    :meth:`remove` takes the hook off.
 
     Attributes:
         images: items encoded (one per ``(t, h, w)`` grid handed to the encoder).

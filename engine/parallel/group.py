@@ -84,6 +84,7 @@ class Collectives:
         if store is None:
             store = dist.TCPStore(spec.host, spec.port, spec.world, False, timeout=timeout)
         self.store = store  # rank 0 serves it: keep it alive
+        self.backend = spec.backend
         if spec.backend == "nccl":
             torch.cuda.set_device(spec.device_of(rank))
             self.group = dist.ProcessGroupNCCL(store, rank, spec.world)
@@ -102,7 +103,7 @@ class Collectives:
     def abort(self) -> None:
         """Unblock collectives waiting on a dead peer (NCCL; gloo's fail by themselves).
         Untested on GPU (no two-GPU machine was lent); best effort."""
-        abort = getattr(self.group, "abort", None)
+        abort = getattr(self.group, "abort", None) if self.backend == "nccl" else None
         if abort is not None:
             try:
                 abort()
@@ -145,6 +146,7 @@ class TensorParallelGroup:
         self.error: TensorParallelError | None = None
         self._send_lock = threading.Lock()  # plans, data moves and counter queries keep one order
         self._recv_lock = threading.Lock()  # answers are read by one thread at a time
+        self._fail_lock = threading.Lock()  # the watchdog and the loop may both see the failure
         self._closing = False
         self._watchdog = threading.Thread(target=self._watch, name="prism-tp-watchdog", daemon=True)
         self._watchdog.start()
@@ -201,9 +203,10 @@ class TensorParallelGroup:
 
     # ------------------------------------------------------------------ steps
     def check(self) -> None:
-        """Raises: TensorParallelError: the group has failed."""
+        """Raises: TensorParallelError: the group has failed (a fresh copy of :attr:`error` for
+        each caller: one exception object raised in many threads would share its traceback)."""
         if self.error is not None:
-            raise self.error
+            raise TensorParallelError(str(self.error)) from self.error.__cause__
 
     def send(self, message: tuple) -> None:
         """Send one plan message to every worker.
@@ -296,14 +299,19 @@ class TensorParallelGroup:
         return message
 
     def _fail(self, reason: str, cause: BaseException | None) -> TensorParallelError:
-        if self.error is None:
-            self.error = TensorParallelError(f"{reason}; the engine cannot run requests any more, restart it")
-            if cause is not None:
+        """Mark the group failed (the first reason wins) and return a fresh copy of its error."""
+        with self._fail_lock:
+            first = self.error is None
+            if first:
+                self.error = TensorParallelError(f"{reason}; the engine cannot run requests any more, restart it")
                 self.error.__cause__ = cause
+        if first:
             log.error("%s", self.error)
             if self.collectives is not None:
                 self.collectives.abort()
-        return self.error
+        copy = TensorParallelError(str(self.error))
+        copy.__cause__ = cause
+        return copy
 
     def _exit_of(self, rank: int) -> str:
         proc = self._processes[rank - 1]
