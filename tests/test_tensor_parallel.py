@@ -33,7 +33,10 @@ EXACT = {"min_pixels": 32 * 32, "max_pixels": 128 * 128, "kv_cache_bytes": 8 << 
          "debug_checks": True, "max_num_batched_tokens": 24, "progress": False}
 DENSE = {**EXACT, "compaction": None}
 COMPACT = {**EXACT, "compaction": "uniform", "keep_ratio": 0.5, "min_keep": 4}
-TIMEOUT_S = 20.0
+#: How long a test waits for an answer that must come (a deadline against a hang). The engines'
+#: collectives keep their default timeout (60 s), longer than this: an error that arrives in time
+#: was detected, not timed out.
+WAIT_S = 30.0
 
 
 def images(*colours: str, size: int = 128) -> list[Image.Image]:
@@ -41,8 +44,7 @@ def images(*colours: str, size: int = 128) -> list[Image.Image]:
 
 
 def tp_engine(tiny_ckpt, **options) -> Engine:
-    return Engine.from_pretrained(tiny_ckpt, device="cpu", tensor_parallel_size=2,
-                                  tensor_parallel_timeout_s=TIMEOUT_S, **options)
+    return Engine.from_pretrained(tiny_ckpt, device="cpu", tensor_parallel_size=2, **options)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +126,7 @@ def test_a_failing_rank_gives_a_clear_error(dense_pair):
     _, tp2 = dense_pair
     tp2.parallel.send(("no such plan",))
     with pytest.raises(PrismError, match=r"tensor-parallel rank 1 died .*unknown plan message"):
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:  # the watchdog notices within ~0.5 s
             tp2.generate(media_first_messages(images("red"), "Still there?"), SP, cache_salt="fail")
 
@@ -194,13 +196,11 @@ def test_killing_a_rank_gives_every_waiting_caller_a_clear_error(compact_pair):
             errors.append(exc)
 
     threads = [threading.Thread(target=drain, args=(it,)) for it in (running, *(tp2.loop.stream(r) for r in waiting))]
-    start = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
-        t.join(TIMEOUT_S + 10)
+        t.join(WAIT_S)  # shorter than the collectives' timeout: the death must be detected
     assert not any(t.is_alive() for t in threads), "a caller still waits after the rank died"
     assert len(errors) == 3 and all("tensor-parallel rank 1" in str(e) for e in errors), errors
-    assert time.monotonic() - start < TIMEOUT_S  # noticed at once, not at a collective's timeout
     with pytest.raises(PrismError, match="tensor-parallel rank 1"):  # and every later caller too
         tp2.generate(media_first_messages(images("red"), "Again?"), SP, cache_salt="kill")

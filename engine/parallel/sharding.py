@@ -74,3 +74,5 @@ def shard_decoder(model: Qwen3VL, rank: int, world: int, reduce: Callable[[torch
             _rows(proj, rank, world)
         _columns(mlp.down_proj, rank, world)
         attn.reduce = mlp.reduce = reduce
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()  # the whole matrices' memory, so the KV budget measured next counts it
