@@ -13,6 +13,7 @@ from .errors import (
     InvalidRequestError,
     PrismError,
     RequestTooLargeError,
+    TensorParallelError,
 )
 from .inputs.prompts import media_first_messages
 from .serving.outputs import Completion, Telemetry
@@ -31,5 +32,6 @@ __all__ = [
     "PrismError",
     "SamplingParams",
     "Telemetry",
+    "TensorParallelError",
     "media_first_messages",
 ]

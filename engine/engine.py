@@ -215,6 +215,7 @@ class Engine:
             InvalidImageError: an image cannot be used.
             EngineOverloadedError: the waiting queue is full.
             PrismError: the engine is closed, or the request failed inside the engine.
+            TensorParallelError: a tensor-parallel rank failed (now, or before).
         """
         for item in self.stream(messages, sampling, cache_salt=cache_salt):
             if isinstance(item, Completion):
@@ -243,6 +244,8 @@ class Engine:
         intake = self.intake
         if self.loop.closed or intake is None:
             raise PrismError("engine is closed")
+        if self.parallel is not None:
+            self.parallel.check()  # a failed rank: refuse at once (TensorParallelError)
         salt = self.options.salt(cache_salt)
         submitted = time.perf_counter()
         prompt = self.prompts.build(messages, salt)

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from engine import Engine, SamplingParams, media_first_messages
-from engine.errors import InvalidRequestError, PrismError
+from engine.errors import InvalidRequestError, PrismError, TensorParallelError
 from engine.serving.outputs import Completion
 
 pytestmark = pytest.mark.tensor_parallel
@@ -125,7 +125,7 @@ def test_a_failing_rank_gives_a_clear_error(dense_pair):
     both."""
     _, tp2 = dense_pair
     tp2.parallel.send(("no such plan",))
-    with pytest.raises(PrismError, match=r"tensor-parallel rank 1 died .*unknown plan message"):
+    with pytest.raises(TensorParallelError, match=r"tensor-parallel rank 1 died .*unknown plan message"):
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:  # the watchdog notices within ~0.5 s
             tp2.generate(media_first_messages(images("red"), "Still there?"), SP, cache_salt="fail")
@@ -201,6 +201,7 @@ def test_killing_a_rank_gives_every_waiting_caller_a_clear_error(compact_pair):
     for t in threads:
         t.join(WAIT_S)  # shorter than the collectives' timeout: the death must be detected
     assert not any(t.is_alive() for t in threads), "a caller still waits after the rank died"
-    assert len(errors) == 3 and all("tensor-parallel rank 1" in str(e) for e in errors), errors
-    with pytest.raises(PrismError, match="tensor-parallel rank 1"):  # and every later caller too
+    assert len(errors) == 3, errors
+    assert all(isinstance(e, TensorParallelError) and "tensor-parallel rank 1" in str(e) for e in errors), errors
+    with pytest.raises(TensorParallelError, match="tensor-parallel rank 1 died"):  # and every later caller too
         tp2.generate(media_first_messages(images("red"), "Again?"), SP, cache_salt="kill")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import PrismError
+from ..errors import TensorParallelError
 from ..model.qwen3_vl import Qwen3VL
 from ..model.vision import VisionFeatures
 from .sharding import shard_decoder
@@ -37,8 +37,7 @@ from .sharding import shard_decoder
 log = logging.getLogger(__name__)
 
 
-class TensorParallelError(PrismError):
-    """A tensor-parallel rank failed or died; the engine cannot run steps any more (restart it)."""
+__all__ = ["Collectives", "TensorParallelError", "TensorParallelGroup", "WorkerSpec"]
 
 
 @dataclass(frozen=True)
