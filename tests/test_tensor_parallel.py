@@ -4,9 +4,10 @@ TP2 is checked against TP1 on the same weights, fp32 and ``kv_cache_dtype="auto"
 tokens must be equal (the decoder's all-reduce sums each layer's two halves in another order than
 one matrix product does, float32 rounding only), with images, chunked prefill, batched requests, a
 prefix hit and a conversation extension, with compaction off and with the same compaction on
-both. Vision runs once per image (rank 0) and a killed rank becomes a clear error for every
-waiting caller. Each TP2 engine costs two process start-ups (~10 s on two busy cores), so the
-module builds two and kills a rank of the last one.
+both, and with Scaled-FP8 pages. Vision runs once per image (rank 0); a failing or killed rank
+becomes a clear error for every waiting caller. Each TP2 engine costs a worker start-up (~5-15 s
+on two busy cores), so the module builds three (dense, compacted, FP8 pages) and breaks two of
+them in its last tests.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ EXACT = {"min_pixels": 32 * 32, "max_pixels": 128 * 128, "kv_cache_bytes": 8 << 
          "debug_checks": True, "max_num_batched_tokens": 24, "progress": False}
 DENSE = {**EXACT, "compaction": None}
 COMPACT = {**EXACT, "compaction": "uniform", "keep_ratio": 0.5, "min_keep": 4}
+#: Scaled-FP8 pages: each rank stores its KV heads' values and per-(slot, head) scales, the same
+#: numbers TP1 stores for those heads (a scale never spans heads), so only the all-reduce's
+#: rounding order differs from TP1 here too.
+FP8 = {**COMPACT, "kv_cache_dtype": "fp8_e4m3"}
 #: How long a test waits for an answer that must come (a deadline against a hang). The engines'
 #: collectives keep their default timeout (60 s), longer than this: an error that arrives in time
 #: was detected, not timed out.
@@ -58,6 +63,13 @@ def dense_pair(tiny_ckpt, tiny_engine_factory):
 def compact_pair(tiny_ckpt, tiny_engine_factory):
     tp2 = tp_engine(tiny_ckpt, **COMPACT)
     yield tiny_engine_factory(**COMPACT), tp2
+    tp2.close()
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tiny_ckpt, tiny_engine_factory):
+    tp2 = tp_engine(tiny_ckpt, **FP8)
+    yield tiny_engine_factory(**FP8), tp2
     tp2.close()
 
 
@@ -169,6 +181,18 @@ def test_token_scores_are_summed_over_ranks_in_name_order():
     assert partial["attn"].tolist() == [3.0, 1.0, 0.0]  # the caller's partial scores are left alone
 
 
+def test_tp2_fp8_pages_with_compaction_equal_tp1(fp8_pair):
+    """FP8 values and scales sharded by KV head, copied on write and moved by compaction on both
+    ranks: the same tokens as TP1 with the same pages."""
+    tp1, tp2 = fp8_pair
+    pics = images("olive", "silver")
+    for question in ("What is here?", "Anything else?", "Which colours?"):
+        one, two = both(fp8_pair, media_first_messages(pics, question), "fp8")
+        assert two.token_ids == one.token_ids
+    assert two.telemetry.prefix_cache == "hit"
+    assert tp2.pool.kv_cache_dtype == "fp8_e4m3" and tp2.pool.layers[0].num_kv_heads == 1  # 2 heads / 2 ranks
+
+
 def test_bad_tensor_parallel_sizes_are_refused(tiny_ckpt):
     with pytest.raises(InvalidRequestError, match="must divide"):
         Engine.from_pretrained(tiny_ckpt, device="cpu", tensor_parallel_size=3, progress=False)
@@ -176,9 +200,9 @@ def test_bad_tensor_parallel_sizes_are_refused(tiny_ckpt):
         Engine.from_pretrained(tiny_ckpt, device="cpu", tensor_parallel_size=0, progress=False)
 
 
-def test_killing_a_rank_gives_every_waiting_caller_a_clear_error(compact_pair):
-    """Runs last: it breaks the compact pair's TP2 engine."""
-    _, tp2 = compact_pair
+def test_killing_a_rank_gives_every_waiting_caller_a_clear_error(fp8_pair):
+    """Runs last: it breaks the FP8 pair's TP2 engine."""
+    _, tp2 = fp8_pair
     (pid,) = tp2.parallel.pids
     long = SamplingParams(max_tokens=400, ignore_eos=True)
     running = tp2.stream(media_first_messages(images("pink"), "Talk."), long, cache_salt="kill")

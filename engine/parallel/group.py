@@ -146,6 +146,7 @@ class TensorParallelGroup:
         self._send_lock = threading.Lock()  # plans, data moves and counter queries keep one order
         self._recv_lock = threading.Lock()  # answers are read by one thread at a time
         self._fail_lock = threading.Lock()  # the watchdog and the loop may both see the failure
+        self._last_words: dict[int, str] = {}  # rank -> the error a dead worker sent, see _ended
         self._closing = False
         self._watchdog = threading.Thread(target=self._watch, name="prism-tp-watchdog", daemon=True)
         self._watchdog.start()
@@ -219,7 +220,7 @@ class TensorParallelGroup:
                 try:
                     conn.send(message)
                 except (OSError, EOFError) as exc:
-                    raise self._fail(f"tensor-parallel rank {rank} is gone ({self._exit_of(rank)})", exc) from exc
+                    raise self._fail(f"tensor-parallel rank {rank} died ({self._ended(rank)})", exc) from exc
 
     def step(self, message: tuple, features: VisionFeatures | None, run: Callable[[], object]):
         """Send a step's plan, broadcast its vision features, then run rank 0's share (``run()``,
@@ -237,7 +238,7 @@ class TensorParallelGroup:
         except Exception as exc:
             dead = self._dead_rank(wait_s=2.0)
             if dead is not None:
-                reason = f"tensor-parallel rank {dead} died during a step ({self._exit_of(dead)})"
+                reason = f"tensor-parallel rank {dead} died during a step ({self._ended(dead)})"
                 raise self._fail(reason, exc) from exc
             raise self._fail(f"tensor-parallel step failed on rank 0, the ranks are out of step: {exc!r}", exc) from exc
 
@@ -287,7 +288,7 @@ class TensorParallelGroup:
                 if message is not None:
                     break
             except (OSError, EOFError) as exc:
-                raise self._fail(f"tensor-parallel rank {rank} is gone ({self._exit_of(rank)})", exc) from exc
+                raise self._fail(f"tensor-parallel rank {rank} died ({self._ended(rank)})", exc) from exc
             self.check()
             if time.monotonic() > deadline:
                 raise self._fail(f"tensor-parallel rank {rank} did not answer in {self.spec.timeout_s:g} s", None)
@@ -333,17 +334,19 @@ class TensorParallelGroup:
             for sentinel in wait_any(list(sentinels), timeout=0.5):
                 rank = sentinels.pop(sentinel)
                 if not self._closing:
-                    self._fail(f"tensor-parallel rank {rank} died ({self._exit_of(rank)}, "
-                               f"pid {self._processes[rank - 1].pid}){self._last_words(rank)}", None)
+                    self._fail(f"tensor-parallel rank {rank} died ({self._ended(rank)})", None)
 
-    def _last_words(self, rank: int) -> str:
-        """The error a worker sent before it exited (its traceback's last line), or ""."""
-        conn = self._conns[rank - 1]
+    def _ended(self, rank: int) -> str:
+        """How a dead worker ended: its exit code, its pid and the error it sent before it exited
+        (its traceback's last line), read once and kept, since several threads may ask."""
         with self._recv_lock:
-            try:
-                message = conn.recv() if conn.poll(0.5) else None
-            except (OSError, EOFError):
-                return ""
-        if message is None or message[0] != "error":
-            return ""
-        return ": " + message[1].strip().splitlines()[-1]
+            if rank not in self._last_words:
+                conn, words = self._conns[rank - 1], ""
+                try:
+                    message = conn.recv() if conn.poll(0.5) else None
+                    if message is not None and message[0] == "error":
+                        words = ": " + message[1].strip().splitlines()[-1]
+                except (OSError, EOFError):
+                    pass
+                self._last_words[rank] = words
+        return f"{self._exit_of(rank)}, pid {self._processes[rank - 1].pid}{self._last_words[rank]}"
