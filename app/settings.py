@@ -83,6 +83,7 @@ class Settings:
     compaction_mode: str = "always"
     keep_ratio: float = 0.6
     cache_scope: str = "session"
+    tensor_parallel_size: int = 1
     max_image_pixels: int = 50_000_000  # engine.images.ImageOptions' defaults (not imported: --help stays fast)
     max_upload_mb: int = 50
     max_images: int = 16
@@ -120,6 +121,8 @@ class Settings:
         }
         if self.kv_cache_bytes is not None:
             options["kv_cache_bytes"] = self.kv_cache_bytes
+        if self.tensor_parallel_size != 1:
+            options["tensor_parallel_size"] = self.tensor_parallel_size
         return options
 
 
@@ -146,6 +149,8 @@ _OPTIONS = [
     ("--cache-scope", "cache_scope", str, ("session", "global"),
      "session: a cached prefix is reused only within its chat session (and its forks); "
      "global: across all sessions (single-user setups)"),
+    ("--tensor-parallel-size", "tensor_parallel_size", _positive_int, None,
+     "GPUs of this host the model is split across (tensor parallel, one process per GPU); 1: one GPU"),
     ("--max-image-pixels", "max_image_pixels", _positive_int, None,
      "refuse images whose width x height is larger (decompression-bomb guard)"),
     ("--max-upload-mb", "max_upload_mb", _positive_int, None, "refuse image files larger than this many MiB"),

@@ -14,6 +14,7 @@ from .errors import (
     InvalidVideoError,
     PrismError,
     RequestTooLargeError,
+    TensorParallelError,
 )
 from .inputs.prompts import media_first_messages
 from .serving.outputs import Completion, Telemetry
@@ -33,5 +34,6 @@ __all__ = [
     "PrismError",
     "SamplingParams",
     "Telemetry",
+    "TensorParallelError",
     "media_first_messages",
 ]

@@ -28,9 +28,10 @@ from .graphs.capture import capture_step_graphs, graphs_supported
 from .graphs.vision import VisionGraphs
 from .inputs.prompts import Prompt, PromptBuilder
 from .inputs.vision_features import VisionLookup
+from .model.config import ModelConfig
 from .model.hub import resolve_checkpoint
 from .model.qwen3_vl import Qwen3VL, eos_token_ids, load_model
-from .model.vision import VisionFeatures
+from .model.vision import EncodeCounter, VisionFeatures
 from .options import EngineOptions, pick_device, pick_dtype
 from .serving.intake import Intake
 from .serving.loop import EngineLoop
@@ -65,10 +66,16 @@ class Engine:
         intake: the :class:`~engine.serving.intake.Intake` (prompt -> request; its ``make_sampler``).
         loop: the :class:`~engine.serving.loop.EngineLoop` (its ``scheduler``, ``runner`` and
             ``paused()``).
+        parallel: the :class:`~engine.parallel.group.TensorParallelGroup` of rank 0 (its
+            ``pids``, ``error``), None with ``tensor_parallel_size=1``.
     """
 
-    def __init__(self, model: Qwen3VL, processor, *, model_id: str, folder: Path, options: EngineOptions):
+    def __init__(self, model: Qwen3VL, processor, *, model_id: str, folder: Path, options: EngineOptions,
+                 parallel=None):
+        """``parallel``: the :class:`~engine.parallel.group.TensorParallelGroup` this process is
+        rank 0 of (``model`` already sharded, see :meth:`from_pretrained`), or None."""
         options.check_kv_cache_dtype()
+        self.parallel = parallel
         if model.device.type == "cuda":
             model.language_model.fuse_projections()  # fewer, larger matrix products per decode step
         self.model, self.processor, self.tokenizer = model, processor, processor.tokenizer
@@ -86,11 +93,15 @@ class Engine:
         self.namespace = "|".join([f"model={model_id}", f"config={config_sha}", self.prompts.namespace(),
                                    f"dtype={model.dtype}", f"kv={options.kv_cache_dtype}"])
         t = cfg.text
-        self.pool = PagePool.sized(
-            options.kv_budget(model.device), num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads,
-            head_dim=t.head_dim, page_size=options.page_size, kv_cache_dtype=options.kv_cache_dtype,
-            model_dtype=model.dtype, device=model.device,
-        )
+        pool_class, world = PagePool, 1
+        if parallel is not None:
+            from .parallel.pool import MirroredPagePool
+
+            pool_class, world = MirroredPagePool, parallel.world
+        pool_shape = dict(num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads // world,
+                          head_dim=t.head_dim, page_size=options.page_size, kv_cache_dtype=options.kv_cache_dtype,
+                          model_dtype=model.dtype)
+        self.pool = pool_class.sized(options.kv_budget(model.device), **pool_shape, device=model.device)
         self.max_model_len = min(options.max_model_len or t.max_position_embeddings, self.pool.capacity_tokens)
         steps = options.pressure_steps()
         self.prefix_cache = PrefixCache(self.pool, steps) if options.prefix_cache else None
@@ -103,16 +114,28 @@ class Engine:
         step = SchedulerConfig(options.max_num_seqs, options.step_budget(model.device), options.max_waiting)
         scheduler = Scheduler(self.pool, step, reuse)
         decode_graphs = prefill_graphs = None
+        graph_spec = None
         if options.cuda_graphs and graphs_supported(model.device):
-            decode_graphs, prefill_graphs = capture_step_graphs(
-                model, self.pool, decode_rows=max(options.max_num_seqs, options.graph_max_tokens),
-                max_model_len=self.max_model_len, prefill=options.prefill_graphs,
-            )
+            graph_spec = dict(decode_rows=max(options.max_num_seqs, options.graph_max_tokens),
+                              max_model_len=self.max_model_len, prefill=options.prefill_graphs)
+        if parallel is not None:  # workers build their pools and capture beside rank 0 (paired collectives)
+            self.pool.group = parallel
+            parallel.start_workers({**pool_shape, "num_pages": self.pool.num_pages}, graph_spec)
+        if graph_spec is not None:
+            decode_graphs, prefill_graphs = capture_step_graphs(model, self.pool, **graph_spec)
         encoder = model.encode_vision if decode_graphs is None else VisionGraphs(model)
+        self._vision_counter = EncodeCounter(model.visual)
         self.vision = VisionLookup(encoder, VisionCache(options.vision_cache_bytes), self.namespace,
                                    cfg.vision.spatial_merge_size, model.device)
-        runner = ModelRunner(model, self.pool, self.vision.encode_items, decode_graphs, prefill_graphs)
-        warm_up_kernels(self.pool.layers[0], t.num_attention_heads, self.dtype)
+        if parallel is None:
+            runner = ModelRunner(model, self.pool, self.vision.encode_items, decode_graphs, prefill_graphs)
+        else:
+            from .parallel.runner import ParallelRunner
+
+            parallel.wait_ready()
+            runner = ParallelRunner(model, self.pool, self.vision.encode_items, decode_graphs, prefill_graphs,
+                                    group=parallel)
+        warm_up_kernels(self.pool.layers[0], model.language_model.layers[0].self_attn.heads, self.dtype)
         self.intake = Intake(self.tokenizer, model.device, self.max_model_len, reuse)
         self.loop = EngineLoop(scheduler, runner, reuse, eos_token_ids=self.eos_token_ids,
                                debug_checks=options.debug_checks)
@@ -128,9 +151,16 @@ class Engine:
                 bfloat16 on CUDA and float32 on CPU.
             **options: fields of :class:`EngineOptions`.
 
+        With ``tensor_parallel_size=N > 1`` this process becomes rank 0 of ``N`` (see
+        :mod:`engine.parallel`): ranks ``1 .. N-1`` are started as processes that load the
+        checkpoint themselves; a script that calls this must guard its top level with
+        ``if __name__ == "__main__":`` (they are spawned).
+
         Raises:
             CheckpointError: the checkpoint cannot be found or does not match Qwen3-VL.
-            InvalidRequestError: unknown options or a bad dtype.
+            InvalidRequestError: unknown options, a bad dtype, or a tensor-parallel size that does
+                not divide the model's heads or exceeds the GPUs.
+            TensorParallelError: a tensor-parallel rank failed to start.
         """
         from transformers import AutoProcessor
 
@@ -140,11 +170,28 @@ class Engine:
             raise InvalidRequestError(f"unknown engine option: {exc}") from None
         folder = resolve_checkpoint(model)
         dev = pick_device(device)
-        net = load_model(folder, device=dev, dtype=pick_dtype(dtype, dev), progress=opts.progress)
-        processor = AutoProcessor.from_pretrained(str(folder))
-        if not hasattr(processor, "image_processor"):
-            raise PrismError(f"{folder} has no usable Qwen3-VL processor (got {type(processor).__name__})")
-        return cls(net, processor, model_id=str(model), folder=folder, options=opts)
+        opts.check_tensor_parallel(dev)
+        model_dtype = pick_dtype(dtype, dev)
+        parallel = None
+        if opts.tensor_parallel_size > 1:
+            from .parallel.group import TensorParallelGroup
+            from .parallel.sharding import check_divisible
+
+            check_divisible(ModelConfig.from_folder(folder).text, opts.tensor_parallel_size)
+            parallel = TensorParallelGroup.launch(opts.tensor_parallel_size, folder, dev, model_dtype,
+                                                  opts.tensor_parallel_timeout_s)
+        try:
+            net = load_model(folder, device=dev, dtype=model_dtype, progress=opts.progress)
+            if parallel is not None:
+                parallel.shard(net)
+            processor = AutoProcessor.from_pretrained(str(folder))
+            if not hasattr(processor, "image_processor"):
+                raise PrismError(f"{folder} has no usable Qwen3-VL processor (got {type(processor).__name__})")
+            return cls(net, processor, model_id=str(model), folder=folder, options=opts, parallel=parallel)
+        except BaseException:
+            if parallel is not None:
+                parallel.close()
+            raise
 
     # ------------------------------------------------------------------ public API
     @property
@@ -170,6 +217,7 @@ class Engine:
             InvalidImageError: an image cannot be used.
             EngineOverloadedError: the waiting queue is full.
             PrismError: the engine is closed, or the request failed inside the engine.
+            TensorParallelError: a tensor-parallel rank failed (now, or before).
         """
         for item in self.stream(messages, sampling, cache_salt=cache_salt):
             if isinstance(item, Completion):
@@ -198,6 +246,8 @@ class Engine:
         intake = self.intake
         if self.loop.closed or intake is None:
             raise PrismError("engine is closed")
+        if self.parallel is not None:
+            self.parallel.check()  # a failed rank: refuse at once (TensorParallelError)
         salt = self.options.salt(cache_salt)
         submitted = time.perf_counter()
         prompt = self.prompts.build(messages, salt)
@@ -299,10 +349,30 @@ class Engine:
         """Stop the loop (running requests fail with PrismError) and release memory."""
         if not self.loop.close():
             return
+        self._vision_counter.remove()
+        if self.parallel is not None:
+            self.parallel.close()
         # drop every reference to the model, the KV pool and the captured graphs so their memory goes
         self.pool = self.model = self.prefix_cache = self.prefix_reuse = self.vision = self.intake = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def tensor_parallel_counters(self) -> list[dict]:
+        """Per-rank counters, rank 0 first: ``vision_images_encoded`` (images that rank's vision
+        tower encoded; under tensor parallelism only rank 0 encodes, so they sum to the images
+        encoded, not to that times the ranks) and ``steps`` (forwards run; rank 0's is the loop's);
+        a worker's also ``page_copies`` and ``slot_moves`` (the copy-on-write copies and compaction
+        moves rank 0 sent it and it applied). One entry with tensor parallelism off.
+
+        Raises:
+            PrismError: the engine is closed. TensorParallelError: a rank failed.
+        """
+        with self.loop.paused():
+            if self.loop.closed:
+                raise PrismError("engine is closed")
+            ranks = self.parallel.counters() if self.parallel is not None else [{}]
+            ranks[0] = {"vision_images_encoded": self._vision_counter.images, "steps": self.loop.steps}
+            return ranks
 
     def __enter__(self) -> Engine:
         return self

@@ -46,3 +46,8 @@ class RequestTooLargeError(InvalidRequestError):
 
 class RequestCancelledError(PrismError):
     """The request was cancelled before it finished."""
+
+
+class TensorParallelError(PrismError):
+    """A tensor-parallel rank failed or died (``engine.parallel``); the engine cannot run steps any
+    more and must be restarted. The message names the rank and how it ended."""

@@ -65,6 +65,12 @@ class EngineOptions:
         prefill_graphs: with ``cuda_graphs`` on CUDA, a step holding only one cold prompt (or its
             first chunk) of fewer than 512 tokens replays a graph captured for its token-count
             bucket (see :mod:`engine.graphs.prefill`).
+        tensor_parallel_size: ranks the decoder is split across, one process per GPU of this host
+            (gloo processes on the CPU; see :mod:`engine.parallel`). 1: this process alone. Each
+            rank holds ``1 / N`` of the KV heads in a pool of ``kv_cache_bytes`` (or its default,
+            measured on rank 0's GPU), so the pool holds ``N`` times the tokens of one GPU's.
+        tensor_parallel_timeout_s: under tensor parallelism, how long (seconds) a collective or a
+            worker's answer may take before the group is declared failed.
     """
 
     min_pixels: int | None = None
@@ -95,6 +101,8 @@ class EngineOptions:
     cuda_graphs: bool = True
     graph_max_tokens: int = 64
     prefill_graphs: bool = True
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
 
     def image_options(self) -> ImageOptions:
         return ImageOptions(
@@ -110,6 +118,20 @@ class EngineOptions:
         """Raises: InvalidRequestError: ``cache_scope`` is neither ``"session"`` nor ``"global"``."""
         if self.cache_scope not in CACHE_SCOPES:
             raise InvalidRequestError(f"cache_scope must be 'session' or 'global', got {self.cache_scope!r}")
+
+    def check_tensor_parallel(self, device: torch.device) -> None:
+        """Raises: InvalidRequestError: ``tensor_parallel_size`` below 1, more CUDA ranks than
+        GPUs, or a timeout that is not positive."""
+        world = self.tensor_parallel_size
+        if not isinstance(world, int) or world < 1:
+            raise InvalidRequestError(f"tensor_parallel_size must be an integer >= 1, got {world!r}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise InvalidRequestError("tensor_parallel_timeout_s must be positive")
+        if world > 1 and device.type == "cuda":
+            first = device.index or 0
+            if first + world > torch.cuda.device_count():
+                raise InvalidRequestError(f"tensor_parallel_size={world} from {device} needs GPUs {first}.."
+                                          f"{first + world - 1}; {torch.cuda.device_count()} visible")
 
     def compaction_config(self) -> CompactionConfig:
         """The compaction settings.

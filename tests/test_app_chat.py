@@ -89,11 +89,15 @@ def test_settings_from_cli_and_environment(tmp_path):
     on_pressure = parse_settings(["--compaction-mode", "on_pressure"], env).engine_options()
     assert on_pressure["compaction_mode"] == "on_pressure"
     assert parse_settings([], {**env, "PRISM_COMPACTION_MODE": "on_pressure"}).compaction_mode == "on_pressure"
+    assert "tensor_parallel_size" not in opts  # one GPU unless asked
+    assert parse_settings(["--tensor-parallel-size", "2"], env).engine_options()["tensor_parallel_size"] == 2
+    assert parse_settings([], {"PRISM_TENSOR_PARALLEL_SIZE": "4"}).engine_options()["tensor_parallel_size"] == 4
 
 
 @pytest.mark.parametrize("argv,env", [(["--compaction", "sometimes"], {}), ([], {"PRISM_CACHE_SCOPE": "world"}),
                                       (["--compaction-mode", "later"], {}),
-                                      (["--keep-ratio", "2"], {}), ([], {"PRISM_PORT": "http"})])
+                                      (["--keep-ratio", "2"], {}), ([], {"PRISM_PORT": "http"}),
+                                      (["--tensor-parallel-size", "0"], {})])
 def test_bad_settings_exit_with_a_message(argv, env, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_settings(argv, env)

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "ops", "sessions", "app")
-WINGS = ("model", "cache", "graphs", "inputs", "serving")
+WINGS = ("model", "cache", "graphs", "inputs", "serving", "parallel")
 #: What the engine's top level may hold (modules and shims), besides the wings' folders.
 TOP_LEVEL_LIMIT = 8
 
@@ -63,12 +63,16 @@ RULES = [
     ("engine", ("sessions", "app"), "the engine knows nothing of sessions or the web (only an opaque salt)"),
     ("sessions", ("app",), "the store knows nothing of the web"),
     ("engine.serving", ("engine.engine", "engine.options"), "the serving core never calls back into Engine"),
-    ("engine.model", ("engine.cache", "engine.graphs", "engine.inputs", "engine.serving"),
+    ("engine.model", ("engine.cache", "engine.graphs", "engine.inputs", "engine.serving", "engine.parallel"),
      "the model is plain: storage, capture, inputs and serving wrap it from outside"),
-    ("engine.cache", ("engine.serving", "engine.graphs", "engine.inputs"),
+    ("engine.cache", ("engine.serving", "engine.graphs", "engine.inputs", "engine.parallel"),
      "caches are driven by the serving core, never the other way round"),
-    ("engine.graphs", ("engine.serving", "engine.inputs"), "graphs capture the model over the pool, nothing more"),
-    ("engine.inputs", ("engine.serving",), "inputs are built before serving sees them"),
+    ("engine.graphs", ("engine.serving", "engine.inputs", "engine.parallel"),
+     "graphs capture the model over the pool, nothing more"),
+    ("engine.inputs", ("engine.serving", "engine.parallel"), "inputs are built before serving sees them"),
+    ("engine.serving", ("engine.parallel",),
+     "the serving core is the single-process path; tensor parallelism wraps it from outside"),
+    ("engine.parallel", ("engine.inputs",), "rank 0 encodes images; the parallel wing only carries features"),
 ]
 #: Top-level modules a wing must never import: the public API and the shims (``engine.errors`` is
 #: shared by all).
@@ -123,7 +127,7 @@ def test_the_wings_form_no_cycle():
 
     for wing in WINGS:
         visit(wing)
-    assert order.index("model") < order.index("serving")
+    assert order.index("model") < order.index("serving") < order.index("parallel")
 
 
 def test_engine_top_level_is_small():

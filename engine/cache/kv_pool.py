@@ -164,11 +164,16 @@ class PagePool:
         if not block_table or not self.is_shared(block_table[-1]):
             return
         (fresh,) = self.allocate(1)
-        layer_base = torch.arange(self.num_layers) * self.num_pages
-        dev = self._k.device
-        copy_pages(self._all, (layer_base + block_table[-1]).to(dev), (layer_base + fresh).to(dev))
+        self.copy_page(block_table[-1], fresh)
         self.release([block_table[-1]])
         block_table[-1] = fresh
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page ``src``'s K/V (and scales) onto page ``dst`` in every layer (data only: no
+        reference count changes). Under tensor parallelism every rank's pool does the same copy."""
+        layer_base = torch.arange(self.num_layers) * self.num_pages
+        dev = self._k.device
+        copy_pages(self._all, (layer_base + src).to(dev), (layer_base + dst).to(dev))
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Move the K/V (and scales) of slots ``src`` to slots ``dst`` in every layer, correct when

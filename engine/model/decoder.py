@@ -7,6 +7,7 @@ parameter names follow the Hugging Face checkpoint (``model.language_model.*``, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,11 @@ class VisualInjection:
     deepstack: list[torch.Tensor]
 
 
+def _reduced(reduce, partial: torch.Tensor) -> torch.Tensor:
+    """``partial`` summed over the tensor-parallel ranks (``reduce``), or as it is on one rank."""
+    return partial if reduce is None else reduce(partial)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -49,6 +55,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
         self.qkv: nn.Parameter | None = None  # fused [q; k; v] weight, see fuse_projections()
+        #: Under tensor parallelism (``engine.parallel.sharding``) this rank holds some heads only and
+        #: ``o_proj`` is row-parallel: ``reduce`` sums the ranks' partial outputs in place.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def fuse_projections(self) -> None:
         """Store the Q, K, V weights as one matrix (their parameters become views of it) so a step
@@ -71,7 +80,7 @@ class Attention(nn.Module):
         q = qk_norm_rope(self.q_proj(x).view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin, eps)
         k = qk_norm_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin, eps)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        return self.o_proj(ctx.attend(layer, q, k, v).reshape(t, -1))
+        return _reduced(self.reduce, self.o_proj(ctx.attend(layer, q, k, v).reshape(t, -1)))
 
     def attend_projected(self, qkv, cos, sin, layer: int, ctx: AttentionContext):
         """The layer from its fused QKV product ``qkv [T, (heads + 2 * kv_heads) * head_dim]`` on:
@@ -82,7 +91,8 @@ class Attention(nn.Module):
         qk = qk_norm_rope(heads[:, : self.heads + self.kv_heads], self.q_norm.weight, cos, sin, self.q_norm.eps,
                           k_weight=self.k_norm.weight, q_heads=self.heads)
         q, k, v = qk[:, : self.heads], qk[:, self.heads :], heads[:, self.heads + self.kv_heads :]
-        return linear(ctx.attend(layer, q, k, v).reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
+        out = linear(ctx.attend(layer, q, k, v).reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
+        return _reduced(self.reduce, out)
 
 
 class MLP(nn.Module):
@@ -95,6 +105,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = activation(cfg.hidden_act)
         self.gate_up: nn.Parameter | None = None  # fused [gate; up] weight, see fuse_projections()
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # row-parallel down_proj, as Attention's
 
     def fuse_projections(self) -> None:
         """One matrix for the gate and up projections (their parameters become views of it).
@@ -111,15 +122,15 @@ class MLP(nn.Module):
         if self.gate_up is not None:
             return self.down_from_gate_up(linear(x, self.gate_up))
         gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_mul(gate, up) if self.act is F.silu else self.act(gate) * up)
+        return _reduced(self.reduce, self.down_proj(silu_mul(gate, up) if self.act is F.silu else self.act(gate) * up))
 
     def down_from_gate_up(self, gate_up):
         """The down projection of ``act(gate) * up`` from ``gate_up = [gate | up]`` ``[T, 2I]``
         (the SwiGLU gate in the product's prologue where the GEMV takes it)."""
         if self.act is F.silu:
-            return silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+            return _reduced(self.reduce, silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias))
         gate, up = gate_up.chunk(2, dim=-1)
-        return linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        return _reduced(self.reduce, linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias))
 
 
 class DecoderLayer(nn.Module):

@@ -76,6 +76,27 @@ def span_features(spans, items: dict, start: int, end: int, device) -> tuple[tor
     return torch.cat(offsets), VisionFeatures.concat(parts)
 
 
+class EncodeCounter:
+    """Counts the images and video clips ``encoder`` (a :class:`VisionEncoder`) encodes, through a
+    forward hook: every call of its forward (eager runs, and the run a CUDA-graph capture makes);
+    replays of the encoder's graphs are not calls (``vision_graph_replays`` counts them).
+    :meth:`remove` takes the hook off.
+
+    Attributes:
+        images: items encoded (one per ``(t, h, w)`` grid handed to the encoder).
+    """
+
+    def __init__(self, encoder: nn.Module):
+        self.images = 0
+        self._handle = encoder.register_forward_hook(self._count)
+
+    def _count(self, module, args, output) -> None:
+        self.images += len(args[1])  # VisionEncoder.forward(pixels, grids)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
 class PatchEmbed(nn.Module):
     """Linear projection of flattened ``(channels, temporal, patch, patch)`` patches.
 

@@ -13,8 +13,10 @@ class Batch:
     chunks in admission order (the runner lays out the flat batch: it puts sequences without cached
     context first), and the requests preempted to make room for it.
 
-    This is the one object that crosses from the scheduling side to the model side of the loop;
-    under tensor parallelism it is what the other ranks would be sent.
+    This is the one object that crosses from the scheduling side to the model side of the loop.
+    Under tensor parallelism (:mod:`engine.parallel`) the other ranks are sent what the runner
+    makes of it (:class:`~engine.serving.runner.StepInputs`, or a graph replay's inputs), never the
+    requests themselves.
     """
 
     items: list[tuple[Request, int]] = field(default_factory=list)

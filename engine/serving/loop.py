@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..cache.prefix_reuse import PrefixReuse
-from ..errors import EngineOverloadedError, PrismError
+from ..errors import EngineOverloadedError, PrismError, TensorParallelError
 from .batch import Batch
 from .outputs import Completion
 from .request import Request, Status
@@ -30,6 +30,15 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+def _step_error(exc: Exception) -> PrismError:
+    """What a request whose step failed is told: a failed tensor-parallel rank as it is (its own
+    copy: the step's requests are answered from several threads), anything else as an internal
+    error."""
+    if isinstance(exc, TensorParallelError):
+        return TensorParallelError(str(exc))
+    return PrismError(f"internal error while running the request: {exc}")
 
 
 class EngineLoop:
@@ -209,7 +218,7 @@ class EngineLoop:
             log.exception("engine step failed")
             with self._cv:
                 for req, _ in batch.items:
-                    self._finish(req, PrismError(f"internal error while running the request: {exc}"))
+                    self._finish(req, _step_error(exc))
                 self._cv.notify_all()
             return
         self._after_step(batch, sampled)

@@ -4,6 +4,7 @@ paged KV pool, and samples the next token of every request that reached the end 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,30 @@ from .request import Request
 #: its sequence's whole KV, so (new tokens x KV length) is bounded, in tokens (64 rows over 1k-token
 #: contexts). Longer ones are cheaper as one eager prefill, which reads the context once.
 GRAPH_PREFILL_READS = 1 << 16
+
+
+@dataclass
+class StepInputs:
+    """What an eager step feeds the model, on the host: everything a tensor-parallel worker needs
+    to run the same step on its shard (:mod:`engine.parallel`).
+
+    Attributes:
+        ids: the step's ``T`` token ids, flat (sequences without cached context first).
+        positions: int64 ``[3, T]`` M-RoPE positions (CPU).
+        fresh, cached: ``(query_lens, seq_lens, block_tables, slot_mapping)`` host lists of the
+            sequences without / with cached context (see
+            :meth:`ops.metadata.AttentionMetadata.build`), None when there are none.
+        visual: ``(rows, features)``: int64 ``[V]`` rows (CPU) of the visual tokens among the ``T``
+            and their :class:`~engine.model.vision.VisionFeatures` (model device), or None.
+        logit_rows: rows whose next token is sampled.
+    """
+
+    ids: list[int]
+    positions: torch.Tensor
+    fresh: tuple[list, list, list, list] | None
+    cached: tuple[list, list, list, list] | None
+    visual: tuple[torch.Tensor, VisionFeatures] | None
+    logit_rows: list[int]
 
 
 class ModelRunner:
@@ -74,23 +99,41 @@ class ModelRunner:
                 logit_rows.append(offset + n - 1)
                 samplers.append(req)
             offset += n
-        fresh, cached = (
-            AttentionMetadata.build(*parts[key], self.device) if parts[key][0] else None for key in (True, False)
-        )
         visual = None
         if vis_rows:
-            feats = VisionFeatures.concat(vis_parts)
-            visual = VisualInjection(torch.cat(vis_rows).to(self.device), feats.embeds, feats.deepstack)
-        logits = self.model(
-            torch.tensor(ids, device=self.device),
-            torch.cat(positions, dim=1).to(self.device),
-            PagedStep(self.pool, cached, fresh),
-            visual,
-            torch.tensor(logit_rows, device=self.device, dtype=torch.long),
-        )
+            visual = (torch.cat(vis_rows), VisionFeatures.concat(vis_parts))
+        inputs = StepInputs(ids, torch.cat(positions, dim=1), parts[True] if parts[True][0] else None,
+                            parts[False] if parts[False][0] else None, visual, logit_rows)
+        logits = self.forward(inputs)
         for req, n in batch.items:
             req.num_computed += n
         return self._sample(samplers, logits, None)
+
+    def forward(self, inputs: StepInputs, *, head: bool = True) -> torch.Tensor:
+        """The model on one eager step's inputs: float32 logits ``[len(inputs.logit_rows), vocab]``,
+        or with ``head=False`` the final-normed hidden states ``[T, hidden]`` (a tensor-parallel
+        worker, whose rank 0 samples)."""
+        dev = self.device
+        fresh, cached = (AttentionMetadata.build(*part, dev) if part is not None else None
+                         for part in (inputs.fresh, inputs.cached))
+        visual = None
+        if inputs.visual is not None:
+            rows, feats = inputs.visual
+            visual = VisualInjection(rows.to(dev), feats.embeds, feats.deepstack)
+        args = (torch.tensor(inputs.ids, device=dev), inputs.positions.to(dev), PagedStep(self.pool, cached, fresh),
+                visual)
+        if not head:
+            with torch.inference_mode():
+                return self.model.language_model(*args)
+        return self.model(*args, torch.tensor(inputs.logit_rows, device=dev, dtype=torch.long))
+
+    def replay_decode(self, ids, positions, slots, seq_lens, tables):
+        """One replay of the decode graphs (see :meth:`engine.graphs.decode.DecodeGraphs.run`)."""
+        return self.graphs.run(ids, positions, slots, seq_lens, tables)
+
+    def replay_prefill(self, ids, positions, slots, rows, features):
+        """One replay of the prefill graphs (see :meth:`engine.graphs.prefill.PrefillGraphs.run`)."""
+        return self.prefill_graphs.run(ids, positions, slots, rows, features)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor | None):
         """Next token of each request: greedy rows from one batched argmax (one host sync),
@@ -142,7 +185,7 @@ class ModelRunner:
             if end == len(req.tokens):
                 logit_rows.append(len(ids) - 1)
                 samplers.append(req)
-        logits, greedy = self.graphs.run(ids, positions, slots, seq_lens, tables)
+        logits, greedy = self.replay_decode(ids, positions, slots, seq_lens, tables)
         for req, n in batch.items:
             req.num_computed += n
         if len(logit_rows) < len(ids):  # some rows are prefill tokens with no next token
@@ -163,8 +206,8 @@ class ModelRunner:
         start, end = req.num_computed, req.num_computed + n
         page = self.pool.page_size
         rows, features = self._vision(req, start, end)
-        logits = self.prefill_graphs.run(req.tokens[start:end], req.positions(start, end),
-                                         [req.slot(i, page) for i in range(start, end)], rows, features)
+        logits = self.replay_prefill(req.tokens[start:end], req.positions(start, end),
+                                     [req.slot(i, page) for i in range(start, end)], rows, features)
         req.num_computed += n
         return self._sample([req], logits, None) if end == len(req.tokens) else []
 

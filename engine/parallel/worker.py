@@ -1,0 +1,120 @@
+"""A tensor-parallel worker: rank ``r > 0``, one process, started by
+:meth:`~engine.parallel.group.TensorParallelGroup.launch`.
+
+It loads the checkpoint, keeps its shard (:mod:`engine.parallel.sharding`), builds its own KV pool
+(its KV heads only, rank 0's page count) and then only executes what rank 0 sends, in order: a
+forward on given token ids, positions, block tables and slots (eager, or a replay of its own step
+graphs), a page copy (copy-on-write), a slot move (compaction). It decides nothing: no scheduler,
+no prefix cache, no sampling, no vision encoder (rank 0 encodes each image once and broadcasts the
+features). Pages are only storage here; which page holds what is rank 0's bookkeeping.
+
+A worker exits when rank 0 says stop, when its pipe closes (rank 0 died) or when its parent
+process is gone; an error of its own is sent to rank 0 and ends the process, which rank 0's
+watchdog turns into a :class:`~engine.parallel.group.TensorParallelError`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+
+import torch
+
+from ops.dispatch import warm_up as warm_up_kernels
+
+from ..cache.kv_pool import PagePool
+from ..graphs.capture import capture_step_graphs
+from ..model.qwen3_vl import Qwen3VL, load_model
+from ..model.vision import EncodeCounter
+from ..serving.runner import ModelRunner, StepInputs
+from .group import Collectives, WorkerSpec, receive_features
+from .sharding import shard_decoder
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)  # rank 0 is gone: nobody will send a plan or pair a collective
+
+    threading.Thread(target=watch, name="prism-tp-parent", daemon=True).start()
+
+
+def worker_main(spec: WorkerSpec, rank: int, conn) -> None:
+    """The worker process's entry point (see the module docstring)."""
+    _exit_with_parent()
+    try:
+        device = spec.device_of(rank)
+        collectives = Collectives(spec, rank)
+        model = load_model(spec.folder, device=device, dtype=spec.dtype, progress=False)
+        shard_decoder(model, rank, spec.world, collectives.all_reduce)
+        counter = EncodeCounter(model.visual)
+        runner = _start(model, conn.recv(), device)
+        conn.send(("ready", os.getpid()))
+        _serve(conn, runner, collectives, counter, device)
+    except (EOFError, KeyboardInterrupt):  # rank 0 closed the pipe: leave quietly
+        os._exit(0)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc(limit=8)))
+        finally:
+            os._exit(1)  # a rank that failed mid-step cannot pair rank 0's collectives any more
+    os._exit(0)
+
+
+def _start(model: Qwen3VL, init: tuple, device: torch.device) -> ModelRunner:
+    """The worker's pool and step graphs, captured as rank 0 captures its own (same sizes, same
+    order), from rank 0's ``("init", pool keywords, graph keywords or None)``."""
+    kind, pool_spec, graphs = init
+    if kind != "init":
+        raise RuntimeError(f"expected init, got {kind!r}")
+    if device.type == "cuda":
+        model.language_model.fuse_projections()
+    pool = PagePool(**pool_spec, device=device)
+    decode = prefill = None
+    if graphs is not None:
+        decode, prefill = capture_step_graphs(model, pool, **graphs)
+    warm_up_kernels(pool.layers[0], model.language_model.layers[0].self_attn.heads, model.dtype)
+    return ModelRunner(model, pool, None, decode, prefill)
+
+
+def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeCounter,
+           device: torch.device) -> None:
+    steps = copies = moves = 0
+    while True:
+        message = conn.recv()
+        kind = message[0]
+        if kind == "forward":
+            inputs: StepInputs = message[1]
+            inputs.positions = torch.tensor(inputs.positions, dtype=torch.long)
+            if inputs.visual is not None:
+                rows, shape = inputs.visual
+                inputs.visual = (torch.tensor(rows, dtype=torch.long), receive_features(collectives, shape, device))
+            runner.forward(inputs, head=False)
+            steps += 1
+        elif kind == "decode":
+            runner.replay_decode(*message[1])
+            steps += 1
+        elif kind == "prefill":
+            ids, positions, slots, rows, shape = message[1]
+            features = receive_features(collectives, shape, device) if shape is not None else None
+            runner.replay_prefill(ids, torch.tensor(positions, dtype=torch.long), slots,
+                                  torch.tensor(rows, dtype=torch.long), features)
+            steps += 1
+        elif kind == "copy":
+            runner.pool.copy_page(*message[1])
+            copies += 1
+        elif kind == "move":
+            runner.pool.move_slots(*message[1])
+            moves += 1
+        elif kind == "counters":
+            conn.send(("counters", {"vision_images_encoded": counter.images, "steps": steps, "page_copies": copies,
+                                 "slot_moves": moves}))
+        elif kind == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown plan message {kind!r}")
