@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Iterator
@@ -107,6 +108,8 @@ class Engine:
                 max_model_len=self.max_model_len, prefill=options.prefill_graphs,
             )
         encoder = model.encode_vision if decode_graphs is None else VisionGraphs(model)
+        if "attention" in self.compaction.score_names:  # its scores pass is eager only (issue 20)
+            encoder = functools.partial(model.encode_vision, attention=True)
         self.vision = VisionLookup(encoder, VisionCache(options.vision_cache_bytes), self.namespace,
                                    cfg.vision.spatial_merge_size, model.device)
         runner = ModelRunner(model, self.pool, self.vision.encode_items, decode_graphs, prefill_graphs)

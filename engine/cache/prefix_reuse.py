@@ -30,8 +30,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from ..model.vision import span_features
 from .compaction import CompactionConfig
 from .prefix_cache import KeptTokens, Match, PrefixCache, PrefixEntry, prefix_key
+from .token_scores import media_hashes, prefix_scores
 
 
 class CachingRequest(Protocol):
@@ -54,6 +56,7 @@ class CachingRequest(Protocol):
     match: Match | None
     attached: PrefixEntry | None
     cold_prefix: bool
+    vision: dict
 
     @property
     def kv_len(self) -> int: ...
@@ -182,7 +185,8 @@ class PrefixReuse:
         released), then cache the compact prefix and attach the request to it."""
         page = self.pool.page_size
         n = req.prompt.prefix_len
-        kept = self.compaction.kept_positions(n, req.prompt.spans)
+        scores = self.token_scores(req)
+        kept = self.compaction.kept_positions(n, req.prompt.spans, scores)
         k = len(kept)
         if k < n:
             table = req.block_table
@@ -205,8 +209,22 @@ class PrefixReuse:
         if entry is not None:
             method = self.compaction.method
             entry.record_kept(KeptTokens(kept, method, self.compaction.keep_ratio if method else 1.0))
+            entry.scores = scores
             entry.users += 1
             req.attached = entry
+
+    def token_scores(self, req: CachingRequest) -> dict | None:
+        """The prefix's :data:`~engine.cache.compaction.TokenScores` the configured selector needs
+        (see :mod:`engine.cache.token_scores`; ``4 * prefix_len`` bytes per score), from the
+        request's vision features, before anything is dropped; None when it needs none."""
+        names = self.compaction.score_names
+        if not names:
+            return None
+        prompt = req.prompt
+        n = prompt.prefix_len
+        device = next(iter(req.vision.values())).embeds.device
+        offsets, features = span_features(prompt.spans, req.vision, 0, n, device)
+        return prefix_scores(names, n, prompt.spans, media_hashes(prompt), features, offsets)
 
     # ------------------------------------------------------------------ for a caller
     def prefix_info(self, salt: str, images: list[str | None] | None = None) -> list[dict] | None:

@@ -27,6 +27,8 @@ import torch
 
 from ..model.attention import DenseKVCache, DenseStep
 from ..model.decoder import VisualInjection
+from ..model.vision import VisionFeatures
+from .token_scores import media_hashes, prefix_scores
 
 
 class MaskedStep(DenseStep):
@@ -70,14 +72,24 @@ class MaskedDenseCache(DenseKVCache):
         return causal & (~after_prefix | self.keep[:end][None, :])
 
 
-def removed_positions(engine, prompt) -> torch.Tensor:
+def removed_positions(engine, prompt, features: VisionFeatures | None = None) -> torch.Tensor:
     """int64 logical indices of the prefix tokens ``engine`` drops when it caches ``prompt``'s
-    public prefix (empty when the prompt is not prefix-cached or compaction keeps everything)."""
+    public prefix (empty when the prompt is not prefix-cached or compaction keeps everything).
+
+    Score-based selectors get the same :mod:`~engine.cache.token_scores` the engine stores with
+    the entry, recomputed here from ``features`` (the prompt's vision features in
+    ``prompt.visual_rows()`` order; None: ``engine.vision_features(prompt)``), so the oracle
+    drops the same tokens for every selector.
+    """
     n = prompt.prefix_len
     if engine.prefix_cache is None or not 0 < n < len(prompt.input_ids):
         return torch.empty(0, dtype=torch.long)
+    scores = None
+    if engine.compaction.score_names:
+        feats = engine.vision_features(prompt) if features is None else features
+        scores = prefix_scores(engine.compaction.score_names, n, prompt.spans, media_hashes(prompt), feats)
     keep = torch.zeros(n, dtype=torch.bool)
-    keep[engine.compaction.kept_positions(n, prompt.spans)] = True
+    keep[engine.compaction.kept_positions(n, prompt.spans, scores)] = True
     return (~keep).nonzero().flatten()
 
 
@@ -95,14 +107,14 @@ def masked_greedy_logits(engine, messages, max_tokens: int) -> tuple[list[int], 
     prompt = engine.prompts.build(messages)
     model, cfg = engine.model, engine.config.text
     n = len(prompt.input_ids)
+    feats = engine.vision_features(prompt) if prompt.spans else None
     cache = MaskedDenseCache(
         cfg.num_hidden_layers, n + max_tokens, cfg.num_key_value_heads, cfg.head_dim,
-        prefix_len=prompt.prefix_len, removed=removed_positions(engine, prompt),
+        prefix_len=prompt.prefix_len, removed=removed_positions(engine, prompt, feats),
         dtype=model.dtype, device=model.device,
     )
     visual = None
-    if prompt.spans:
-        feats = engine.vision_features(prompt)
+    if feats is not None:
         visual = VisualInjection(prompt.visual_rows().to(model.device), feats.embeds, feats.deepstack)
     last = torch.tensor([n - 1], device=model.device)
     logits = model(torch.tensor(prompt.input_ids, device=model.device), prompt.positions.to(model.device),
