@@ -100,7 +100,8 @@ def test_uniform_is_evenly_spread_over_rows_and_columns(side, ratio):
 
 
 def test_selectors_registry():
-    assert SELECTORS == {"uniform": uniform_selector}
+    assert set(SELECTORS) == {"uniform", "attention", "diversity", "random"}
+    assert SELECTORS["uniform"] is uniform_selector
 
 
 # ------------------------------------------------------------------------------------------------

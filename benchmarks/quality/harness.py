@@ -50,36 +50,40 @@ def answer_all(engine, samples: Sequence[Sample], tag: str, threads: int = 64) -
     return Answers([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
-def blind(samples: Sequence[Sample]) -> list[Sample]:
-    """The blind control: each sample's images replaced by those of the next sample with the same
-    number of images (cyclically, in order), question and answer unchanged, so no sample keeps
-    its own images and the images carry no information about the answer."""
+def blind(samples: Sequence[Sample], shift: int = 1) -> list[Sample]:
+    """The blind control: each sample's images replaced by those of the ``shift``-th next sample
+    with the same number of images (cyclically, in order), question and answer unchanged, so no
+    sample keeps its own images (while ``shift`` is below the group's size) and the images carry
+    no information about the answer. Several shifts give several independent shuffles."""
     groups: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(samples):
         groups[len(s.scenes)].append(i)
     out = list(samples)
     for members in groups.values():
         for j, i in enumerate(members):
-            donor = samples[members[(j + 1) % len(members)]]
+            donor = samples[members[(j + shift) % len(members)]]
             out[i] = dataclasses.replace(samples[i], scenes=donor.scenes)
     return out
 
 
 def answer_prior(samples: Sequence[Sample], predictions: Sequence[str]) -> dict[str, float]:
-    """Per type, the accuracy of a guesser that ignores the images but answers with the model's
-    own answer frequencies: ``sum_a p_model(a) * p_true(a)`` over that type's samples (both
-    frequencies from these samples). With images unrelated to the answer (:func:`blind`) this is
-    the expected accuracy. Also ``"all"``, the sample-weighted mean."""
-    by_type: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    """Per type, the accuracy of a guesser that ignores what the images show but answers with the
+    model's own answer frequencies: ``sum_a p_model(a | c) * p_true(a | c)`` within each group
+    ``c`` of one image count (the count is visible without looking: it is in the prompt, and
+    :func:`blind` keeps it; which_image's answers range over it), weighted by the groups' sizes.
+    Both frequencies come from these samples. With images unrelated to the answer (:func:`blind`)
+    this is the expected accuracy. Also ``"all"``, the sample-weighted mean over types."""
+    groups: dict[tuple[str, int], list[tuple[str, str]]] = defaultdict(list)
     for s, p in zip(samples, predictions, strict=True):
-        by_type[s.qtype].append((normalise_answer(p), normalise_answer(s.answer)))
-    out, total = {}, 0.0
-    for qtype, pairs in by_type.items():
+        groups[(s.qtype, len(s.scenes))].append((normalise_answer(p), normalise_answer(s.answer)))
+    hits: dict[str, float] = defaultdict(float)
+    sizes: Counter = Counter()
+    for (qtype, _), pairs in groups.items():
         pred, true = Counter(p for p, _ in pairs), Counter(t for _, t in pairs)
-        n = len(pairs)
-        out[qtype] = sum(pred[a] * true[a] for a in true) / n**2
-        total += out[qtype] * n
-    out["all"] = total / len(samples)
+        hits[qtype] += sum(pred[a] * true[a] for a in true) / len(pairs)  # expected correct answers
+        sizes[qtype] += len(pairs)
+    out = {t: hits[t] / sizes[t] for t in sizes}
+    out["all"] = sum(hits.values()) / len(samples)
     return out
 
 
