@@ -5,7 +5,9 @@
 # gradio & co. and are left out; skip counts and reasons go to tests_skips.txt and tests.txt), kernels,
 # fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving, workingset (benchmarks/bench_working_set.py
 # at the 8B shape; WS_ARGS replaces its arguments but --out; default: the pressure workset, every variant,
-# 200 requests each, ~6-7 min, no variant started past 470 s).
+# 200 requests each, ~6-7 min, no variant started past 470 s), quality (benchmarks/bench_quality.py on the
+# probe model, QUALITY_ARGS replaces its arguments but --out; default 2,500 held-out samples with the blind
+# control, every selector x keep ratio).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -42,6 +44,9 @@ for step in ${STEPS:-kernels smoke bench}; do
     workingset) timeout 560 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
              ${WS_ARGS:---worksets pressure --requests 200 --time-budget-s 470} --out "$OUT/ws.json" 2>&1 \
              | grep -v Warning | tail -40 | tee "$OUT/ws.txt" ;;
+    quality) timeout 560 python3 benchmarks/bench_quality.py ${QUALITY_ARGS:---model benchmarks/quality/probe \
+             --device cuda --samples 2500 --blind} --out "$OUT/quality.json" 2>&1 | grep -v Warning | tail -30 \
+             | tee "$OUT/quality.txt" ;;
     bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;
   esac
 done
