@@ -125,7 +125,9 @@ class Settings:
 _OPTIONS = [
     ("--model", "model", str, None,
      f"checkpoint folder or Hugging Face id (default: {REAL_MODEL} when it is cached or can be "
-     "downloaded, otherwise the built-in tiny demo model with random weights; 'demo' forces the latter)"),
+     "downloaded, otherwise the built-in tiny demo model with random weights; 'demo' forces the latter; "
+     "'probe' serves the small model trained on synthetic pictures, benchmarks/quality/probe: one-word "
+     "answers about shapes and words)"),
     ("--device", "device", str, ("auto", "cpu", "cuda"), "where the model runs (auto: CUDA when available)"),
     ("--host", "host", str, None, "address to listen on (0.0.0.0 exposes the app to your network)"),
     ("--port", "port", _port, None, "TCP port to listen on"),
