@@ -268,3 +268,12 @@ def test_attention_engine_encodes_with_the_score_pass_only_when_needed(tiny_engi
     assert feats.attention is not None and feats.attention.shape == (feats.embeds.shape[0],)
     torch.testing.assert_close(feats.attention.sum(), torch.tensor(1.0))  # one image's share sums to 1
     assert without.vision_features(without.prompts.build(messages)).attention is None
+
+
+def test_video_frames_get_scores_only_when_compacted():
+    """Scores are computed for the spans the configuration compacts: video frames only with
+    ``compact_video`` (their diversity order would otherwise be wasted work)."""
+    image = VisualSpan(start=0, grid_h=2, grid_w=2, kind="image", item=0)
+    frame = VisualSpan(start=6, grid_h=2, grid_w=2, kind="video", item=0, frame=1)
+    assert CompactionConfig("diversity").compacted_spans([image, frame]) == [image]
+    assert CompactionConfig("diversity", compact_video=True).compacted_spans([image, frame]) == [image, frame]

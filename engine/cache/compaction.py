@@ -125,6 +125,11 @@ class CompactionConfig:
         """The token scores the selector needs when the prefix is built (empty for uniform / off)."""
         return SELECTOR_SCORES.get(self.method, ()) if self.method is not None else ()
 
+    def compacted_spans(self, spans: list[VisualSpan]) -> list[VisualSpan]:
+        """The spans this configuration compacts (video frames only with ``compact_video``): the
+        ones whose token scores are worth computing."""
+        return [s for s in spans if s.kind != "video" or self.compact_video]
+
     def namespace(self) -> str:
         """A stable description, part of the prefix cache key."""
         if self.method is None:

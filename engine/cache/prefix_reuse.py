@@ -224,7 +224,8 @@ class PrefixReuse:
         n = prompt.prefix_len
         device = next(iter(req.vision.values())).embeds.device
         offsets, features = span_features(prompt.spans, req.vision, 0, n, device)
-        return prefix_scores(names, n, prompt.spans, media_hashes(prompt), features, offsets)
+        spans = self.compaction.compacted_spans(prompt.spans)
+        return prefix_scores(names, n, spans, media_hashes(prompt), features, offsets)
 
     # ------------------------------------------------------------------ for a caller
     def prefix_info(self, salt: str, images: list[str | None] | None = None) -> list[dict] | None:

@@ -87,7 +87,9 @@ def removed_positions(engine, prompt, features: VisionFeatures | None = None) ->
     scores = None
     if engine.compaction.score_names:
         feats = engine.vision_features(prompt) if features is None else features
-        scores = prefix_scores(engine.compaction.score_names, n, prompt.spans, media_hashes(prompt), feats)
+        spans = engine.compaction.compacted_spans(prompt.spans)
+        offsets = prompt.visual_rows()  # the rows of feats
+        scores = prefix_scores(engine.compaction.score_names, n, spans, media_hashes(prompt), feats, offsets)
     keep = torch.zeros(n, dtype=torch.bool)
     keep[engine.compaction.kept_positions(n, prompt.spans, scores)] = True
     return (~keep).nonzero().flatten()

@@ -6,7 +6,7 @@ kept first, 0 outside visual spans. A selector keeps the ``k`` candidates of hig
 (:func:`~engine.cache.compaction.priority_selector`), so the orders are nested: compacting a
 dense prefix to 0.6 and that to 0.4 keeps exactly the tokens a direct 0.4 keeps, which is what a
 later, on-pressure compaction step needs. Stored bytes per entry: ``4 * prefix_len`` per score
-(one score per configured selector; e.g. 1.2 KiB for a 4-image prompt of 300 tokens), never the
+(one score per configured selector; 1,200 bytes for a prefix of 300 tokens), never the
 feature matrices.
 
 - ``attention`` (the VisionZip-like selector, after Yang et al., arXiv:2412.04467): the attention
