@@ -14,11 +14,12 @@ from benchmarks.quality import MODEL_DIR, QUESTION_TYPES, accuracy_by_type, held
 from benchmarks.quality.harness import answer_all, answer_prior, blind
 
 #: Dense accuracy on heldout(100) measured on the CPU (float32, Prism engine, compaction off;
-#: 2026-12-01): colour 50, which_image 30, count 100, word 100, position 45, all 65.0. The margin
-#: (2 points: two answers) allows for float32 sums in another order on another CPU flipping a
-#: near tie; a model that stopped reading words or counting would lose 20+ points.
+#: 2026-12-01): colour 50, which_image 30, count 100, word 100, position 45, all 65.0. The margins
+#: (2 points overall: two answers of 100; 5 points per type: one answer of 20) allow for float32
+#: sums in another order on another CPU flipping a near tie; a model that stopped reading words or
+#: counting would lose 20+ points.
 DENSE_MEASURED = {"colour": 0.50, "which_image": 0.30, "count": 1.00, "word": 1.00, "position": 0.45, "all": 0.65}
-MARGIN = 0.02
+MARGIN = {"all": 0.02, **dict.fromkeys(QUESTION_TYPES, 0.05)}
 #: Blind shuffles (images of the k-th next sample with the same image count, k = 1 .. SHUFFLES):
 #: 600 blind answers, 120 per type. Measured (2026-12-01, CPU), blind / prior in %: colour
 #: 13.3 / 13.6, which_image 29.2 / 31.0, count 17.5 / 22.2, word 6.7 / 6.1, position 54.2 / 49.9.
@@ -49,9 +50,10 @@ def dense(engine, samples):
 
 
 def test_dense_accuracy_is_at_least_the_measured_value(dense):
-    """Dense accuracy per type and overall on the 100 fixed held-out samples >= measured - 2 points."""
+    """Dense accuracy on the 100 fixed held-out samples >= measured - 2 points overall, and
+    >= measured - 5 points (one answer) per type."""
     for qtype, want in DENSE_MEASURED.items():
-        assert dense[qtype]["accuracy"] >= want - MARGIN, (qtype, dense[qtype])
+        assert dense[qtype]["accuracy"] >= want - MARGIN[qtype] - 1e-9, (qtype, dense[qtype])
 
 
 def test_blind_control_falls_to_the_prior_rate(engine, samples, dense):
