@@ -137,8 +137,10 @@ _OPTIONS = [
      "size of the KV cache pool, e.g. 512M or 4G (default: 512 MiB on CPU, most free GPU memory on CUDA)"),
     ("--kv-cache-dtype", "kv_cache_dtype", str, ("fp8_e4m3", "auto"),
      "KV cache storage: Scaled-FP8 pages (fp8_e4m3) or the model's own dtype (auto)"),
-    ("--compaction", "compaction", str, ("uniform", "off"),
-     "how the cached image prefix drops visual tokens: uniform (keep --keep-ratio of them) or off"),
+    ("--compaction", "compaction", str, ("uniform", "attention", "diversity", "random", "off"),
+     "how the cached image prefix drops visual tokens, keeping --keep-ratio of them: uniform (evenly "
+     "spaced), attention (the most attended in the vision encoder), diversity (a max-min cover of the "
+     "features), random (a control), or off (docs/QUALITY.md)"),
     ("--keep-ratio", "keep_ratio", _ratio, None, "share of visual tokens the compact prefix keeps, in (0, 1]"),
     ("--cache-scope", "cache_scope", str, ("session", "global"),
      "session: a cached prefix is reused only within its chat session (and its forks); "

@@ -145,6 +145,16 @@ def test_model_probe_serves_the_committed_probe_checkpoint(tmp_path, monkeypatch
     assert done.text.strip().lower() == sample.answer
 
 
+def test_compaction_choices_are_the_engines_selectors():
+    """``--compaction`` offers every selector of the engine (and off), and passes it through."""
+    from app.settings import _OPTIONS
+    from engine.cache.compaction import SELECTORS
+
+    choices = next(o[3] for o in _OPTIONS if o[0] == "--compaction")
+    assert set(choices) == {*SELECTORS, "off"}
+    assert parse_settings(["--compaction", "attention"], {}).engine_options()["compaction"] == "attention"
+
+
 def test_hub_probe_is_skipped_offline(monkeypatch):
     import app.model_loader as ml
 
