@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 #: How long the Hub may take to answer before Prism decides it is offline.
 HUB_PROBE_TIMEOUT_S = 4.0
 DEMO_MODEL_ID = "prism-tiny-demo"
+PROBE_MODEL_ID = "prism-probe"
+#: The committed probe checkpoint (benchmarks/quality/probe, docs/QUALITY.md): a 22 M-parameter
+#: Qwen3-VL trained on synthetic pictures of shapes and words; ``--model probe`` serves it.
+PROBE_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "quality" / "probe"
 #: Text hidden sizes at or below this are the random tiny checkpoints of ``engine.tiny``.
 _TINY_HIDDEN_SIZE = 256
 
@@ -118,7 +122,11 @@ def looks_tiny(folder: str | Path) -> bool:
 
 
 def choose_model(requested: str | None, data_dir: Path, *, probe_timeout: float = HUB_PROBE_TIMEOUT_S) -> ModelChoice:
-    """Pick the checkpoint to load (see the module docstring). Never waits long on the network."""
+    """Pick the checkpoint to load (see the module docstring). Never waits long on the network.
+    ``"probe"`` is the committed probe model: it answers one-word questions about synthetic
+    pictures (the colour, count, word or position of shapes), not general chat."""
+    if requested == "probe":
+        return ModelChoice(str(PROBE_DIR), PROBE_MODEL_ID, False, "asked for with --model probe")
     if requested and requested != "demo":
         folder = Path(requested).expanduser()
         return ModelChoice(requested, folder.name if folder.is_dir() else requested,

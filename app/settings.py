@@ -130,7 +130,9 @@ class Settings:
 _OPTIONS = [
     ("--model", "model", str, None,
      f"checkpoint folder or Hugging Face id (default: {REAL_MODEL} when it is cached or can be "
-     "downloaded, otherwise the built-in tiny demo model with random weights; 'demo' forces the latter)"),
+     "downloaded, otherwise the built-in tiny demo model with random weights; 'demo' forces the latter; "
+     "'probe' serves the small model trained on synthetic pictures, benchmarks/quality/probe: one-word "
+     "answers about shapes and words)"),
     ("--device", "device", str, ("auto", "cpu", "cuda"), "where the model runs (auto: CUDA when available)"),
     ("--host", "host", str, None, "address to listen on (0.0.0.0 exposes the app to your network)"),
     ("--port", "port", _port, None, "TCP port to listen on"),
@@ -140,8 +142,10 @@ _OPTIONS = [
      "size of the KV cache pool, e.g. 512M or 4G (default: 512 MiB on CPU, most free GPU memory on CUDA)"),
     ("--kv-cache-dtype", "kv_cache_dtype", str, ("fp8_e4m3", "auto"),
      "KV cache storage: Scaled-FP8 pages (fp8_e4m3) or the model's own dtype (auto)"),
-    ("--compaction", "compaction", str, ("uniform", "off"),
-     "how the cached image prefix drops visual tokens: uniform (keep --keep-ratio of them) or off"),
+    ("--compaction", "compaction", str, ("uniform", "attention", "diversity", "random", "off"),
+     "how the cached image prefix drops visual tokens, keeping --keep-ratio of them: uniform (evenly "
+     "spaced), attention (the most attended in the vision encoder), diversity (a max-min cover of the "
+     "features), random (a control), or off (docs/QUALITY.md)"),
     ("--compaction-mode", "compaction_mode", str, ("always", "on_pressure"),
      "when the cached image prefix is compacted: always (as soon as it is computed) or on_pressure "
      "(kept dense, compacted only when KV memory runs short, before anything is evicted)"),

@@ -7,7 +7,8 @@
 # at the 8B shape; WS_ARGS replaces its arguments but --out; default: the pressure workset, the four variants
 # issue 19 compares (compact_fp8, on_pressure, on_pressure_steps, dense_fp8), 200 requests each, ~6-7 min, no
 # variant started past 470 s), workingset_rest (the same for dense_bf16 and vision_only, ~3-4 min; ws_rest.json), tp
-# (benchmarks/bench_tp.py: two GPUs).
+# (benchmarks/bench_tp.py: two GPUs), quality (benchmarks/bench_quality.py on the probe model, QUALITY_ARGS
+# replaces its arguments but --out; default 2,500 held-out samples with the blind control, every selector x keep ratio).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -50,6 +51,9 @@ for step in ${STEPS:-kernels smoke bench}; do
     # needs two GPUs (nvidia-h200-x2): TP2 beside TP1 at the 8B shape; NVLink multicast off
     tp) NCCL_NVLS_ENABLE=0 timeout 590 python3 benchmarks/bench_tp.py --shape 8b --device cuda ${TP_ARGS:-} \
              --out "$OUT/bench_tp.json" 2>&1 | grep -v Warning | tail -20 | tee "$OUT/bench_tp.txt" ;;
+    quality) timeout 560 python3 benchmarks/bench_quality.py ${QUALITY_ARGS:---model benchmarks/quality/probe \
+             --device cuda --samples 2500 --blind} --out "$OUT/quality.json" 2>&1 | grep -v Warning | tail -30 \
+             | tee "$OUT/quality.txt" ;;
     bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;
   esac
 done

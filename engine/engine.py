@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Iterator
@@ -125,6 +126,8 @@ class Engine:
             decode_graphs, prefill_graphs = capture_step_graphs(model, self.pool, **graph_spec)
         encoder = model.encode_vision if decode_graphs is None else VisionGraphs(model)
         self._vision_counter = EncodeCounter(model.visual)
+        if "attention" in self.compaction.score_names:  # its scores pass is eager only (issue 20)
+            encoder = functools.partial(model.encode_vision, attention=True)
         self.vision = VisionLookup(encoder, VisionCache(options.vision_cache_bytes), self.namespace,
                                    cfg.vision.spatial_merge_size, model.device)
         if parallel is None:

@@ -40,7 +40,10 @@ class EngineOptions:
             five times the 51 ms of a 1,662-token prefill of an 8B model on the H200).
         debug_checks: check the pool's page accounting after every step (slow; for tests).
         prefix_cache: keep the KV of each prompt's public prefix for later questions.
-        compaction: ``"uniform"`` or None: how a cached prefix drops visual tokens.
+        compaction: a selector of :data:`~engine.cache.compaction.SELECTORS` (``"uniform"``,
+            ``"attention"``, ``"diversity"``, ``"random"``) or None: how a cached prefix drops
+            visual tokens. ``"attention"`` runs the vision encoder eagerly (its score pass is not
+            in the encoder's CUDA graphs).
         keep_ratio, min_keep, compact_video: compaction settings (see
             :class:`~engine.cache.compaction.CompactionConfig`).
         compaction_mode: when a cached prefix is compacted (with ``compaction`` set): ``"always"``

@@ -5,6 +5,7 @@ directly."""
 from __future__ import annotations
 
 import io
+import pathlib
 import struct
 import types
 import zlib
@@ -133,6 +134,34 @@ def test_default_model_falls_back_to_the_demo_offline(tmp_path, monkeypatch, tin
     assert looks_tiny(tiny_ckpt)
     given = choose_model(str(tiny_ckpt), tmp_path)
     assert given.source == str(tiny_ckpt) and given.demo  # a tiny checkpoint is flagged as random
+
+
+def test_model_probe_serves_the_committed_probe_checkpoint(tmp_path, monkeypatch):
+    """``--model probe`` picks the committed probe model (no network, no demo build), which is
+    not flagged as random weights; the engine loads it and it reads a word off a picture."""
+    import app.model_loader as ml
+    from benchmarks.quality import MODEL_DIR, heldout
+
+    monkeypatch.setattr(ml, "hub_reachable", lambda *a, **k: pytest.fail("no network for --model probe"))
+    monkeypatch.setattr(ml, "demo_checkpoint", lambda d: pytest.fail("no demo build for --model probe"))
+    choice = choose_model("probe", tmp_path)
+    assert pathlib.Path(choice.source) == MODEL_DIR and choice.model_id == ml.PROBE_MODEL_ID and not choice.demo
+    from engine import Engine, SamplingParams
+
+    sample = next(s for s in heldout(10) if s.qtype == "word")
+    with Engine.from_pretrained(choice.source, device="cpu", compaction=None, progress=False) as engine:
+        done = engine.generate(sample.messages(), SamplingParams(max_tokens=4, temperature=0.0))
+    assert done.text.strip().lower() == sample.answer
+
+
+def test_compaction_choices_are_the_engines_selectors():
+    """``--compaction`` offers every selector of the engine (and off), and passes it through."""
+    from app.settings import _OPTIONS
+    from engine.cache.compaction import SELECTORS
+
+    choices = next(o[3] for o in _OPTIONS if o[0] == "--compaction")
+    assert set(choices) == {*SELECTORS, "off"}
+    assert parse_settings(["--compaction", "attention"], {}).engine_options()["compaction"] == "attention"
 
 
 def test_hub_probe_is_skipped_offline(monkeypatch):

@@ -100,7 +100,8 @@ def test_uniform_is_evenly_spread_over_rows_and_columns(side, ratio):
 
 
 def test_selectors_registry():
-    assert SELECTORS == {"uniform": uniform_selector}
+    assert set(SELECTORS) == {"uniform", "attention", "diversity", "random"}
+    assert SELECTORS["uniform"] is uniform_selector
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,15 +226,16 @@ def test_engine_turns_bad_compaction_options_into_invalid_request(tiny_engine_fa
     with pytest.raises(InvalidRequestError, match="keep_ratio"):
         tiny_engine_factory(kv_cache_bytes=1 << 20, keep_ratio=1.5)
     with pytest.raises(InvalidRequestError, match="compaction must be"):
-        tiny_engine_factory(kv_cache_bytes=1 << 20, compaction="random")
+        tiny_engine_factory(kv_cache_bytes=1 << 20, compaction="topk")
 
 
 def test_namespace_names_every_setting():
     base = CompactionConfig()
     variants = [CompactionConfig(keep_ratio=0.5), CompactionConfig(min_keep=8),
-                CompactionConfig(compact_video=True), CompactionConfig(method=None)]
+                CompactionConfig(compact_video=True), CompactionConfig(method=None),
+                *(CompactionConfig(method=m) for m in sorted(SELECTORS) if m != base.method)]
     names = {base.namespace(), *(v.namespace() for v in variants)}
-    assert len(names) == 5
+    assert len(names) == 1 + len(variants)
     assert CompactionConfig(method=None, keep_ratio=0.3).namespace() == CompactionConfig(method=None).namespace()
     assert base.namespace() == CompactionConfig().namespace()
 

@@ -25,6 +25,7 @@ from conftest import TEST_DEVICE
 from PIL import Image
 
 from engine import Completion, SamplingParams
+from engine.cache.compaction import SELECTORS
 from engine.cache.prefix_cache import prefix_key
 from engine.cache.reference_masked import masked_greedy, masked_greedy_logits
 from engine.inputs.prompts import media_first_messages
@@ -198,10 +199,12 @@ def test_dense_hit_equals_cold_run_and_transformers(make, photos, hf):
     torch.testing.assert_close(hit_logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
 
 
-@pytest.fixture(scope="module")
-def compact_pair(make):
-    """Two engines with compaction on (keep 0.6) and exact pages: one warmed by Q1, one fresh."""
-    return make(**EXACT, conversation_reuse=False), make(**EXACT, conversation_reuse=False)
+@pytest.fixture(scope="module", params=sorted(SELECTORS))
+def compact_pair(make, request):
+    """Two engines with compaction on (keep 0.6, each selector of SELECTORS) and exact pages: one
+    warmed by Q1, one fresh."""
+    return (make(**EXACT, conversation_reuse=False, compaction=request.param),
+            make(**EXACT, conversation_reuse=False, compaction=request.param))
 
 
 def test_compacted_hit_equals_cold_run_and_masked_reference(compact_pair, photos):

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from engine import PrismError, SamplingParams, media_first_messages
-from engine.cache.compaction import SELECTORS, keep_count
+from engine.cache.compaction import SELECTOR_SCORES, SELECTORS, keep_count
 from engine.cache.prefix_cache import KeptTokens
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
@@ -48,18 +48,21 @@ def ask(engine, *images: bytes, salt: str = "s", question: str = "What is this?"
     return engine.generate(messages(*images, question=question), ONE_TOKEN, cache_salt=salt)
 
 
-def expected_grid(span, selector: str) -> list[list[bool]]:
-    """The selector's own output for a span, as a rows × cols grid of booleans."""
+def expected_grid(span, selector: str, scores) -> list[list[bool]]:
+    """The selector's own output for a span (given the prefix's stored token scores, None for
+    uniform), as a rows × cols grid of booleans."""
+    own = None if scores is None else {name: t[span.start : span.end] for name, t in scores.items()}
     keep = torch.zeros(span.length, dtype=torch.bool)
-    keep[SELECTORS[selector](span, keep_count(span.length, KEEP_RATIO, MIN_KEEP), None, None)] = True
+    keep[SELECTORS[selector](span, keep_count(span.length, KEEP_RATIO, MIN_KEEP), own, None)] = True
     return keep.view(span.grid_h, span.grid_w).tolist()
 
 
 @pytest.mark.parametrize("selector", sorted(SELECTORS))
 def test_reported_bitmap_is_the_selectors_output(tiny_engine_factory, selector):
     """For every selector: each image's reported grid is its merged-token grid, and its kept cells
-    are exactly the tokens the selector picks for that image's span of the prefix (some dropped,
-    so an "all kept" report would fail); the counts add up to the telemetry's kept tokens."""
+    are exactly the tokens the selector picks for that image's span of the prefix, from the
+    scores stored with the entry (some dropped, so an "all kept" report would fail); the counts
+    add up to the telemetry's kept tokens. Score-based selectors store exactly their own scores."""
     engine = tiny_engine_factory(kv_cache_bytes=32 << 20, compaction=selector, keep_ratio=KEEP_RATIO,
                                  min_keep=MIN_KEEP)
     done = ask(engine, A, B)
@@ -67,9 +70,12 @@ def test_reported_bitmap_is_the_selectors_output(tiny_engine_factory, selector):
     spans = [s for s in engine.prompts.build(messages(A, B), "s").spans if s.kind == "image"]
     assert [(s.grid_h, s.grid_w) for s in spans] == [(8, 12), (12, 8)]
     assert info is not None and len(info) == 2
+    scores = engine.prefix_cache.latest_prefix("s").scores
+    assert (scores is None) == (selector == "uniform")
+    assert scores is None or set(scores) == set(SELECTOR_SCORES[selector])
     for n, (item, span) in enumerate(zip(info, spans, strict=True)):
         assert item["image"] == n and (item["rows"], item["cols"]) == (span.grid_h, span.grid_w)
-        assert item["kept"] == expected_grid(span, selector)
+        assert item["kept"] == expected_grid(span, selector, scores)
         assert item["kept_count"] == sum(map(sum, item["kept"])) < span.length
         assert item["selector"] == selector and item["keep_ratio"] == KEEP_RATIO
     assert sum(item["kept_count"] for item in info) == done.telemetry.visual_tokens_kept

@@ -355,6 +355,22 @@ def test_train_steps_reduce_loss_on_fixed_batch(tokens):
     assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses, losses[1:], strict=False))
 
 
+def test_train_init_continues_from_a_checkpoint(toy_checkpoint):
+    """``--init`` loads a checkpoint's weights over a fresh model (every tensor equal afterwards;
+    a fresh model differs), and refuses a checkpoint of another shape."""
+    from benchmarks.quality.train import build_model, load_init
+
+    folder, saved = toy_checkpoint
+    model = build_model(ckpt.probe_spec(ckpt.TOY_OVERRIDES), "cpu", seed=5)
+    assert not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values(),
+                                                         strict=True))
+    load_init(model, folder)
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    with pytest.raises(RuntimeError):
+        load_init(build_model(ckpt.probe_spec(), "cpu"), folder)
+
+
 def test_checkpoint_shards_transfer_and_load(tmp_path, toy_checkpoint):
     """Shards stay under the limit (a larger tensor alone), the split/join round trip is exact,
     and Prism's loader reads the sharded folder."""

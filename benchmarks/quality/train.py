@@ -15,6 +15,9 @@ Usage (on the GPU machine, with a skeleton built here by ``python -m benchmarks.
 skeleton DIR``)::
 
     python -m benchmarks.quality.train --skeleton DIR --out CKPT --minutes 8 --metrics metrics.json
+
+``--init DIR`` continues from a checkpoint (the committed probe) instead of a fresh model, e.g. a
+short fine-tune with ``--curriculum binding`` (docs/QUALITY.md gives the command).
 """
 
 from __future__ import annotations
@@ -64,6 +67,17 @@ def build_model(spec, device, seed: int = 0) -> ProbeVL:
     model = ProbeVL(ModelConfig.from_dict(tiny.config_dict(spec)))
     model.init_weights(seed)
     return model.to(device)
+
+
+def load_init(model: ProbeVL, folder: str | pathlib.Path) -> None:
+    """Continue from a checkpoint: load ``folder``'s weights (e.g. the committed probe,
+    ``benchmarks/quality/probe``, bfloat16 as stored) into ``model`` as float32.
+
+    Raises:
+        RuntimeError: a missing, unexpected or differently shaped tensor (the folder is not a
+            checkpoint of this model's shape; strict loading).
+    """
+    model.load_state_dict({k: v.float() for k, v in ckpt.load_weights(folder).items()}, strict=True)
 
 
 def make_optimizer(model: ProbeVL, lr: float, weight_decay: float = 0.05) -> torch.optim.Optimizer:
@@ -174,6 +188,8 @@ def train(args: argparse.Namespace) -> dict:
                                          pin_memory=device.type == "cuda", prefetch_factor=4 if args.workers else None,
                                          persistent_workers=args.workers > 0)
     model = build_model(spec, device, args.seed)
+    if args.init:
+        load_init(model, args.init)
     optimizer = make_optimizer(model, args.lr)
     schedule = Schedule(args.lr, warmup=args.warmup)
     tokens = PromptTokens(tokenizer_file)
@@ -234,7 +250,7 @@ def train(args: argparse.Namespace) -> dict:
     metrics = {
         "steps": step, "samples": samples_seen, "batch": args.batch, "train_minutes": round(train_seconds / 60, 2),
         "steps_per_second": round(step / max(train_seconds, 1e-9), 2), "parameters": params,
-        "lr": args.lr, "seed": args.seed, "curriculum": args.curriculum,
+        "lr": args.lr, "seed": args.seed, "curriculum": args.curriculum, "init": args.init,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "heldout": {"n": len(samples), "first": samples[0].uid if samples else None,
                     "eval_seconds": round(time.monotonic() - t0, 1), "dtype": "bfloat16 weights, bf16 autocast"
@@ -269,6 +285,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--curriculum", choices=sorted(CURRICULA), default="v1",
                    help="v1 trained the committed model; binding adds kind-naming questions (docs/QUALITY.md)")
     p.add_argument("--toy", action="store_true", help="a toy-sized model (CPU smoke tests)")
+    p.add_argument("--init", help="start from this checkpoint's weights (e.g. benchmarks/quality/probe) "
+                                  "instead of a fresh initialisation; the optimizer state starts fresh")
     return p.parse_args(argv)
 
 

@@ -54,7 +54,45 @@ def uniform_selector(span: VisualSpan, k: int, scores: TokenScores | None = None
     return pool[((torch.arange(k, dtype=torch.float64) + 0.5) * m / k).floor().long()]
 
 
-SELECTORS: dict[str, Selector] = {"uniform": uniform_selector}
+def priority_selector(score: str) -> Selector:
+    """A selector keeping the ``k`` candidates of highest ``scores[score]`` (a float32 priority
+    ``[span.length]``, see :mod:`engine.cache.token_scores`), ties to the lower offset.
+
+    Because every step ranks by the same stored priority, the kept sets are nested: the top ``k``
+    among an earlier step's candidates is the top ``k`` of the whole span whenever the candidates
+    came from the same priority.
+
+    The returned selector raises ValueError when ``scores`` lacks ``score`` (the prefix was built
+    without it) or ``k`` exceeds the candidates.
+    """
+
+    def select(span: VisualSpan, k: int, scores: TokenScores | None = None,
+               candidates: torch.Tensor | None = None) -> torch.Tensor:
+        if scores is None or score not in scores:
+            raise ValueError(f"the {score!r} selector needs the prefix's {score!r} scores")
+        pool = torch.arange(span.length) if candidates is None else candidates.long()
+        if k > len(pool):
+            raise ValueError(f"cannot keep {k} of {len(pool)} candidate tokens")
+        priority = scores[score][pool].float()
+        best = torch.sort(priority, descending=True, stable=True).indices[:k]
+        return pool[best].sort().values
+
+    select.__name__ = f"{score}_selector"
+    select.__doc__ = f"Keep the ``k`` candidates of highest ``{score}`` priority (:func:`priority_selector`)."
+    return select
+
+
+SELECTORS: dict[str, Selector] = {
+    "uniform": uniform_selector,
+    "attention": priority_selector("attention"),  # VisionZip-like: most attended in the vision tower
+    "diversity": priority_selector("diversity"),  # DivPrune-like: greedy max-min on merged features
+    "random": priority_selector("random"),  # control: a permutation seeded by the image's content
+}
+
+SELECTOR_SCORES: dict[str, tuple[str, ...]] = {
+    "uniform": (), "attention": ("attention",), "diversity": ("diversity",), "random": ("random",),
+}
+"""The :mod:`~engine.cache.token_scores` each selector reads (computed when the prefix is built)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +100,8 @@ class CompactionConfig:
     """How a prefix is compacted.
 
     Attributes:
-        method: a key of :data:`SELECTORS` (``"uniform"``), or None for no compaction.
+        method: a key of :data:`SELECTORS` (``"uniform"``, ``"attention"``, ``"diversity"``,
+            ``"random"``), or None for no compaction.
         keep_ratio: share of each image's visual tokens kept.
         min_keep: fewest visual tokens kept per image (or frame).
         compact_video: whether video frames are compacted too.
@@ -80,6 +119,16 @@ class CompactionConfig:
             raise ValueError(f"keep_ratio must be in (0, 1], got {self.keep_ratio}")
         if self.min_keep < 1:
             raise ValueError(f"min_keep must be >= 1, got {self.min_keep}")
+
+    @property
+    def score_names(self) -> tuple[str, ...]:
+        """The token scores the selector needs when the prefix is built (empty for uniform / off)."""
+        return SELECTOR_SCORES.get(self.method, ()) if self.method is not None else ()
+
+    def compacted_spans(self, spans: list[VisualSpan]) -> list[VisualSpan]:
+        """The spans this configuration compacts (video frames only with ``compact_video``): the
+        ones whose token scores are worth computing."""
+        return [s for s in spans if s.kind != "video" or self.compact_video]
 
     def namespace(self) -> str:
         """A stable description, part of the prefix cache key."""

@@ -35,8 +35,10 @@ from typing import Any, Protocol
 
 import torch
 
+from ..model.vision import span_features
 from .compaction import CompactionConfig
 from .prefix_cache import KeptTokens, Match, PrefixCache, PrefixEntry, prefix_key
+from .token_scores import media_hashes, prefix_scores
 
 
 class CachingRequest(Protocol):
@@ -59,6 +61,7 @@ class CachingRequest(Protocol):
     match: Match | None
     attached: PrefixEntry | None
     cold_prefix: bool
+    vision: dict
 
     @property
     def kv_len(self) -> int: ...
@@ -212,8 +215,9 @@ class PrefixReuse:
         ``"on_pressure"`` every token is kept: the prefix is cached dense."""
         page = self.pool.page_size
         n = req.prompt.prefix_len
+        scores = self.token_scores(req)
         dense = self.mode == "on_pressure" or self.compaction.method is None
-        kept = torch.arange(n) if dense else self.compaction.kept_positions(n, req.prompt.spans)
+        kept = torch.arange(n) if dense else self.compaction.kept_positions(n, req.prompt.spans, scores)
         k = len(kept)
         if k < n:
             table = req.block_table
@@ -237,8 +241,23 @@ class PrefixReuse:
         if entry is not None:
             method = None if dense else self.compaction.method
             entry.record_kept(KeptTokens(kept, method, self.compaction.keep_ratio if method else 1.0))
+            entry.scores = scores
             entry.users += 1
             req.attached = entry
+
+    def token_scores(self, req: CachingRequest) -> dict | None:
+        """The prefix's :data:`~engine.cache.compaction.TokenScores` the configured selector needs
+        (see :mod:`engine.cache.token_scores`; ``4 * prefix_len`` bytes per score), from the
+        request's vision features, before anything is dropped; None when it needs none."""
+        names = self.compaction.score_names
+        if not names:
+            return None
+        prompt = req.prompt
+        n = prompt.prefix_len
+        device = next(iter(req.vision.values())).embeds.device
+        offsets, features = span_features(prompt.spans, req.vision, 0, n, device)
+        spans = self.compaction.compacted_spans(prompt.spans)
+        return prefix_scores(names, n, spans, media_hashes(prompt), features, offsets)
 
     # ------------------------------------------------------------------ for a caller
     def prefix_info(self, salt: str, images: list[str | None] | None = None) -> list[dict] | None:

@@ -27,6 +27,8 @@ import torch
 
 from ..model.attention import DenseKVCache, DenseStep
 from ..model.decoder import VisualInjection
+from ..model.vision import VisionFeatures
+from .token_scores import media_hashes, prefix_scores
 
 
 class MaskedStep(DenseStep):
@@ -70,16 +72,28 @@ class MaskedDenseCache(DenseKVCache):
         return causal & (~after_prefix | self.keep[:end][None, :])
 
 
-def removed_positions(engine, prompt) -> torch.Tensor:
+def removed_positions(engine, prompt, features: VisionFeatures | None = None) -> torch.Tensor:
     """int64 logical indices of the prefix tokens ``engine`` drops when it caches ``prompt``'s
     public prefix (empty when the prompt is not prefix-cached, compaction keeps everything, or the
-    engine caches prefixes dense and compacts only on pressure)."""
+    engine caches prefixes dense and compacts only on pressure).
+
+    Score-based selectors get the same :mod:`~engine.cache.token_scores` the engine stores with
+    the entry, recomputed here from ``features`` (the prompt's vision features in
+    ``prompt.visual_rows()`` order; None: ``engine.vision_features(prompt)``), so the oracle
+    drops the same tokens for every selector.
+    """
     n = prompt.prefix_len
     reuse = engine.prefix_reuse
     if reuse is None or reuse.mode == "on_pressure" or not 0 < n < len(prompt.input_ids):
         return torch.empty(0, dtype=torch.long)
+    scores = None
+    if engine.compaction.score_names:
+        feats = engine.vision_features(prompt) if features is None else features
+        spans = engine.compaction.compacted_spans(prompt.spans)
+        offsets = prompt.visual_rows()  # the rows of feats
+        scores = prefix_scores(engine.compaction.score_names, n, spans, media_hashes(prompt), feats, offsets)
     keep = torch.zeros(n, dtype=torch.bool)
-    keep[engine.compaction.kept_positions(n, prompt.spans)] = True
+    keep[engine.compaction.kept_positions(n, prompt.spans, scores)] = True
     return (~keep).nonzero().flatten()
 
 
@@ -100,15 +114,15 @@ def masked_greedy_logits(engine, messages, max_tokens: int, kept: torch.Tensor |
     prompt = engine.prompts.build(messages)
     model, cfg = engine.model, engine.config.text
     n = len(prompt.input_ids)
+    feats = engine.vision_features(prompt) if prompt.spans else None
     cache = MaskedDenseCache(
         cfg.num_hidden_layers, n + max_tokens, cfg.num_key_value_heads, cfg.head_dim,
-        prefix_len=prompt.prefix_len, removed=removed_positions(engine, prompt) if kept is None
+        prefix_len=prompt.prefix_len, removed=removed_positions(engine, prompt, feats) if kept is None
         else _complement(kept, prompt.prefix_len),
         dtype=model.dtype, device=model.device,
     )
     visual = None
-    if prompt.spans:
-        feats = engine.vision_features(prompt)
+    if feats is not None:
         visual = VisualInjection(prompt.visual_rows().to(model.device), feats.embeds, feats.deepstack)
     last = torch.tensor([n - 1], device=model.device)
     logits = model(torch.tensor(prompt.input_ids, device=model.device), prompt.positions.to(model.device),

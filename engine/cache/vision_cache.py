@@ -26,7 +26,8 @@ class VisionCache:
 
     @staticmethod
     def _size(f: VisionFeatures) -> int:
-        return sum(t.numel() * t.element_size() for t in (f.embeds, *f.deepstack))
+        extra = () if f.attention is None else (f.attention,)
+        return sum(t.numel() * t.element_size() for t in (f.embeds, *f.deepstack, *extra))
 
     def get(self, key: str) -> VisionFeatures | None:
         with self._lock:

@@ -54,9 +54,11 @@ class Qwen3VL(nn.Module):
         return self.lm_head.weight.device
 
     @torch.inference_mode()
-    def encode_vision(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> VisionFeatures:
-        """Vision features of the processor's ``pixel_values`` (see :class:`VisionEncoder`)."""
-        return self.visual(pixels.to(self.device, self.dtype), grids)
+    def encode_vision(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]],
+                      attention: bool = False) -> VisionFeatures:
+        """Vision features of the processor's ``pixel_values`` (see :class:`VisionEncoder`;
+        ``attention``: also the attention each merged token receives in the last block)."""
+        return self.visual(pixels.to(self.device, self.dtype), grids, attention)
 
     @torch.inference_mode()
     def forward(

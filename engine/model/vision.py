@@ -31,22 +31,32 @@ class VisionFeatures:
     ``embeds`` is ``[num_visual_tokens, text_hidden]`` in the model dtype, in prompt order (merged
     tokens of image 0, then image 1, ...). ``deepstack`` holds one tensor of the same shape per
     DeepStack tap; tap ``j`` is added to the decoder's hidden states after decoder layer ``j``.
+    ``attention`` (float32 ``[num_visual_tokens]``, or None when not asked for: see
+    :meth:`VisionEncoder.forward`) is the attention each merged token receives in the tower's last
+    block, the input of the attention selector (:mod:`engine.cache.token_scores`).
     """
 
     embeds: torch.Tensor
     deepstack: list[torch.Tensor]
+    attention: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> VisionFeatures:
         """The features of the visual tokens at ``rows`` (int64 indices into ``embeds``)."""
-        return VisionFeatures(self.embeds[rows], [d[rows] for d in self.deepstack])
+        attention = None if self.attention is None else self.attention[rows.to(self.attention.device)]
+        return VisionFeatures(self.embeds[rows], [d[rows] for d in self.deepstack], attention)
 
     @staticmethod
     def concat(parts: list[VisionFeatures]) -> VisionFeatures:
-        """Concatenate features of several prompts' images along the token axis."""
+        """Concatenate features of several prompts' images along the token axis (``attention``
+        only when every part has it)."""
         depth = len(parts[0].deepstack)
+        attention = None
+        if all(p.attention is not None for p in parts):
+            attention = torch.cat([p.attention for p in parts])
         return VisionFeatures(
             torch.cat([p.embeds for p in parts]),
             [torch.cat([p.deepstack[j] for p in parts]) for j in range(depth)],
+            attention,
         )
 
 
@@ -140,6 +150,33 @@ class VisionAttention(nn.Module):
             start += length * count
         return self.proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
+    def received_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg_lens: list[int],
+                           max_elements: int = 1 << 24) -> torch.Tensor:
+        """The attention each patch receives: its softmax weight averaged over the heads and the
+        queries of its image / frame, float32 ``[N]`` (each segment's values sum to 1).
+
+        ``x`` is this block's normed input ``[N, hidden]``. The weights are computed in float32 a
+        chunk of queries at a time (at most ``max_elements`` weights in memory, 64 MiB by
+        default), never as a whole ``[heads, L, L]`` matrix, and only the column sums are kept.
+        The output path (:meth:`forward`) is untouched: this is a second, score-only pass.
+        """
+        n, h = x.shape[0], self.num_heads
+        qkv = self.qkv(x).view(n, 3 * h, self.head_dim)
+        qk = rope_float32(qkv[:, : 2 * h], cos, sin).float()
+        q, k = qk[:, :h].transpose(0, 1), qk[:, h:].transpose(0, 1)  # [heads, N, D]
+        out = torch.empty(n, dtype=torch.float32, device=x.device)
+        start = 0
+        for length in seg_lens:
+            qs, ks = q[:, start : start + length], k[:, start : start + length]
+            acc = torch.zeros(length, dtype=torch.float32, device=x.device)
+            chunk = max(1, max_elements // (h * length))
+            for c in range(0, length, chunk):
+                weights = torch.softmax(qs[:, c : c + chunk] @ ks.transpose(1, 2) * self.head_dim**-0.5, dim=-1)
+                acc += weights.sum((0, 1))
+            out[start : start + length] = acc / (h * length)
+            start += length
+        return out
+
 
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
@@ -208,7 +245,13 @@ class VisionEncoder(nn.Module):
             PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
         )
 
-    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> VisionFeatures:
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]],
+                attention: bool = False) -> VisionFeatures:
+        """``attention=True`` also returns :attr:`VisionFeatures.attention`: the attention each
+        patch receives in the last block (:meth:`VisionAttention.received_attention`), summed over
+        the ``merge**2`` patches of each merged token (a merged token's share of its image's
+        attention; an image's values sum to 1). It costs one more score-only attention pass over
+        the last block and is not part of the CUDA-graph path (:mod:`engine.graphs.vision`)."""
         cfg = self.cfg
         x = self.patch_embed(pixels)
         x = x + self._position_embeddings(grids).to(x.dtype)
@@ -219,11 +262,16 @@ class VisionEncoder(nn.Module):
         # Not cuDNN's attention, whose plan per new length (every new image size) was the likely
         # cause of the ~10x TTFT the H200 serving benchmark showed for photos of new sizes.
         with sdpa_kernel(SDPA_BACKENDS_WITHOUT_PLANS):
+            received = None
             for layer, block in enumerate(self.blocks):
+                if attention and layer == len(self.blocks) - 1:
+                    received = block.attn.received_attention(block.norm1(x), cos, sin, seg_lens)
                 x = block(x, cos, sin, seg_lens)
                 if layer in taps:
                     deepstack[taps[layer]] = self.deepstack_merger_list[taps[layer]](x)
-        return VisionFeatures(self.merger(x), deepstack)
+        if received is not None:
+            received = received.view(-1, cfg.spatial_merge_size**2).sum(1)
+        return VisionFeatures(self.merger(x), deepstack, received)
 
     def _position_embeddings(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Bilinear (align-corners) resampling of the square learned table to each grid, float32.
