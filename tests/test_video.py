@@ -258,3 +258,11 @@ def test_not_a_video_and_one_frame(pair, media_path):
         decode_video(_encode("mp4", "libx264", 1, 30))
     with pytest.raises(InvalidVideoError, match="could not read"):
         decode_video("/nonexistent/clip.mp4")
+
+
+def test_webm_cut_inside_its_clusters_is_refused_not_a_500():
+    """Found by the fuzz test above: a WebM cut after its first clusters made FFmpeg's rewind
+    (after counting packets) fail with EPERM, which escaped as av.error.PermissionError (a 500 in
+    the app). The client now sees the damaged-file message."""
+    with pytest.raises(InvalidVideoError, match="damaged or truncated"):
+        decode_video(WEBM[:428], options=VideoOptions(max_decode_s=10))

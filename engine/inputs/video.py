@@ -267,9 +267,9 @@ def _count_packets(container, stream, options: VideoOptions) -> int:
                 count += 1
                 if count > options.max_frames:
                     break
+        container.seek(0)  # a damaged index can make the rewind itself fail (EPERM from FFmpeg)
     except av.FFmpegError as e:
         raise InvalidVideoError("The video file is damaged or truncated. Upload it again.") from e
-    container.seek(0)
     return count
 
 
