@@ -80,7 +80,7 @@ class Settings:
     kv_cache_bytes: int | None = None
     kv_cache_dtype: str = "fp8_e4m3"
     compaction: str = "uniform"
-    compaction_mode: str = "always"
+    compaction_mode: str = "on_pressure"
     keep_ratio: float = 0.6
     cache_scope: str = "session"
     tensor_parallel_size: int = 1

@@ -46,11 +46,17 @@ import torch
 #: :func:`base_options`. ``on_pressure`` (issue 19) caches prefixes dense and compacts them to 0.6
 #: only when pages run short; ``on_pressure_steps`` compacts in two steps, 0.6 then 0.4.
 VARIANTS: dict[str, dict] = {
-    "compact_fp8": {"kv_cache_dtype": "fp8_e4m3", "compaction": "uniform", "keep_ratio": 0.6},
+    "compact_fp8": {"kv_cache_dtype": "fp8_e4m3", "compaction": "uniform", "keep_ratio": 0.6,
+                    "compaction_mode": "always"},
     "on_pressure": {"kv_cache_dtype": "fp8_e4m3", "compaction": "uniform", "keep_ratio": 0.6,
                     "compaction_mode": "on_pressure"},
     "on_pressure_steps": {"kv_cache_dtype": "fp8_e4m3", "compaction": "uniform", "keep_ratio": 0.6,
                           "compaction_mode": "on_pressure", "pressure_keep_ratios": (0.6, 0.4)},
+    # the quality issue's recommendation (docs/QUALITY.md: keep 0.8; attention), on pressure
+    "on_pressure_keep08": {"kv_cache_dtype": "fp8_e4m3", "compaction": "uniform", "keep_ratio": 0.8,
+                           "compaction_mode": "on_pressure"},
+    "on_pressure_attention08": {"kv_cache_dtype": "fp8_e4m3", "compaction": "attention", "keep_ratio": 0.8,
+                                "compaction_mode": "on_pressure"},
     "dense_fp8": {"kv_cache_dtype": "fp8_e4m3", "compaction": None},
     "dense_bf16": {"kv_cache_dtype": "auto", "compaction": None},  # KV in the model dtype (bf16 by default)
     "vision_only": {"kv_cache_dtype": "fp8_e4m3", "prefix_cache": False},  # vision-feature cache only

@@ -127,7 +127,8 @@ def tiny_engine_factory(tiny_ckpt):
     checkpoint that share one loaded model (per dtype) and one processor, so tests can afford many
     engine configurations (pool sizes, chunk sizes, queue limits). Options are
     :class:`engine.engine.EngineOptions` fields (``progress`` defaults to False). Engines left open
-    are closed at the end of the session."""
+    are closed at the end of the session. ``compaction_mode`` defaults to ``"always"`` here (the
+    engine's default is ``"on_pressure"``)."""
     import torch
     from transformers import AutoProcessor
 
@@ -142,6 +143,9 @@ def tiny_engine_factory(tiny_ckpt):
         if dtype not in models:
             models[dtype] = load_model(tiny_ckpt, device=TEST_DEVICE, dtype=dtype, progress=False)
         options.setdefault("progress", False)
+        # Compaction tests compare a prefix compacted when it is cached with the masked oracle; the
+        # default mode (on_pressure) compacts only under pressure, and its own tests ask for it.
+        options.setdefault("compaction_mode", "always")
         engine = Engine(models[dtype], processor, model_id=str(tiny_ckpt), folder=tiny_ckpt,
                         options=EngineOptions(**options))
         made.append(engine)

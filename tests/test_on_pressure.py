@@ -185,7 +185,8 @@ def test_bad_options_are_refused(options):
 
 
 def test_no_steps_without_on_pressure_or_a_selector():
-    assert EngineOptions().pressure_steps() == ()
+    assert EngineOptions(compaction_mode="always").pressure_steps() == ()
+    assert [s.keep_ratio for s in EngineOptions().pressure_steps()] == [0.6]  # the default: on pressure, one step
     assert EngineOptions(compaction=None, compaction_mode="on_pressure").pressure_steps() == ()
     steps = EngineOptions(compaction_mode="on_pressure", pressure_keep_ratios=(0.6, 0.4)).pressure_steps()
     assert [s.keep_ratio for s in steps] == [0.6, 0.4]

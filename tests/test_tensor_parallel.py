@@ -33,7 +33,7 @@ SP = SamplingParams(max_tokens=10, ignore_eos=True)
 EXACT = {"min_pixels": 32 * 32, "max_pixels": 128 * 128, "kv_cache_bytes": 8 << 20, "kv_cache_dtype": "auto",
          "debug_checks": True, "max_num_batched_tokens": 24, "progress": False}
 DENSE = {**EXACT, "compaction": None}
-COMPACT = {**EXACT, "compaction": "uniform", "keep_ratio": 0.5, "min_keep": 4}
+COMPACT = {**EXACT, "compaction": "uniform", "keep_ratio": 0.5, "min_keep": 4, "compaction_mode": "always"}
 #: Scaled-FP8 pages: each rank stores its KV heads' values and per-(slot, head) scales, the same
 #: numbers TP1 stores for those heads (a scale never spans heads), so only the all-reduce's
 #: rounding order differs from TP1 here too.
