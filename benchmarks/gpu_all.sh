@@ -27,7 +27,7 @@ for step in ${STEPS:-kernels smoke bench}; do
     # tests_skips.txt (also appended to tests.txt): counts, every skip reason with its tests, tests run per
     # module, from the JUnit XML: the record that the GPU-only tests ran here, and why anything skipped
     tests) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PRISM_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests -q -p no:cacheprovider \
-             -n ${TEST_WORKERS:-6} --dist load --ignore-glob='tests/test_app_*.py' --ignore-glob='tests/test_e2e_*.py' --ignore=tests/test_sessions.py \
+             -n ${TEST_WORKERS:-6} --dist load --ignore-glob='tests/test_app_*.py' --ignore-glob='tests/test_e2e_*.py' --ignore=tests/test_sessions.py --ignore=tests/test_video_app.py \
              --junitxml="$OUT/tests_junit.xml" -o console_output_style=count 2>&1 | tee "$OUT/tests_full.txt" \
              | tail -40 | tee "$OUT/tests.txt"
            python3 benchmarks/junit_summary.py "$OUT/tests_junit.xml" > "$OUT/tests_skips.txt" 2>&1

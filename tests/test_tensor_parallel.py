@@ -48,28 +48,36 @@ def images(*colours: str, size: int = 128) -> list[Image.Image]:
     return [Image.new("RGB", (size, size - 16 * i), colour) for i, colour in enumerate(colours)]
 
 
+# TP1 runs on the CPU as TP2 does (gloo), whatever PRISM_TEST_DEVICE says: like for like, and a
+# CUDA TP1 would count its vision-graph captures as encoder runs.
 def tp_engine(tiny_ckpt, **options) -> Engine:
     return Engine.from_pretrained(tiny_ckpt, device="cpu", tensor_parallel_size=2, **options)
 
 
 @pytest.fixture(scope="module")
-def dense_pair(tiny_ckpt, tiny_engine_factory):
+def dense_pair(tiny_ckpt):
     tp2 = tp_engine(tiny_ckpt, **DENSE)
-    yield tiny_engine_factory(**DENSE), tp2
+    tp1 = Engine.from_pretrained(tiny_ckpt, device="cpu", **DENSE)
+    yield tp1, tp2
+    tp1.close()
     tp2.close()
 
 
 @pytest.fixture(scope="module")
-def compact_pair(tiny_ckpt, tiny_engine_factory):
+def compact_pair(tiny_ckpt):
     tp2 = tp_engine(tiny_ckpt, **COMPACT)
-    yield tiny_engine_factory(**COMPACT), tp2
+    tp1 = Engine.from_pretrained(tiny_ckpt, device="cpu", **COMPACT)
+    yield tp1, tp2
+    tp1.close()
     tp2.close()
 
 
 @pytest.fixture(scope="module")
-def fp8_pair(tiny_ckpt, tiny_engine_factory):
+def fp8_pair(tiny_ckpt):
     tp2 = tp_engine(tiny_ckpt, **FP8)
-    yield tiny_engine_factory(**FP8), tp2
+    tp1 = Engine.from_pretrained(tiny_ckpt, device="cpu", **FP8)
+    yield tp1, tp2
+    tp1.close()
     tp2.close()
 
 
