@@ -277,3 +277,24 @@ def test_video_frames_get_scores_only_when_compacted():
     frame = VisualSpan(start=6, grid_h=2, grid_w=2, kind="video", item=0, frame=1)
     assert CompactionConfig("diversity").compacted_spans([image, frame]) == [image]
     assert CompactionConfig("diversity", compact_video=True).compacted_spans([image, frame]) == [image, frame]
+
+
+@pytest.mark.parametrize("method", sorted(m for m, names in SELECTOR_SCORES.items() if names))
+def test_kept_positions_follow_each_spans_own_stored_scores(method):
+    """Through :meth:`CompactionConfig.kept_positions` (the path compaction takes), a score-based
+    selector keeps, in each span, the tokens of highest stored priority in *that span's* slice of
+    the prefix scores: what it keeps moves when only the scores move."""
+    spans = [VisualSpan(start=3, grid_h=4, grid_w=4, kind="image", item=0),
+             VisualSpan(start=21, grid_h=2, grid_w=4, kind="image", item=1)]
+    prefix_len = 31
+    gen = torch.Generator().manual_seed(7)
+    cfg = CompactionConfig(method, keep_ratio=0.5, min_keep=1)
+    for _ in range(3):
+        scores = {name: torch.rand(prefix_len, generator=gen) for name in cfg.score_names}
+        kept = cfg.kept_positions(prefix_len, spans, scores=scores)
+        expected = torch.ones(prefix_len, dtype=torch.bool)
+        for s in spans:
+            expected[s.start : s.end] = False
+            top = torch.topk(scores[cfg.score_names[0]][s.start : s.end], keep_count(s.length, 0.5, 1)).indices
+            expected[s.start + top] = True
+        assert kept.tolist() == expected.nonzero().flatten().tolist()
