@@ -143,6 +143,9 @@ def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
     return " · ".join(parts)
 
 
+#: File names of clips: such a file that is no image is refused with the video reader's reason.
+_CLIP_SUFFIXES = (".mp4", ".m4v", ".mov", ".webm", ".mkv")
+
 #: What the image viewer says of an image whose compact prefix is not cached: the engine keeps it
 #: in memory only, so we cannot tell which of these it is, and do not guess a picture.
 NOT_CACHED = ("Not cached: the model holds no prefix of this chat's images right now (no question asked about "
@@ -403,8 +406,7 @@ class ChatService:
             label = os.path.basename(str(name or "")) or "image"
             try:
                 data = self._read_upload(source)
-                add = self.store.add_video if sniff_video(data) else self.store.add_image
-                add(session.id, owner, data, filename=label)
+                self._add_media(session.id, owner, data, label)
                 stored += 1
             except (InvalidImageError, InvalidVideoError, LimitExceeded, ChatError) as exc:
                 problems.append(f"{label}: {exc}")
@@ -414,6 +416,25 @@ class ChatService:
             self.store.delete_session(session.id, owner)
             return None, problems
         return self.store.get_session(session.id, owner=owner) or session, problems
+
+    def _add_media(self, session_id: str, owner: str, data: bytes, label: str) -> None:
+        """Store one upload as a clip when its first bytes say so, else as an image. A file named
+        like a clip that is no image either is tried as a clip, so its refusal speaks of videos
+        (a damaged ``.mp4`` was told "not an image", and a QuickTime file without an ``ftyp``
+        box was never opened as a video).
+
+        Raises:
+            InvalidImageError, InvalidVideoError, LimitExceeded: the file is refused.
+        """
+        if sniff_video(data):
+            self.store.add_video(session_id, owner, data, filename=label)
+            return
+        try:
+            self.store.add_image(session_id, owner, data, filename=label)
+        except InvalidImageError:
+            if not label.lower().endswith(_CLIP_SUFFIXES):
+                raise
+            self.store.add_video(session_id, owner, data, filename=label)
 
     def upscale_notice(self, name: str, width: int, height: int) -> str | None:
         """A note for an image smaller than the model's minimum (its processor then upscales it,

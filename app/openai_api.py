@@ -55,6 +55,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from engine import (
     Completion,
@@ -411,7 +412,11 @@ class OpenAIAPI:
     @staticmethod
     async def _body(request: Request) -> dict:
         try:
-            body = json.loads(await request.body())
+            raw = await request.body()
+        except ClientDisconnect:  # gone before its declared body came: nobody to answer, nothing to log
+            raise APIError(499, "client closed the request", "server_error") from None
+        try:
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise _bad("the request body must be JSON") from None
         if not isinstance(body, dict):

@@ -270,14 +270,21 @@ def pages_panel(pages: dict | None) -> str:
         return ('<div class="prism-panel-note">The prefix page use appears after the first answer about '
                 "images.</div>")
     compact, dense = pages["compact"], max(pages["dense"], 1)
-    saved = 100 * (1 - compact / dense)
+    kept, total = pages["visual_tokens_kept"], pages["visual_tokens"]
+    # a prefix kept dense (the default until KV memory runs short) was labelled "compact" beside
+    # an equal "dense" bar and "0% fewer pages", which reads as a compaction that did nothing
+    label = "compact" if kept < total else "cached"
+    if kept < total:
+        note = (f"{100 * (1 - compact / dense):.0f}% fewer pages: keeps {kept:,} of {total:,} visual tokens "
+                "(the prefix's text tokens are all kept).")
+    else:
+        note = f"Not compacted: the prefix is dense, all {total:,} visual tokens kept."
     compact_bar = _bar([("compact", compact, "compact"), ("", dense - compact, "none")])
     return (
         '<div class="prism-pages"><div class="prism-kv-title">Image prefix KV pages</div>'
-        f'<div class="prism-pages-row"><span>compact</span>{compact_bar}<b>{compact}</b></div>'
+        f'<div class="prism-pages-row"><span>{label}</span>{compact_bar}<b>{compact}</b></div>'
         f'<div class="prism-pages-row"><span>dense</span>{_bar([("dense", dense, "dense")])}<b>{dense}</b></div>'
-        f'<div class="prism-panel-note">{saved:.0f}% fewer pages: keeps {pages["visual_tokens_kept"]:,} of '
-        f'{pages["visual_tokens"]:,} visual tokens (the prefix\'s text tokens are all kept).</div></div>'
+        f'<div class="prism-panel-note">{note}</div></div>'
     )
 
 

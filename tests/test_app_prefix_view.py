@@ -193,3 +193,17 @@ def test_the_chat_asks_for_its_own_salt_and_images_and_a_dense_prefix_reads_all_
         assert item["summary"] == "all kept: 6 of 6 visual tokens · dense prefix (no compaction)"
     finally:
         store.close()
+
+
+def test_the_pages_panel_says_a_dense_prefix_was_not_compacted():
+    """A dense prefix (the default while KV memory lasts) was drawn as "compact 9" beside "dense 9"
+    with "0% fewer pages", as if a compaction had run and saved nothing. It now says the prefix is
+    dense; a compacted one still shows its saving."""
+    from app import render
+
+    dense = render.pages_panel({"compact": 9, "dense": 9, "visual_tokens": 126, "visual_tokens_kept": 126})
+    assert "Not compacted" in dense and "all 126 visual tokens kept" in dense
+    assert "fewer pages" not in dense and "<span>compact</span>" not in dense and "<span>cached</span>" in dense
+    compact = render.pages_panel({"compact": 6, "dense": 9, "visual_tokens": 126, "visual_tokens_kept": 76})
+    assert "33% fewer pages: keeps 76 of 126 visual tokens" in compact and "<span>compact</span>" in compact
+    assert "Not compacted" not in compact

@@ -10,6 +10,7 @@ audit hook (``sys.addaudithook``, event ``open``), so "never opened" is observed
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -391,6 +392,35 @@ def test_a_body_over_its_routes_cap_is_refused_before_it_is_read(env, path, cont
     assert b"accepts at most" in answer and b"--max-upload-mb" in answer
     answer = _claim_a_huge_body(env.url, path, content_type, "chunked")
     assert answer.startswith(b"HTTP/1.1 411 "), answer[:200]
+
+
+def test_a_client_gone_mid_body_leaves_no_error_in_the_log(env):
+    """Attacker: a /v1 request declaring 1,000 bytes, sending 7, then hanging up (repeatable at
+    will). The API let starlette's ``ClientDisconnect`` escape, so each such request wrote
+    "Exception in ASGI application" and a traceback to the server's error log; now it ends
+    quietly, like the UI's routes, and the next request is answered as usual."""
+    class Errors(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.ERROR)
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    errors, log = Errors(), logging.getLogger("uvicorn.error")
+    log.addHandler(errors)
+    try:
+        host, port = env.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=15) as s:
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode() + b'{"data"')
+            time.sleep(0.3)  # the server is reading the body when the client goes
+        time.sleep(0.5)
+        r = httpx.get(f"{env.url}/v1/models", timeout=TIMEOUT_S)
+        assert r.status_code == 200
+    finally:
+        log.removeHandler(errors)
+    assert [rec.getMessage() for rec in errors.records] == []
 
 
 def test_a_gradio_event_of_two_mebibytes_is_refused_413(env):

@@ -248,3 +248,7 @@ def test_an_unset_max_tokens_generates_up_to_the_room_left(tiny_engine_factory):
         engine.generate(messages, SamplingParams(max_tokens=room + 1))
     with pytest.raises(InvalidRequestError, match="leaves no room"):
         engine.generate([{"role": "user", "content": "Hi " * 80}], SamplingParams(max_tokens=None))
+    # a prompt over the limit with an explicit max_tokens told the client to "ask for at most 0 tokens"
+    with pytest.raises(InvalidRequestError, match="leaves no room") as refused:
+        engine.generate([{"role": "user", "content": "Hi " * 80}], SamplingParams(max_tokens=2))
+    assert "at most 0" not in str(refused.value) and "at most -" not in str(refused.value)

@@ -147,6 +147,27 @@ def test_a_bad_clip_upload_is_explained_and_the_rest_stored(chat, media_path):
     assert [r.kind for r in chat.store.list_images(session.id)] == ["image"]
 
 
+def test_a_file_named_like_a_clip_is_judged_as_a_clip(chat, media_path):
+    """A damaged ``.mp4`` (no video header) was refused as "not an image Prism can read
+    (supported: PNG, JPEG, ...)", which tells its uploader nothing about videos; it is now refused
+    with the video reader's reason. A QuickTime file whose first box is not ``ftyp`` (older
+    cameras write ``free`` or ``wide`` first) was refused the same way; it is now a clip. A picture
+    renamed ``.mp4`` is still an image, and junk named ``.png`` is still "not an image"."""
+    data = CLIP.read_bytes()
+    no_ftyp = data[:4] + b"free" + data[8:]  # the ftyp box turned into padding: offsets unchanged
+    session, problems = chat.add_images(None, OWNER, [("holiday.mp4", b"\x00junk" * 500),
+                                                      ("old.MOV", no_ftyp),
+                                                      ("cat.mp4", media_path("chelsea.png")),
+                                                      ("junk.png", b"\x00junk" * 500)])
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("holiday.mp4: ") and "not a video Prism can read" in problems[0]
+    assert "not an image" not in problems[0]
+    assert problems[1].startswith("junk.png: ") and "not an image Prism can read" in problems[1]
+    records = chat.store.list_images(session.id)
+    assert [(r.filename, r.kind) for r in records] == [("old.MOV", "video"), ("cat.mp4", "image")]
+    assert abs(records[0].duration_s - 8.008) < 1e-6
+
+
 # ---------------------------------------------------------------------------------- the page
 def test_the_video_card_shows_its_duration_and_poster(store):
     session = store.create_session(OWNER)

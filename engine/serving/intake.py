@@ -68,17 +68,17 @@ class Intake:
         """
         n, limit = len(prompt.input_ids), self.max_model_len
         room = limit - n
+        if room < 1:  # whatever max_tokens says: "ask for at most 0 tokens" would be no advice
+            raise RequestTooLargeError(
+                f"the prompt ({n} tokens) leaves no room to generate within the engine's limit of {limit} "
+                "tokens (model context and KV pool); shorten it or send fewer images"
+            )
         if sampling.max_tokens is None:
-            if room < 1:
-                raise RequestTooLargeError(
-                    f"the prompt ({n} tokens) leaves no room to generate within the engine's limit of {limit} "
-                    "tokens (model context and KV pool); shorten it or send fewer images"
-                )
             return replace(sampling, max_tokens=min(sampling.default_max_tokens, room))
         if sampling.max_tokens > room:
             raise RequestTooLargeError(
                 f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) = {n + sampling.max_tokens} tokens "
                 f"exceeds the engine's limit of {limit} tokens (model context and KV pool); ask for at most "
-                f"{max(room, 0)} tokens, or leave max_tokens unset to generate up to the room left"
+                f"{room} tokens, or leave max_tokens unset to generate up to the room left"
             )
         return sampling
