@@ -265,7 +265,9 @@ def ttft_chart(rows: list[dict], *, width: int = 300, height: int = 170) -> str:
 
 
 def pages_panel(pages: dict | None) -> str:
-    """The session's image prefix: KV pages compact vs dense."""
+    """The session's image prefix at its last answer: KV pages compact vs dense. (Under
+    ``compaction_mode="on_pressure"`` the cached prefix may be compacted after that answer; the
+    title says when the numbers are from, and the next answer or the viewer shows the change.)"""
     if not pages:
         return ('<div class="prism-panel-note">The prefix page use appears after the first answer about '
                 "images.</div>")
@@ -281,7 +283,7 @@ def pages_panel(pages: dict | None) -> str:
         note = f"Not compacted: the prefix is dense, all {total:,} visual tokens kept."
     compact_bar = _bar([("compact", compact, "compact"), ("", dense - compact, "none")])
     return (
-        '<div class="prism-pages"><div class="prism-kv-title">Image prefix KV pages</div>'
+        '<div class="prism-pages"><div class="prism-kv-title">Image prefix KV pages (at the last answer)</div>'
         f'<div class="prism-pages-row"><span>{label}</span>{compact_bar}<b>{compact}</b></div>'
         f'<div class="prism-pages-row"><span>dense</span>{_bar([("dense", dense, "dense")])}<b>{dense}</b></div>'
         f'<div class="prism-panel-note">{note}</div></div>'
@@ -309,6 +311,14 @@ def _evictions(stats: dict) -> str:
             f"{turns:,} turn{'s' if turns != 1 else ''} kept for reuse")
 
 
+def _pressure(stats: dict) -> str:
+    """``2 prefixes · 37 pages freed``: compaction steps made to free KV pages under
+    ``compaction_mode="on_pressure"`` (each drops visual tokens of one idle cached prefix instead
+    of evicting it)."""
+    steps, pages = int(stats.get("cache_pressure_compactions", 0)), int(stats.get("cache_pressure_pages_freed", 0))
+    return f"{steps:,} prefix{'es' if steps != 1 else ''} · {pages:,} page{'s' if pages != 1 else ''} freed"
+
+
 def engine_panel(status: dict) -> str:
     """The engine panel: model, device, KV pool use (running / cached / free), cache counters."""
     if status.get("status") != "ok" or "engine" not in status:
@@ -329,6 +339,7 @@ def engine_panel(status: dict) -> str:
                          f"({s.get('cache_hits', 0)} hit / {s.get('cache_misses', 0)} miss / "
                          f"{s.get('cache_stale', 0)} stale)"),
         ("Evictions", _evictions(s)),
+        ("Compacted on pressure", _pressure(s)),
         ("Tokens saved", f"{s.get('prompt_tokens_saved', 0):,} prompt tokens"),
     ]
     table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)

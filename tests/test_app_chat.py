@@ -829,9 +829,10 @@ def test_the_engine_tab_shows_prefix_and_extension_evictions_apart():
 
     stats = {"pages_total": 10, "pages_used": 2, "pages_free": 8, "page_size": 16, "kv_cache_dtype": "fp8_e4m3",
              "running": 0, "waiting": 0, "cache_evictions": 3, "cache_prefix_evictions": 1,
-             "cache_extension_evictions": 2}
+             "cache_extension_evictions": 2, "cache_pressure_compactions": 3, "cache_pressure_pages_freed": 41}
     html = render.engine_panel({"status": "ok", "model": "m", "device": "cpu", "dtype": "float32", "engine": stats})
     assert "1 image prefix · 2 turns kept for reuse" in html
+    assert "<th>Compacted on pressure</th><td>3 prefixes · 41 pages freed</td>" in html
 
 
 def test_primary_buttons_get_darker_under_the_mouse():

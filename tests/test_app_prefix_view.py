@@ -207,3 +207,5 @@ def test_the_pages_panel_says_a_dense_prefix_was_not_compacted():
     compact = render.pages_panel({"compact": 6, "dense": 9, "visual_tokens": 126, "visual_tokens_kept": 76})
     assert "33% fewer pages: keeps 76 of 126 visual tokens" in compact and "<span>compact</span>" in compact
     assert "Not compacted" not in compact
+    # the panel is the prefix at the last answer: a later compaction on pressure does not redraw it
+    assert all("Image prefix KV pages (at the last answer)" in html for html in (dense, compact))
