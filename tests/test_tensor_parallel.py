@@ -37,7 +37,9 @@ COMPACT = {**EXACT, "compaction": "uniform", "keep_ratio": 0.5, "min_keep": 4, "
 #: Scaled-FP8 pages: each rank stores its KV heads' values and per-(slot, head) scales, the same
 #: numbers TP1 stores for those heads (a scale never spans heads), so only the all-reduce's
 #: rounding order differs from TP1 here too.
-FP8 = {**COMPACT, "kv_cache_dtype": "fp8_e4m3"}
+#: With the score-based ``attention`` selector: rank 0 alone runs the vision encoder and its score
+#: pass, stores the scores and decides the kept slots, so the worker keeps the same tokens.
+FP8 = {**COMPACT, "kv_cache_dtype": "fp8_e4m3", "compaction": "attention"}
 #: How long a test waits for an answer that must come (a deadline against a hang). The engines'
 #: collectives keep their default timeout (60 s), longer than this: an error that arrives in time
 #: was detected, not timed out.
@@ -166,37 +168,16 @@ def test_tp2_compaction_equals_tp1_compaction(compact_pair):
     assert tp2.tensor_parallel_counters()[1]["slot_moves"] == moves + 1  # the worker moved its slots too
 
 
-def test_token_scores_are_summed_over_ranks_in_name_order():
-    """The selector-scores hook (engine/parallel/scores.py) with a stand-in for two ranks whose
-    partial scores are ``partial`` and ``other``."""
-    from engine.parallel.scores import combine_token_scores
-
-    other = {"attn": torch.tensor([1.0, 0.0, 2.0]), "norm": torch.tensor([[0.5], [0.5], [0.5]])}
-    seen = []
-
-    class TwoRanks:
-        def all_reduce(self, t):
-            name = "attn" if t.dim() == 1 else "norm"
-            seen.append(name)
-            t += other[name]
-            return t
-
-    partial = {"norm": torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float16), "attn": torch.tensor([3.0, 1.0, 0.0])}
-    out = combine_token_scores(partial, TwoRanks())
-    assert seen == ["attn", "norm"]
-    assert torch.equal(out["attn"], torch.tensor([4.0, 1.0, 2.0]))
-    assert out["norm"].dtype == torch.float32 and torch.equal(out["norm"], torch.tensor([[1.5], [2.5], [3.5]]))
-    assert partial["attn"].tolist() == [3.0, 1.0, 0.0]  # the caller's partial scores are left alone
-
-
 def test_tp2_fp8_pages_with_compaction_equal_tp1(fp8_pair):
-    """FP8 values and scales sharded by KV head, copied on write and moved by compaction on both
-    ranks: the same tokens as TP1 with the same pages."""
+    """FP8 values and scales sharded by KV head, copied on write and moved by compaction (the
+    attention selector's, from rank 0's stored scores) on both ranks: the same tokens as TP1 with
+    the same pages, and the same visual tokens kept."""
     tp1, tp2 = fp8_pair
     pics = images("olive", "silver")
     for question in ("What is here?", "Anything else?", "Which colours?"):
         one, two = both(fp8_pair, media_first_messages(pics, question), "fp8")
         assert two.token_ids == one.token_ids
+        assert 0 < two.telemetry.visual_tokens_kept == one.telemetry.visual_tokens_kept < two.telemetry.visual_tokens
     assert two.telemetry.prefix_cache == "hit"
     assert tp2.pool.kv_cache_dtype == "fp8_e4m3" and tp2.pool.layers[0].num_kv_heads == 1  # 2 heads / 2 ranks
 
