@@ -18,7 +18,6 @@ import threading
 import time
 
 import pytest
-import torch
 from PIL import Image
 
 from engine import Engine, SamplingParams, media_first_messages
