@@ -141,6 +141,19 @@ def _short_answers(page, tokens: int = 16) -> None:
     page.get_by_role("tab", name="Session").click()
 
 
+def local_only(outside: list[str]):
+    """A playwright route handler that lets the page reach only this machine (and data:/blob:
+    URLs), aborting and recording in ``outside`` every other URL it asks for."""
+
+    def route(route):
+        if route.request.url.startswith(("http://127.0.0.1", "http://localhost", "data:", "blob:")):
+            return route.continue_()
+        outside.append(route.request.url)
+        return route.abort()
+
+    return route
+
+
 def test_browser_video_clip_miss_then_hit(sync_playwright, server):
     """A clip uploaded beside nothing else: a video card with its duration and poster frame, then
     two questions, the first a prefix MISS (the vision encoder ran over the sampled frames) and the
@@ -150,12 +163,7 @@ def test_browser_video_clip_miss_then_hit(sync_playwright, server):
     url, _, _ = server
     clip = ROOT / "tests" / "media" / "pan.mp4"
     outside: list[str] = []
-
-    def only_local(route):
-        if route.request.url.startswith(("http://127.0.0.1", "http://localhost", "data:", "blob:")):
-            return route.continue_()
-        outside.append(route.request.url)
-        return route.abort()
+    only_local = local_only(outside)
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -201,12 +209,7 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
     url, proc, log = server
     pictures = [media_file("astronaut.png"), media_file("coffee.png")]
     outside: list[str] = []
-
-    def only_local(route):
-        if route.request.url.startswith(("http://127.0.0.1", "http://localhost", "data:", "blob:")):
-            return route.continue_()
-        outside.append(route.request.url)
-        return route.abort()
+    only_local = local_only(outside)
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)

@@ -55,31 +55,28 @@ def tp_engine(tiny_ckpt, **options) -> Engine:
     return Engine.from_pretrained(tiny_ckpt, device="cpu", tensor_parallel_size=2, **options)
 
 
-@pytest.fixture(scope="module")
-def dense_pair(tiny_ckpt):
-    tp2 = tp_engine(tiny_ckpt, **DENSE)
-    tp1 = Engine.from_pretrained(tiny_ckpt, device="cpu", **DENSE)
+def tp_pair(tiny_ckpt, options: dict):
+    """(TP1, TP2) engines on the CPU with the same ``options``, closed after the module."""
+    tp2 = tp_engine(tiny_ckpt, **options)
+    tp1 = Engine.from_pretrained(tiny_ckpt, device="cpu", **options)
     yield tp1, tp2
     tp1.close()
     tp2.close()
+
+
+@pytest.fixture(scope="module")
+def dense_pair(tiny_ckpt):
+    yield from tp_pair(tiny_ckpt, DENSE)
 
 
 @pytest.fixture(scope="module")
 def compact_pair(tiny_ckpt):
-    tp2 = tp_engine(tiny_ckpt, **COMPACT)
-    tp1 = Engine.from_pretrained(tiny_ckpt, device="cpu", **COMPACT)
-    yield tp1, tp2
-    tp1.close()
-    tp2.close()
+    yield from tp_pair(tiny_ckpt, COMPACT)
 
 
 @pytest.fixture(scope="module")
 def fp8_pair(tiny_ckpt):
-    tp2 = tp_engine(tiny_ckpt, **FP8)
-    tp1 = Engine.from_pretrained(tiny_ckpt, device="cpu", **FP8)
-    yield tp1, tp2
-    tp1.close()
-    tp2.close()
+    yield from tp_pair(tiny_ckpt, FP8)
 
 
 def both(pair, messages, salt: str) -> tuple[Completion, Completion]:
