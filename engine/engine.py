@@ -124,10 +124,11 @@ class Engine:
             parallel.start_workers({**pool_shape, "num_pages": self.pool.num_pages}, graph_spec)
         if graph_spec is not None:
             decode_graphs, prefill_graphs = capture_step_graphs(model, self.pool, **graph_spec)
-        encoder = model.encode_vision if decode_graphs is None else VisionGraphs(model)
-        self._vision_counter = EncodeCounter(model.visual)
         if "attention" in self.compaction.score_names:  # its scores pass is eager only (issue 20)
             encoder = functools.partial(model.encode_vision, attention=True)
+        else:
+            encoder = model.encode_vision if decode_graphs is None else VisionGraphs(model)
+        self._vision_counter = EncodeCounter(model.visual)
         self.vision = VisionLookup(encoder, VisionCache(options.vision_cache_bytes), self.namespace,
                                    cfg.vision.spatial_merge_size, model.device)
         if parallel is None:

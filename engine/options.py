@@ -6,14 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.compaction import CompactionConfig
+from .cache.compaction import COMPACTION_MODES, CompactionConfig
 from .cache.kv_pool import KV_DTYPES
 from .errors import InvalidRequestError
 from .inputs.images import ImageOptions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_SCOPES = ("session", "global")
-COMPACTION_MODES = ("always", "on_pressure")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,10 @@ import torch
 
 from ..model.rope import VisualSpan
 
+COMPACTION_MODES = ("always", "on_pressure")
+"""When a cached prefix is compacted: as soon as it is computed, or only when the KV pool must
+free pages (:class:`~engine.cache.prefix_reuse.PrefixReuse`, ``EngineOptions.compaction_mode``)."""
+
 TokenScores = Mapping[str, torch.Tensor]
 """Per-token inputs of score-based selectors, by name: tensors whose first dimension runs over
 the logical prefix tokens (``[prefix_len]`` or ``[prefix_len, d]``, CPU). A selector is handed

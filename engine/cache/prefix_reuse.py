@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from ..model.vision import span_features
-from .compaction import CompactionConfig
+from .compaction import COMPACTION_MODES, CompactionConfig
 from .prefix_cache import KeptTokens, Match, PrefixCache, PrefixEntry, prefix_key
 from .token_scores import media_hashes, prefix_scores
 
@@ -86,7 +86,7 @@ class PrefixReuse:
 
     def __init__(self, cache: PrefixCache, compaction: CompactionConfig, namespace: str, *,
                  conversation_reuse: bool = True, mode: str = "always"):
-        if mode not in ("always", "on_pressure"):
+        if mode not in COMPACTION_MODES:
             raise ValueError(f"mode must be 'always' or 'on_pressure', got {mode!r}")
         self.cache = cache
         self.pool = cache.pool
