@@ -412,18 +412,26 @@ class SessionStore:
             NotFound: no such session. PermissionDenied: ``owner`` does not own it.
             TypeError: ``data`` is not bytes-like.
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"data must be bytes, not {type(data).__name__}")
-        data = bytes(data)
-        filename = clean_filename(filename)
-        # Cheap checks first, so a stranger's or an over-full session costs no decoding.
-        with self._read() as db:
-            self._owned(db, session_id, owner)
+        data, filename = self._upload(session_id, owner, data, filename)
         image = open_image(data, self.image_options)  # raises InvalidImageError
         width, height = image.size
         image.close()
         return self._attach(session_id, owner, data, filename, {
             "width": width, "height": height, "mime": _sniff_mime(data), "kind": "image"})
+
+    def _upload(self, session_id: str, owner: str, data, filename: str | None) -> tuple[bytes, str]:
+        """An upload's bytes and cleaned file name, once ``owner`` is known to own the session:
+        the cheap checks first, so a stranger's upload costs no decoding.
+
+        Raises:
+            TypeError: ``data`` is not bytes-like. NotFound, PermissionDenied: as :meth:`_owned`.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, not {type(data).__name__}")
+        data, filename = bytes(data), clean_filename(filename)
+        with self._read() as db:
+            self._owned(db, session_id, owner)
+        return data, filename
 
     def add_video(self, session_id: str, owner: str, data: bytes, filename: str | None = None) -> ImageRecord:
         """Validate an uploaded video clip (MP4, WebM) and append it to the session's media, as
@@ -438,12 +446,7 @@ class SessionStore:
             InvalidVideoError: not a usable clip (message for the uploader); nothing is stored.
             LimitExceeded, NotFound, PermissionDenied, TypeError: as :meth:`add_image`.
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"data must be bytes, not {type(data).__name__}")
-        data = bytes(data)
-        filename = clean_filename(filename)
-        with self._read() as db:
-            self._owned(db, session_id, owner)
+        data, filename = self._upload(session_id, owner, data, filename)
         video = decode_video(data, options=self.video_options)  # raises InvalidVideoError
         height, width = video.frames.shape[1:3]
         return self._attach(session_id, owner, data, filename, {
