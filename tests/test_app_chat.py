@@ -162,6 +162,9 @@ def test_compaction_choices_are_the_engines_selectors():
     choices = next(o[3] for o in _OPTIONS if o[0] == "--compaction")
     assert set(choices) == {*SELECTORS, "off"}
     assert parse_settings(["--compaction", "attention"], {}).engine_options()["compaction"] == "attention"
+    from engine.cache.compaction import COMPACTION_MODES
+
+    assert next(o[3] for o in _OPTIONS if o[0] == "--compaction-mode") == COMPACTION_MODES
 
 
 def test_hub_probe_is_skipped_offline(monkeypatch):
