@@ -7,7 +7,7 @@ Run by hand (not a test)::
     python benchmarks/bench_model.py --checkpoint /models/Qwen3-VL-2B-Instruct --device cuda
     python benchmarks/bench_model.py --shape 8b --device cuda  # Qwen3-VL-8B shape, random weights in GPU memory
 
-The prompt is one user turn with ``--images`` photos from ``../shared/media`` (relative to the
+The prompt is one user turn with ``--images`` photos from ``tests/media`` (relative to the
 repository root), each resized to 448x448, and a question. Measured, after warm-up runs, as the
 median of ``--repeats``:
 

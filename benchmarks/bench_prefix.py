@@ -4,7 +4,7 @@
     python benchmarks/bench_prefix.py --sessions 1,4 --repeats 1 --skip-transformers
     python benchmarks/bench_prefix.py --shape 8b --device cuda --out prefix.json   # 8B-shaped, random
 
-For each session size (1, 4 and 8 photos from ``../shared/media``, resized to 448x448) a chat
+For each session size (1, 4 and 8 photos from ``tests/media``, resized to 448x448) a chat
 session asks four different questions about the same photos in Prism's media-first layout
 (:func:`engine.inputs.prompts.media_first_messages`): the first is a miss (vision encoder, whole prompt,
 compaction, caching), the next three are prefix-cache hits. Each session has its own cache salt,

@@ -9,7 +9,7 @@ Run by hand (not a test)::
 
 For each concurrency level N, N client threads start together (a barrier) and each sends
 ``--rounds`` requests one after another through :meth:`Engine.generate`: one real photo from
-``../shared/media`` (or ``$PRISM_MEDIA_DIR``) plus a question, greedy, ``--max-tokens`` tokens with
+``tests/media`` (or ``$PRISM_MEDIA_DIR``) plus a question, greedy, ``--max-tokens`` tokens with
 ``ignore_eos``. Photos and questions rotate, so concurrent requests differ. Reported per level:
 
 * TTFT p50 / p99: the engine's telemetry ``ttft_ms`` (from submission: image preprocessing, queueing,
@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
 
 from engine import Engine, SamplingParams  # noqa: E402
 
-MEDIA = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT.parent / "shared" / "media"))
+MEDIA = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT / "tests" / "media"))
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "page.png", "grace_hopper.jpg", "logo.png", "rocket.jpg",
           "coins.png", "china.jpg", "hubble_deep_field.jpg", "text.png"]
 QUESTIONS = ["Describe this image.", "What is in the picture?", "What colours stand out?", "Is there any text?",

@@ -1,5 +1,5 @@
-"""The sample photos the benchmarks ask about (``../shared/media`` beside the repository, or
-``$PRISM_MEDIA_DIR``)."""
+"""The sample photos the benchmarks ask about: the ones committed in ``tests/media/`` (origins and
+licences in its ``SOURCES.md``), or ``$PRISM_MEDIA_DIR`` when set."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MEDIA_DIR = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT.parent / "shared" / "media"))
+MEDIA_DIR = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", ROOT / "tests" / "media"))
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "grace_hopper.jpg",
           "hubble_deep_field.jpg", "coins.png")
 IMAGE_SIDE = 448

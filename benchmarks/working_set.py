@@ -5,7 +5,7 @@ questions pay for the vision encoder and the prefill again. This module holds th
 measures it; ``benchmarks/bench_working_set.py`` is its command line.
 
 * **Groups** (:func:`make_group`): group ``g`` is one chat session (its own cache salt) about 2-9
-  photos from ``../shared/media``, each a seeded crop of a source photo resized to a seeded size,
+  photos from ``tests/media``, each a seeded crop of a source photo resized to a seeded size,
   saved as a JPEG file and passed as ``{"image": path, "sha256": digest}`` (as the app does), with
   its own rotation of :data:`QUESTIONS` in the media-first layout.
 * **Dense pages** (:func:`measure_dense_pages`): one cold request per group (compaction off, one

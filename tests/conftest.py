@@ -32,11 +32,9 @@ if TEST_DEVICE != "cpu":
 
     _engine_module.EngineOptions = _TestEngineOptions
 
-#: Sample photos and clips shared by the project (``../shared/media`` beside the repository, or
-#: ``$PRISM_MEDIA_DIR``). They are a required fixture: a test that needs a missing photo fails.
-MEDIA_DIR = pathlib.Path(
-    os.environ.get("PRISM_MEDIA_DIR", pathlib.Path(__file__).resolve().parents[2] / "shared" / "media")
-)
+#: The sample photos and clips, committed under ``tests/media/`` (origins and licences in its
+#: ``SOURCES.md``); ``$PRISM_MEDIA_DIR`` may point elsewhere. A test that needs a missing one fails.
+MEDIA_DIR = pathlib.Path(os.environ.get("PRISM_MEDIA_DIR", pathlib.Path(__file__).resolve().parent / "media"))
 
 #: ``.ci/run`` sets ``PRISM_CI=1``: then an optional tool a test needs (Chromium, Playwright) must be
 #: there, and the only skips allowed are those of tests that need a GPU (:data:`GPU_ONLY_SKIPS`).
@@ -58,8 +56,8 @@ def media_file(name: str) -> pathlib.Path:
     """The path of sample photo ``name`` in :data:`MEDIA_DIR`; fails the test if it is absent."""
     path = MEDIA_DIR / name
     if not path.is_file():
-        pytest.fail(f"sample media {path} is missing: put the project's photos in ../shared/media "
-                    "or point PRISM_MEDIA_DIR at them", pytrace=False)
+        pytest.fail(f"sample media {path} is missing: the photos are committed in tests/media "
+                    "(is PRISM_MEDIA_DIR pointing elsewhere?)", pytrace=False)
     return path
 
 
@@ -74,8 +72,8 @@ def media_dir() -> pathlib.Path:
     """:data:`MEDIA_DIR`; fails the test if the folder is missing (``usefixtures`` it in modules
     that read the photos directly)."""
     if not MEDIA_DIR.is_dir():
-        pytest.fail(f"sample media folder {MEDIA_DIR} is missing: put the project's photos in "
-                    "../shared/media or point PRISM_MEDIA_DIR at them", pytrace=False)
+        pytest.fail(f"sample media folder {MEDIA_DIR} is missing: the photos are committed in "
+                    "tests/media (is PRISM_MEDIA_DIR pointing elsewhere?)", pytrace=False)
     return MEDIA_DIR
 
 

@@ -1,6 +1,6 @@
 """Write the committed test clips: ``pan.mp4`` (H.264, 29.97 fps, 8 s, 96 x 64) and ``pan.gif``.
 
-Both pan across ``chelsea.png`` of the project's sample photos (``../shared/media``), so the
+Both pan across ``chelsea.png`` (committed beside them, see ``SOURCES.md``), so the
 frames differ from one another. Run from the repository root: ``python tests/media/make_media.py``.
 PyAV writes them; the bytes depend on its libx264, so they are committed rather than rebuilt in
 tests.
@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 HERE = pathlib.Path(__file__).resolve().parent
-SOURCE = HERE.parents[2] / "shared" / "media" / "chelsea.png"
+SOURCE = HERE / "chelsea.png"
 WIDTH, HEIGHT = 96, 64
 MP4_RATE = Fraction(30000, 1001)  # 29.97 fps
 MP4_FRAMES = 240  # 8.008 s

@@ -3,7 +3,7 @@
 Each :class:`Mutant` is one bug a test must catch: a text replacement in one file of a temporary copy
 of the repository (``old`` must occur there exactly once), the tests that must then fail, and any
 environment the run needs. Entries whose ``path`` is a test file or whose change is only ``env`` check
-the test fixtures themselves (a missing photo or browser must fail, not skip).
+the test fixtures themselves (a missing tokenizer or browser must fail, not skip).
 
 When a change to the code makes an ``old`` text stale, ``run.py`` reports the entry as not applied:
 update the entry to plant the same bug in the new code.
@@ -264,14 +264,6 @@ MUTANTS: list[Mutant] = [
         ("tests/test_sampling.py::test_half_precision_logits",),
     ),
     # ---------------------------------------------------------------- the fixtures themselves
-    Mutant(
-        "media-folder-missing",
-        "the sample photos are missing: the tests that read them must fail, not skip",
-        None, "", "",
-        ("tests/test_sessions.py::test_share_tokens", "tests/test_images.py::test_truncated_file",
-         "tests/test_engine_api.py::test_generate_on_a_photo"),
-        {"PRISM_MEDIA_DIR": "/nonexistent/prism-media"},
-    ),
     Mutant(
         "tiny-checkpoint-unbuildable",
         "the tiny checkpoint cannot be built (its tokenizer ranks are missing): its tests must fail, not skip",

@@ -14,8 +14,7 @@ The working tree is never modified: its files (tracked and untracked, not ignore
 uncommitted edits included) are copied to a temporary folder, the unmutated copy must pass every
 listed test (the baseline), then each bug is planted there in turn, its tests run with ``-x`` and the
 file restored. Bytecode is not written (``PYTHONDONTWRITEBYTECODE=1``), so no run sees a stale
-``.pyc`` of another. The photos are found as the tests find them (``$PRISM_MEDIA_DIR``, else
-``../shared/media`` beside this repository).
+``.pyc`` of another. The photos are the copy's own (``tests/media``), as the tests find them.
 
 Exit status 0 when the baseline passes and every mutant is killed; 1 otherwise (a survivor, an entry
 whose text no longer occurs exactly once, a run that collected no test).
@@ -61,10 +60,9 @@ def copy_repository(dest: Path) -> None:
 
 
 def base_env() -> dict[str, str]:
-    """The environment of every run: no bytecode, the real photos, no CI strictness unless asked."""
+    """The environment of every run: no bytecode, no CI strictness unless asked."""
     env = {k: v for k, v in os.environ.items() if k != "PRISM_CI"}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env.setdefault("PRISM_MEDIA_DIR", str(ROOT.parent / "shared" / "media"))
     return env
 
 
