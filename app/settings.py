@@ -149,7 +149,8 @@ _OPTIONS = [
     ("--compaction-mode", "compaction_mode", str, ("always", "on_pressure"),
      "when the cached image prefix is compacted: always (as soon as it is computed) or on_pressure "
      "(kept dense, compacted only when KV memory runs short, before anything is evicted)"),
-    ("--keep-ratio", "keep_ratio", _ratio, None, "share of visual tokens the compact prefix keeps, in (0, 1]"),
+    ("--keep-ratio", "keep_ratio", _ratio, None,
+     "share of visual tokens the compact prefix keeps, in (0, 1]; 1.0 keeps them all (the prefix is never compacted)"),
     ("--cache-scope", "cache_scope", str, ("session", "global"),
      "session: a cached prefix is reused only within its chat session (and its forks); "
      "global: across all sessions (single-user setups)"),

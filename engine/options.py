@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.compaction import COMPACTION_MODES, CompactionConfig
+from .cache.compaction import COMPACTION_MODES, CompactionConfig, pressure_ratios
 from .cache.kv_pool import KV_DTYPES
 from .errors import InvalidRequestError
 from .inputs.images import ImageOptions
@@ -53,8 +53,10 @@ class EngineOptions:
             benchmark it kept the hits and TTFT p99 of ``"always"`` at knee and pressure while
             92% of the knee's answers used every visual token (docs/PERFORMANCE.md, "Working set").
         pressure_keep_ratios: under ``"on_pressure"``, the keep ratio of each compaction step in
-            order, decreasing, each step choosing among the tokens the one before kept (None:
-            one step to ``keep_ratio``). E.g. ``(0.6, 0.4)``.
+            order, decreasing within (0, 1], each step choosing among the tokens the one before kept
+            (None: one step to ``keep_ratio``). E.g. ``(0.6, 0.4)``. A ratio of 1.0 keeps every
+            token and is no step: it may come only first, and ``keep_ratio=1.0`` (or ``(1.0,)``)
+            under ``"on_pressure"`` caches every prefix dense and never compacts it.
         cache_scope: ``"session"`` (prefixes are shared only under the same ``cache_salt``) or
             ``"global"`` (salts ignored; for single-user setups).
         conversation_reuse: also keep a finished turn's KV so the next turn of the same chat
@@ -153,18 +155,21 @@ class EngineOptions:
 
     def pressure_steps(self) -> tuple[CompactionConfig, ...]:
         """The compaction steps applied on pressure: one per ``pressure_keep_ratios`` (default
-        ``(keep_ratio,)``) under ``compaction_mode="on_pressure"`` with a selector; else none.
+        ``(keep_ratio,)``) below 1.0 under ``compaction_mode="on_pressure"`` with a selector; else
+        none. A ratio of 1.0 keeps every token, so it is no step (``keep_ratio=1.0``: prefixes stay
+        dense; see :func:`~engine.cache.compaction.pressure_ratios`).
 
         Raises:
-            InvalidRequestError: as :meth:`compaction_config`, or ratios outside (0, 1) or not
-                decreasing.
+            InvalidRequestError: as :meth:`compaction_config`, or ratios outside (0, 1] or not
+                decreasing (checked in every mode, so a bad setting is refused wherever it is given).
         """
         base = self.compaction_config()
+        try:
+            ratios = pressure_ratios(self.pressure_keep_ratios or (self.keep_ratio,))
+        except ValueError as exc:
+            raise InvalidRequestError(f"pressure_keep_ratios: {exc}") from None
         if self.compaction_mode != "on_pressure" or base.method is None:
             return ()
-        ratios = tuple(self.pressure_keep_ratios or (self.keep_ratio,))
-        if not all(0 < r < 1 for r in ratios) or any(b >= a for a, b in zip(ratios, ratios[1:], strict=False)):
-            raise InvalidRequestError(f"pressure_keep_ratios must decrease within (0, 1), got {list(ratios)}")
         return tuple(CompactionConfig(base.method, r, base.min_keep, base.compact_video) for r in ratios)
 
     def salt(self, cache_salt: str | None) -> str:

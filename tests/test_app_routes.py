@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from app.chat import ChatOptions, ChatService
 from app.model_loader import ModelChoice, ModelLoader
 from app.server import create_app
-from app.settings import Settings
+from app.settings import Settings, parse_settings
 from sessions import SessionStore
 
 
@@ -72,6 +72,36 @@ def test_healthz(env, tmp_path):
         r = client.get("/healthz")
         assert r.status_code == 503 and r.json()["status"] == "loading"
     store.close()
+
+
+@pytest.mark.parametrize("mode", ["on_pressure", "always"])
+def test_keep_ratio_one_loads_and_keeps_every_visual_token(demo_ckpt, tmp_path, media_path, mode):
+    """``launch.py --keep-ratio 1.0`` (issue 29): the engine its settings ask for loads (it used to
+    fail in the background, pressure steps refusing 1.0, so /healthz stayed 503), /healthz says
+    ok, and a miss and a hit on one photo use all of its visual tokens."""
+    from engine import SamplingParams
+    from engine.inputs.prompts import media_first_messages
+
+    settings = parse_settings(["--model", str(demo_ckpt), "--device", "cpu", "--keep-ratio", "1.0",
+                               "--compaction-mode", mode, "--data-dir", str(tmp_path)], environ={})
+    loader = ModelLoader(settings)
+    loader.start()
+    store = SessionStore(tmp_path)
+    try:
+        assert loader.wait(120), loader.error
+        with TestClient(create_app(settings, store, loader, mount_ui=False)) as client:
+            r = client.get("/healthz")
+            assert r.status_code == 200 and r.json()["status"] == "ok", r.json()
+        engine = loader.engine
+        assert (engine.options.keep_ratio, engine.options.compaction_mode) == (1.0, mode)
+        messages = media_first_messages([media_path("astronaut.png")], "What is this?")
+        for state in ("miss", "hit"):
+            tel = engine.generate(messages, SamplingParams(max_tokens=2), cache_salt="one").telemetry
+            assert tel.prefix_cache == state and tel.visual_tokens_kept == tel.visual_tokens > 0
+            assert tel.prefix_pages == tel.prefix_pages_dense
+    finally:
+        loader.close()
+        store.close()
 
 
 def test_static_files(env):

@@ -176,12 +176,47 @@ def test_key_ignores_the_entry_state_but_names_the_policy(tiny_engine_factory):
     assert len(names) == 3
 
 
-@pytest.mark.parametrize("options", [{"compaction_mode": "later"}, {"compaction_mode": "on_pressure",
-                                                                     "pressure_keep_ratios": (0.4, 0.6)},
-                                     {"compaction_mode": "on_pressure", "pressure_keep_ratios": (1.0,)}])
+@pytest.mark.parametrize("options", [
+    {"compaction_mode": "later"},
+    {"compaction_mode": "on_pressure", "pressure_keep_ratios": (0.4, 0.6)},
+    {"compaction_mode": "on_pressure", "pressure_keep_ratios": (0.6, 1.0)},  # 1.0 only first
+    {"compaction_mode": "on_pressure", "pressure_keep_ratios": (1.0, 1.0)},
+    {"compaction_mode": "on_pressure", "pressure_keep_ratios": (0.6, 0.0)},
+    {"compaction_mode": "on_pressure", "pressure_keep_ratios": (1.5,)},
+    {"compaction_mode": "always", "pressure_keep_ratios": (0.4, 0.6)},  # refused in every mode
+    {"compaction_mode": "on_pressure", "keep_ratio": 0.0},
+])
 def test_bad_options_are_refused(options):
     with pytest.raises(InvalidRequestError):
         EngineOptions(**options).pressure_steps()
+
+
+@pytest.mark.parametrize("options", [{"keep_ratio": 1.0}, {"pressure_keep_ratios": (1.0,)},
+                                     {"keep_ratio": 0.4, "pressure_keep_ratios": (1.0,)}])
+def test_keep_ratio_one_under_on_pressure_is_no_step(options):
+    """Keeping every token frees nothing: 1.0 is valid and means "never compact on pressure"."""
+    assert EngineOptions(compaction_mode="on_pressure", **options).pressure_steps() == ()
+
+
+def test_a_leading_one_is_dropped_and_the_rest_are_steps():
+    steps = EngineOptions(compaction_mode="on_pressure", pressure_keep_ratios=(1.0, 0.6, 0.3)).pressure_steps()
+    assert [s.keep_ratio for s in steps] == [0.6, 0.3]
+
+
+def test_a_cache_with_a_keep_one_step_evicts_instead_of_compacting():
+    """PrefixCache takes the same ratios as the options: a 1.0 step is no step (the entry stays
+    dense and goes whole), a 1.0 after another step or a step without a selector is refused."""
+    cache = small_cache(ratios=(1.0,))
+    assert cache.pressure_steps == ()
+    entry = add_dense(cache, "a")
+    assert cache.make_room(cache.pool.num_free + 1)
+    assert not entry.alive and cache.stats.prefix_evictions == 1 and cache.stats.pressure_compactions == 0
+    assert [s.keep_ratio for s in small_cache(ratios=(1.0, 0.6)).pressure_steps] == [0.6]
+    for ratios in ((0.6, 1.0), (1.0, 1.0), (0.6, 0.6), (0.0,)):
+        with pytest.raises(ValueError):
+            small_cache(ratios=ratios)
+    with pytest.raises(ValueError):
+        PrefixCache(cache.pool, (CompactionConfig(None, 0.6),))
 
 
 def test_no_steps_without_on_pressure_or_a_selector():

@@ -33,6 +33,29 @@ Selector = Callable[[VisualSpan, int, "TokenScores | None", "torch.Tensor | None
 subset of ``candidates`` (int64 increasing offsets, or None for all ``span.length`` tokens)."""
 
 
+def pressure_ratios(ratios) -> tuple[float, ...]:
+    """The keep ratios of the compaction steps made on pressure, from the ones asked for.
+
+    ``ratios`` must decrease strictly within (0, 1]. A ratio of 1.0 keeps every token (``keep_count(n,
+    1.0, k) == n``), so it frees nothing and is no step: it may only come first, and is dropped
+    (``(1.0,)``: never compact on pressure; ``(1.0, 0.6)``: one step, to 0.6).
+
+    Args:
+        ratios: a sequence of floats, the keep ratio of each step in order.
+
+    Returns:
+        The ratios below 1, in order (possibly empty).
+
+    Raises:
+        ValueError: a ratio outside (0, 1], or ratios that do not decrease.
+    """
+    ratios = tuple(ratios)
+    if not all(0 < r <= 1 for r in ratios) or any(b >= a for a, b in zip(ratios, ratios[1:], strict=False)):
+        raise ValueError(f"pressure keep ratios must decrease within (0, 1] (1.0, kept whole, is no step), "
+                         f"got {list(ratios)}")
+    return tuple(r for r in ratios if r < 1)
+
+
 def keep_count(n: int, keep_ratio: float, min_keep: int) -> int:
     """Visual tokens a span of ``n`` tokens keeps: ``min(n, max(min_keep, round(keep_ratio * n)))``
     (Python's round: ties to the even count)."""

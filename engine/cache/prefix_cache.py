@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.rope import VisualSpan
-from .compaction import CompactionConfig
+from .compaction import CompactionConfig, pressure_ratios
 from .kv_pool import PagePool
 
 _clock = itertools.count()
@@ -202,19 +202,20 @@ class PrefixCache:
         pool: the KV pool the entries' pages live in.
         pressure_steps: compaction steps applied on pressure, in order (each keeps fewer visual
             tokens than the one before, choosing among what the earlier step kept); empty: never
-            compact on pressure (prefixes were compacted when cached, or not at all).
+            compact on pressure (prefixes were compacted when cached, or not at all). Their keep
+            ratios follow :func:`~engine.cache.compaction.pressure_ratios`: a step of keep ratio
+            1.0 keeps every token, so it is no step and is left out of :attr:`pressure_steps`.
 
     Raises:
-        ValueError: a step without a selector, or steps whose keep ratios do not decrease.
+        ValueError: a step without a selector, or keep ratios outside (0, 1] or not decreasing.
     """
 
     def __init__(self, pool: PagePool, pressure_steps: tuple[CompactionConfig, ...] = ()):
-        ratios = [s.keep_ratio for s in pressure_steps]
-        decreasing = all(b < a for a, b in zip([1.0, *ratios], ratios, strict=False))
-        if any(s.method is None for s in pressure_steps) or not decreasing:
-            raise ValueError(f"pressure steps need a selector and keep ratios decreasing below 1, got {ratios}")
+        if any(s.method is None for s in pressure_steps):
+            raise ValueError(f"pressure steps need a selector, got {[s.method for s in pressure_steps]}")
+        pressure_ratios([s.keep_ratio for s in pressure_steps])
         self.pool = pool
-        self.pressure_steps = tuple(pressure_steps)
+        self.pressure_steps = tuple(s for s in pressure_steps if s.keep_ratio < 1)
         self.prefixes: dict[str, PrefixEntry] = {}
         self.stats = CacheStats()
 
