@@ -14,7 +14,11 @@ Measured side by side in the same process:
 * TTFT cold for one and eight 448x448 photos: ours (telemetry, from submission; median of five
   new sessions after a warm-up request), transformers (processor + forward), and the compute
   floor = forward FLOPs / matrix rate;
-* TTFT of a prefix hit on the same photos with a ~30-token question;
+* TTFT of a prefix hit on the same photos with a ~30-token question, on the compact prefix: the
+  engines compact when the prefix is cached (``compaction_mode="always"``, keep ratio 0.6, see
+  :func:`engine_options`), so ``prefix_pages`` vs ``prefix_pages_dense`` is compact vs dense (the
+  engine's default ``"on_pressure"`` would keep the prefix dense in a pool that never runs short;
+  ``--compaction-mode on_pressure`` measures that). Each shape's JSON says the mode it measured;
 * cold and hit both with the photos given as PIL images (hashed for every question) and as the
   app gives them (stored files with their digests). "Cold" is a new chat session: since issue 16
   every cache is the session's own (processed pixels, vision features, the vision encoder's CUDA
@@ -72,12 +76,13 @@ def cuda_time(fn, repeats=10, warmup=3) -> float:
 def wall_times(fn, repeats: int) -> list[float]:
     """Host wall-clock milliseconds of each of ``repeats`` calls of ``fn``, up to the GPU finishing
     it (what a caller waits, host work included)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # the CPU test runs it too
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
     return times
 
@@ -333,19 +338,29 @@ def bench_kv_formats(engine) -> dict:
     return out
 
 
+def engine_options(args) -> dict:
+    """The :class:`engine.engine.EngineOptions` fields every shape's engine is built with (``args``
+    from :func:`parse_args`): FP8 KV, 8,192-token steps, 45% of the free GPU memory for KV (room for
+    the transformers twin), keep ratio 0.6 compacted as ``args.compaction_mode`` says (``"always"``:
+    when the prefix is cached, so the hits measure the compact prefix)."""
+    return {"kv_cache_dtype": "fp8_e4m3", "max_num_seqs": 32, "max_num_batched_tokens": 8192, "progress": False,
+            "gpu_memory_utilization": 0.45, "compaction": "uniform", "keep_ratio": 0.6,
+            "compaction_mode": args.compaction_mode}
+
+
 def run_shape(shape: str, args, ceil: dict, workdir: pathlib.Path) -> dict:
     log(f"== {shape}: building the engine")
     t0 = time.perf_counter()
-    engine = shapes.random_engine(shape, workdir, "cuda", torch.bfloat16, kv_cache_dtype="fp8_e4m3",
-                                  max_num_seqs=32, max_num_batched_tokens=8192, progress=False,
-                                  gpu_memory_utilization=0.45)
+    options = engine_options(args)
+    engine = shapes.random_engine(shape, workdir, "cuda", torch.bfloat16, **options)
     log(f"   engine ready in {time.perf_counter() - t0:.0f} s; pool {engine.stats()['capacity_tokens']} tokens")
     hf = None if args.no_transformers else shapes.transformers_twin(engine.model, workdir / f"shape-{shape}")
     from ops import kv_bytes_per_token
 
     t = engine.config.text
     kvb = kv_bytes_per_token(t.num_key_value_heads, t.head_dim, "fp8_e4m3", torch.bfloat16)
-    res = {"shape": shape, "lm_weight_gb": lm_weight_bytes(engine.model) / 1e9}
+    res = {"shape": shape, "lm_weight_gb": lm_weight_bytes(engine.model) / 1e9,
+           "compaction_mode": engine.options.compaction_mode, "keep_ratio": engine.options.keep_ratio}
     res["decode"] = []
     for b in args.batches:
         log(f"   decode batch {b}")
@@ -364,15 +379,22 @@ def run_shape(shape: str, args, ceil: dict, workdir: pathlib.Path) -> dict:
     return res
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``argv``: the arguments, None for ``sys.argv``)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["8b", "2b"], choices=sorted(shapes.SHAPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--context", type=int, default=1700)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--compaction-mode", choices=("always", "on_pressure"), default="always",
+                   help="when the cached prefix is compacted (default always: the hits measure the compact prefix)")
     p.add_argument("--out", type=pathlib.Path)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     ceil = ceilings()
     log("ceilings", ceil)
     from ops import pdl

@@ -12,7 +12,11 @@ so a session never reuses another's KV or vision features. Reported per size, as
 ``--repeats`` sessions (after one untimed warm-up session):
 
 * TTFT of the miss and of each hit (engine telemetry: from submission, preprocessing included);
-* prefix KV pages dense vs compact (``keep_ratio`` 0.6 by default) and the prefix's KV bytes;
+* prefix KV pages dense vs compact (``keep_ratio`` 0.6 by default) and the prefix's KV bytes. The
+  engine compacts when the prefix is cached (``--compaction-mode always``, the default here), so
+  the hits attend to the compact prefix and "compact" is its pages; ``--compaction-mode
+  on_pressure`` (the engine's default) measures a pool that never runs short: the prefix stays
+  dense and both columns are equal. The mode is printed and written to the JSON;
 * transformers' cold TTFT on the same prompt (processor + one prefill forward, batch 1) and our
   miss / hit TTFT as a ratio of it (``--skip-transformers`` leaves it out);
 * KV bytes per token over all layers, Scaled-FP8 vs bfloat16 (:func:`ops.kv_bytes_per_token`).
@@ -66,7 +70,7 @@ def median(values):
 
 def build(args, workdir: pathlib.Path, device: torch.device, dtype: torch.dtype):
     """(our engine, a loader of the transformers twin, description)."""
-    options = {"progress": False, "keep_ratio": args.keep_ratio}
+    options = {"progress": False, "keep_ratio": args.keep_ratio, "compaction_mode": args.compaction_mode}
     if args.kv_cache_gib is not None or device.type == "cuda":  # leave room for the transformers twin
         options["kv_cache_bytes"] = int((args.kv_cache_gib or 16) * 2**30)
     if args.kv_cache_dtype:
@@ -222,6 +226,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed sessions per size; medians (default 3)")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per question (default 4)")
     parser.add_argument("--keep-ratio", type=float, default=0.6, help="compaction keep ratio (default 0.6)")
+    parser.add_argument("--compaction-mode", choices=("always", "on_pressure"), default="always",
+                        help="when the prefix is compacted (default always: when cached, so hits use the compact "
+                             "prefix; on_pressure keeps it dense in a pool that never runs short)")
     parser.add_argument("--kv-cache-dtype", choices=("fp8_e4m3", "auto"), help="default: the engine's (FP8)")
     parser.add_argument("--kv-cache-gib", type=float, help="KV pool size (default: 16 on cuda, the engine's on cpu)")
     parser.add_argument("--skip-transformers", action="store_true", help="time only our engine")
@@ -268,6 +275,7 @@ def main(argv=None) -> int:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"checkpoint: {description}; device {dev_name}, dtype {str(dtype).removeprefix('torch.')}, "
           f"KV pages {stats['kv_cache_dtype']} x {page_size} tokens, keep_ratio {args.keep_ratio}, "
+          f"compaction_mode {args.compaction_mode}, "
           f"torch threads {torch.get_num_threads()}")
     print(f"each session: {len(QUESTIONS)} questions ({args.max_tokens} tokens each), first a miss, then hits; "
           f"median of {args.repeats} session(s) after 1 warm-up")
@@ -288,6 +296,7 @@ def main(argv=None) -> int:
     if args.out:
         result = {"checkpoint": description, "device": dev_name, "dtype": str(dtype).removeprefix("torch."),
                   "kv_cache_dtype": stats["kv_cache_dtype"], "page_size": page_size, "keep_ratio": args.keep_ratio,
+                  "compaction_mode": args.compaction_mode,
                   "questions": QUESTIONS, "max_tokens": args.max_tokens, "repeats": args.repeats,
                   "kv_bytes_per_token": kv, "rows": rows, "engine_stats": stats}
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -299,6 +299,42 @@ MUTANTS: list[Mutant] = [
         ("tests/test_on_pressure.py",),
     ),
     Mutant(
+        "keep-one-refused-on-pressure",
+        "under compaction_mode='on_pressure' a keep ratio of 1.0 is refused as a pressure step: "
+        "launch.py --keep-ratio 1.0 never loads its model (/healthz stays 503)",
+        "engine/cache/compaction.py",
+        "if not all(0 < r <= 1 for r in ratios)",
+        "if not all(0 < r < 1 for r in ratios)",
+        ("tests/test_on_pressure.py::test_keep_ratio_one_under_on_pressure_is_no_step",
+         "tests/test_app_routes.py::test_keep_ratio_one_loads_and_keeps_every_visual_token"),
+    ),
+    # ---------------------------------------------------------------- benchmarks measure what they name
+    Mutant(
+        "quality-harness-default-mode",
+        "bench_quality.py's engines keep the default compaction_mode (on_pressure): their pools never "
+        "run short, so every 'compacted' row is the dense model's (kept 100%)",
+        "benchmarks/bench_quality.py",
+        "compaction_mode=COMPACTION_MODE, min_keep=args.min_keep",
+        "min_keep=args.min_keep",
+        ("tests/test_bench_modes.py::test_quality_rows_keep_what_their_ratio_says",),
+    ),
+    Mutant(
+        "prefix-bench-default-mode",
+        "bench_prefix.py's engine keeps the default compaction_mode: its 'compact' pages column is the dense prefix's",
+        "benchmarks/bench_prefix.py",
+        '"keep_ratio": args.keep_ratio, "compaction_mode": args.compaction_mode}',
+        '"keep_ratio": args.keep_ratio}',
+        ("tests/test_bench_modes.py::test_prefix_bench_compact_column_is_the_mode_it_prints",),
+    ),
+    Mutant(
+        "gpu-bench-default-mode",
+        "bench_gpu.py's engines keep the default compaction_mode: its prefix hits and pages are the dense prefix's",
+        "benchmarks/bench_gpu.py",
+        '"keep_ratio": 0.6,\n            "compaction_mode": args.compaction_mode}',
+        '"keep_ratio": 0.6}',
+        ("tests/test_bench_modes.py::test_gpu_bench_options_measure_the_mode_they_name",),
+    ),
+    Mutant(
         "later-step-ignores-earlier-kept",
         "a later compaction step chooses among all of a span's tokens, not the ones the earlier step kept",
         "engine/cache/compaction.py",
