@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         with Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, progress=False,
                                     kv_cache_dtype=args.kv_cache_dtype, compaction=method, keep_ratio=ratio,
-                                    min_keep=args.min_keep, conversation_reuse=False,
+                                    compaction_mode="always", min_keep=args.min_keep, conversation_reuse=False,
                                     max_num_seqs=args.threads) as engine:
             answers = answer_all(engine, qs, name, args.threads)
         rep = report(qs, answers)
