@@ -142,10 +142,11 @@ _OPTIONS = [
      "size of the KV cache pool, e.g. 512M or 4G (default: 512 MiB on CPU, most free GPU memory on CUDA)"),
     ("--kv-cache-dtype", "kv_cache_dtype", str, ("fp8_e4m3", "auto"),
      "KV cache storage: Scaled-FP8 pages (fp8_e4m3) or the model's own dtype (auto)"),
-    ("--compaction", "compaction", str, ("uniform", "attention", "diversity", "random", "off"),
+    ("--compaction", "compaction", str, ("uniform", "staggered", "attention", "coverage", "diversity", "random", "off"),
      "how the cached image prefix drops visual tokens, keeping --keep-ratio of them: uniform (evenly "
-     "spaced), attention (the most attended in the vision encoder), diversity (a max-min cover of the "
-     "features), random (a control), or off (docs/QUALITY.md)"),
+     "spaced), staggered (evenly spaced per row, rows shifted), attention (the most attended in the "
+     "vision encoder), coverage (attention with one token per region first), diversity (a max-min cover of "
+     "the features), random (a control), or off (docs/QUALITY.md)"),
     ("--compaction-mode", "compaction_mode", str, ("always", "on_pressure"),
      "when the cached image prefix is compacted: always (as soon as it is computed) or on_pressure "
      "(kept dense, compacted only when KV memory runs short, before anything is evicted)"),

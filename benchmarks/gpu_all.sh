@@ -8,7 +8,7 @@
 # issue 19 compares (compact_fp8, on_pressure, on_pressure_steps, dense_fp8), 200 requests each, ~6-7 min, no
 # variant started past 470 s), workingset_rest (the same for dense_bf16 and vision_only, ~3-4 min; ws_rest.json), tp
 # (benchmarks/bench_tp.py: two GPUs), quality (benchmarks/bench_quality.py on the probe model, QUALITY_ARGS
-# replaces its arguments but --out; default 2,500 held-out samples with the blind control, every selector x keep ratio), selectors
+# replaces its arguments but --out; default 2,500 held-out samples with the blind control and 500 of the transfer split, every selector x keep ratio), selectors
 # (benchmarks/bench_selectors.py: each selector's miss / hit TTFT at the 8B shape beside uniform's).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
@@ -54,7 +54,7 @@ for step in ${STEPS:-kernels smoke bench}; do
     selectors) timeout 500 python3 benchmarks/bench_selectors.py --shape 8b --device cuda ${SEL_ARGS:-} \
              --out "$OUT/selectors.json" 2>&1 | grep -v Warning | tail -16 | tee "$OUT/selectors.txt" ;;
     quality) timeout 560 python3 benchmarks/bench_quality.py ${QUALITY_ARGS:---model benchmarks/quality/probe \
-             --device cuda --samples 2500 --blind} --out "$OUT/quality.json" 2>&1 | grep -v Warning | tail -30 \
+             --device cuda --samples 2500 --blind --transfer 500} --out "$OUT/quality.json" 2>&1 | grep -v Warning | tail -30 \
              | tee "$OUT/quality.txt" ;;
     bench) timeout 560 python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench_gpu.json" 2>&1 | tail -40 | tee "$OUT/bench.txt" ;;
   esac

@@ -100,7 +100,7 @@ def test_uniform_is_evenly_spread_over_rows_and_columns(side, ratio):
 
 
 def test_selectors_registry():
-    assert set(SELECTORS) == {"uniform", "attention", "diversity", "random"}
+    assert set(SELECTORS) == {"uniform", "staggered", "attention", "coverage", "diversity", "random"}
     assert SELECTORS["uniform"] is uniform_selector
 
 

@@ -71,7 +71,7 @@ def test_reported_bitmap_is_the_selectors_output(tiny_engine_factory, selector):
     assert [(s.grid_h, s.grid_w) for s in spans] == [(8, 12), (12, 8)]
     assert info is not None and len(info) == 2
     scores = engine.prefix_cache.latest_prefix("s").scores
-    assert (scores is None) == (selector == "uniform")
+    assert (scores is None) == (SELECTOR_SCORES[selector] == ())
     assert scores is None or set(scores) == set(SELECTOR_SCORES[selector])
     for n, (item, span) in enumerate(zip(info, spans, strict=True)):
         assert item["image"] == n and (item["rows"], item["cols"]) == (span.grid_h, span.grid_w)

@@ -91,6 +91,9 @@ def _expected_answer(sample: sc.Sample) -> str:
         return str(holders[0] + 1)
     if sample.qtype == "count":
         return str(len(target.shapes))
+    if sample.qtype == "count_colour":
+        colour = re.match(r"How many (\w+) shapes are in Image \d\?", q).group(1)
+        return str(sum(s.colour == colour for s in target.shapes))
     if sample.qtype == "word":
         return target.word.text.lower()
     if sample.qtype == "shape":
@@ -115,6 +118,28 @@ def test_answers_follow_from_the_scenes():
         assert 1 <= len(sample.scenes) <= 4
         if sample.qtype == "count":
             assert 1 <= int(sample.answer) <= 5
+
+
+def test_transfer_split_is_its_own_and_no_training_stage_asks_it():
+    """The transfer split (``count_colour``): keys ``transfer:<i>``, answers re-derived from the
+    objects (1-3 of the colour), the target image always holds a shape of another colour (so
+    counting every shape is never right); no curriculum stage nor the held-out split has the type,
+    and the held-out split's ``i % 5`` types are unchanged."""
+    split = sc.transfer(200)
+    assert [s.uid for s in split[:2]] == ["transfer:0", "transfer:1"]
+    assert {s.qtype for s in split} == {"count_colour"} == set(sc.TRANSFER_TYPES)
+    for sample in split:
+        assert sample.answer == _expected_answer(sample), sample.uid
+        assert 1 <= int(sample.answer) <= 3
+        assert len(sample.scenes[sample.target].shapes) > int(sample.answer)
+    assert {s.answer for s in split} == {"1", "2", "3"}
+    assert {len(s.scenes) for s in split} == {1, 2, 3, 4}
+    for stages in sc.CURRICULA.values():
+        assert all("count_colour" not in dist.types for _, _, dist in stages)
+    assert [s.qtype for s in sc.heldout(10)] == list(sc.QUESTION_TYPES) * 2
+    assert "count_colour" not in sc.QUESTION_TYPES + sc.TRAINING_TYPES
+    report = sc.accuracy_by_type(split[:3], [s.answer for s in split[:3]])
+    assert list(report) == ["count_colour", "all"] and report["count_colour"]["accuracy"] == 1.0
 
 
 def test_objects_fit_without_overlap():

@@ -234,7 +234,7 @@ def test_same_images_different_question_keep_the_same_tokens(tiny_engine_factory
     second, b = ask(engine, "two", "Which picture is brighter, and why? Answer in detail.")
     assert first.telemetry.prefix_cache == second.telemetry.prefix_cache == "miss"
     assert torch.equal(a.kept.positions, b.kept.positions)
-    assert (a.scores is None) == (b.scores is None) == (selector == "uniform")
+    assert (a.scores is None) == (b.scores is None) == (SELECTOR_SCORES[selector] == ())
     if a.scores is not None:
         assert a.scores.keys() == b.scores.keys() == set(SELECTOR_SCORES[selector])
         for name in a.scores:
@@ -279,7 +279,7 @@ def test_video_frames_get_scores_only_when_compacted():
     assert CompactionConfig("diversity", compact_video=True).compacted_spans([image, frame]) == [image, frame]
 
 
-@pytest.mark.parametrize("method", sorted(m for m, names in SELECTOR_SCORES.items() if names))
+@pytest.mark.parametrize("method", sorted(m for m, names in SELECTOR_SCORES.items() if names and m != "coverage"))
 def test_kept_positions_follow_each_spans_own_stored_scores(method):
     """Through :meth:`CompactionConfig.kept_positions` (the path compaction takes), a score-based
     selector keeps, in each span, the tokens of highest stored priority in *that span's* slice of
@@ -298,3 +298,86 @@ def test_kept_positions_follow_each_spans_own_stored_scores(method):
             top = torch.topk(scores[cfg.score_names[0]][s.start : s.end], keep_count(s.length, 0.5, 1)).indices
             expected[s.start + top] = True
         assert kept.tolist() == expected.nonzero().flatten().tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# staggered uniform and the coverage hybrid (issue 35.3)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_staggered_keeps_the_hand_computed_positions_where_uniform_drops_columns():
+    """2 x 5 grid, keep 6. Uniform over the row-major order keeps floor((j + 1/2) * 10/6) =
+    0, 2, 4, 5, 7, 9: columns 0, 2, 4 in both rows, columns 1 and 3 gone. Staggered gives each row
+    3 (floor(5 * 6/10) - 0 = 3, then 6 - 3); row 0 (phase 0) keeps floor(j * 5/3) = 0, 1, 3, row 1
+    (phase frac(PHI) = 0.618) floor((j + 0.618) * 5/3) = 1, 2, 4, i.e. offsets 6, 7, 9: every column
+    keeps a token."""
+    span = VisualSpan(start=0, grid_h=2, grid_w=5, kind="image", item=0)
+    assert SELECTORS["uniform"](span, 6).tolist() == [0, 2, 4, 5, 7, 9]
+    assert SELECTORS["staggered"](span, 6).tolist() == [0, 1, 3, 6, 7, 9]
+
+
+def test_staggered_keeps_no_whole_column_out_where_uniform_does():
+    """A 16 x 20 grid at keep 0.6 (192 of 320): uniform's stride 5/3 divides the 20-column rows, so
+    every row keeps the same 12 columns and 8 columns vanish (vertical stripes); staggered keeps
+    12 tokens in every row and at least one token in every column."""
+    span = VisualSpan(start=0, grid_h=16, grid_w=20, kind="image", item=0)
+    k = keep_count(span.length, 0.6, 1)
+    assert k == 192
+    uniform = SELECTORS["uniform"](span, k)
+    assert len(set((uniform % 20).tolist())) == 12
+    kept = SELECTORS["staggered"](span, k)
+    assert len(kept) == k
+    assert len(set((kept % 20).tolist())) == 20
+    assert torch.bincount(kept // 20, minlength=16).tolist() == [12] * 16
+
+
+def test_staggered_spreads_candidates_by_row_in_proportion():
+    """With candidates (an earlier step's kept tokens): a 2 x 4 grid whose row 0 has candidates
+    0, 1, 2, 3 and row 1 only 5, 7; keep 3 of the 6: row 0 gets floor(4 * 3/6) = 2, row 1 the other 1.
+    Row 0 (phase 0) takes its candidates floor(j * 4/2) = 0, 2 (offsets 0, 2); row 1 (phase 0.618)
+    floor(0.618 * 2/1) = 1, i.e. its second candidate, offset 7."""
+    span = VisualSpan(start=0, grid_h=2, grid_w=4, kind="image", item=0)
+    assert SELECTORS["staggered"](span, 3, None, torch.tensor([0, 1, 2, 3, 5, 7])).tolist() == [0, 2, 7]
+
+
+def test_coverage_keeps_each_regions_best_token_before_the_global_top():
+    """4 x 4 grid, keep 4: the floor budget is q = 2, regions of side ceil(sqrt(16/2)) = 3 (four
+    regions: rows 0-2 / 3 by columns 0-2 / 3). The scores put the 4 highest values in the top-left
+    region (offsets 0, 1, 4, 5), which a plain top-4 keeps entirely; coverage first keeps each
+    region's best (offsets 0 = 16, 3 = 3, 12 = 2, 15 = 1, in score order), which already uses the 4."""
+    span = VisualSpan(start=0, grid_h=4, grid_w=4, kind="image", item=0)
+    score = torch.zeros(16)
+    score[[0, 1, 4, 5]] = torch.tensor([16.0, 15.0, 14.0, 13.0])
+    score[3], score[12], score[15] = 3.0, 2.0, 1.0
+    assert SELECTORS["attention"](span, 4, {"attention": score}).tolist() == [0, 1, 4, 5]
+    assert SELECTORS["coverage"](span, 4, {"attention": score}).tolist() == [0, 3, 12, 15]
+
+
+def test_coverage_fills_the_rest_by_score_and_caps_the_floor_at_k():
+    """The same scores, keep 6: the four region picks (0, 3, 12, 15), then the two best of the rest
+    (1 = 15, 4 = 14). With keep 2 (q = 1, one region of side 4: the whole grid) it is the top 2:
+    0 and 1. And with candidates 3, 12, 15 and keep 2 (q = 1, side 4, one region): its best (3),
+    then the next best candidate (12)."""
+    span = VisualSpan(start=0, grid_h=4, grid_w=4, kind="image", item=0)
+    score = torch.zeros(16)
+    score[[0, 1, 4, 5]] = torch.tensor([16.0, 15.0, 14.0, 13.0])
+    score[3], score[12], score[15] = 3.0, 2.0, 1.0
+    own = {"attention": score}
+    assert SELECTORS["coverage"](span, 6, own).tolist() == [0, 1, 3, 4, 12, 15]
+    assert SELECTORS["coverage"](span, 2, own).tolist() == [0, 1]
+    assert SELECTORS["coverage"](span, 2, own, torch.tensor([3, 12, 15])).tolist() == [3, 12]
+
+
+def test_coverage_refuses_a_prefix_built_without_attention():
+    span = VisualSpan(start=0, grid_h=2, grid_w=2, kind="image", item=0)
+    with pytest.raises(ValueError, match="needs the prefix"):
+        SELECTORS["coverage"](span, 2, None, None)
+    with pytest.raises(ValueError, match="needs the prefix"):
+        SELECTORS["coverage"](span, 2, {"random": torch.zeros(4)}, None)
+
+
+def test_coverage_engine_computes_the_attention_scores(tiny_engine_factory):
+    """The coverage selector reads the attention score, so its engine runs the score pass."""
+    engine = tiny_engine_factory(kv_cache_bytes=32 << 20, compaction="coverage")
+    messages = media_first_messages([{"image": A}], "What is this?")
+    assert engine.vision_features(engine.prompts.build(messages)).attention is not None

@@ -10,6 +10,7 @@ Held-out samples for a harness::
         s.question, s.answer, s.qtype           # str, str, one of QUESTION_TYPES
         s.messages()                            # engine.inputs.prompts.media_first_messages(images, question)
     accuracy_by_type(samples, predictions)      # exact match per type and overall
+    transfer(100)                               # the transfer split (count_colour), reported apart
 
 ``MODEL_DIR`` is the committed probe checkpoint (transformers and ``engine.Engine.from_pretrained``
 load it); docs/QUALITY.md says how it was trained and what it reached. Modules: :mod:`.scenes`
@@ -25,6 +26,7 @@ import pathlib
 from .scenes import (
     EVAL,
     QUESTION_TYPES,
+    TRANSFER_TYPES,
     Distribution,
     Sample,
     Scene,
@@ -35,6 +37,7 @@ from .scenes import (
     is_correct,
     make_sample,
     normalise_answer,
+    transfer,
 )
 
 #: The committed probe checkpoint (bfloat16 safetensors shards, config, processor and tokenizer files).
@@ -44,6 +47,7 @@ __all__ = [
     "EVAL",
     "MODEL_DIR",
     "QUESTION_TYPES",
+    "TRANSFER_TYPES",
     "Distribution",
     "Sample",
     "Scene",
@@ -54,4 +58,5 @@ __all__ = [
     "is_correct",
     "make_sample",
     "normalise_answer",
+    "transfer",
 ]

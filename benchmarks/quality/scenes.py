@@ -19,8 +19,14 @@ Question types (:data:`QUESTION_TYPES`):
 
 Training may also ask ``shape`` questions ("Which shape in Image 2 is red?"), never held out.
 
-Splits: :func:`heldout` draws from the keys ``heldout:<i>``, training from ``train:<seed>:...``
-(:func:`train_sample`), so the two never share a seed.
+A transfer check no training stage sees (:data:`TRANSFER_TYPES`, split :func:`transfer`):
+``count_colour``, "How many red shapes are in Image 2?" (1-3 shapes of that colour and at least
+one of another, at most 5):
+counting (trained) restricted by colour (trained through ``colour`` and ``which_image``), a
+combination no training question asks for.
+
+Splits: :func:`heldout` draws from the keys ``heldout:<i>``, :func:`transfer` from
+``transfer:<i>``, training from ``train:<seed>:...`` (:func:`train_sample`), so no two share a seed.
 """
 
 from __future__ import annotations
@@ -57,6 +63,10 @@ QUESTION_TYPES = ("colour", "which_image", "count", "word", "position")
 #: Question types training may use: the held-out ones, and ``shape`` ("Which shape in Image 2 is
 #: red?", the colour unique in that image), which rewards seeing a shape's kind directly.
 TRAINING_TYPES = (*QUESTION_TYPES, "shape")
+
+#: Question types of the transfer split (:func:`transfer`) only: never in a training distribution
+#: nor in the held-out split, and reported outside its averages.
+TRANSFER_TYPES = ("count_colour",)
 
 #: Half-extent ranges of shapes in pixels: small (12-18 px across, about one 16-px patch), medium, large.
 SIZE_CLASSES = ((6, 9), (10, 17), (18, 30))
@@ -238,6 +248,14 @@ def heldout(n: int, start: int = 0) -> list[Sample]:
     return [make_sample(f"heldout:{i}", EVAL, QUESTION_TYPES[i % len(QUESTION_TYPES)]) for i in range(start, start + n)]
 
 
+def transfer(n: int, start: int = 0) -> list[Sample]:
+    """The transfer split: samples ``start .. start + n - 1`` (keys ``transfer:<i>``), every one a
+    ``count_colour`` question ("How many red shapes are in Image 2?"), drawn from :data:`EVAL`'s
+    layouts. It combines skills trained separately and no training stage asks it, so it measures
+    transfer; it is a split of its own, so :func:`heldout`'s ``i % 5`` types are untouched."""
+    return [make_sample(f"transfer:{i}", EVAL, "count_colour") for i in range(start, start + n)]
+
+
 def train_sample(key: str, dist: Distribution) -> Sample:
     """A training sample for ``key`` (prefixed ``train:`` here, so it can never be a held-out key)."""
     return make_sample(f"train:{key}", dist)
@@ -263,7 +281,7 @@ def make_sample(key: str, dist: Distribution = EVAL, qtype: str | None = None,
     if qtype is None:
         qtype = rng.choices(dist.types, weights=dist.type_weights)[0] if dist.type_weights else rng.choice(dist.types)
     if qtype not in _MAKERS:
-        raise ValueError(f"unknown question type {qtype!r}; choose one of {TRAINING_TYPES}")
+        raise ValueError(f"unknown question type {qtype!r}; choose one of {TRAINING_TYPES + TRANSFER_TYPES}")
     lo = max(dist.min_images, 2 if qtype == "which_image" else 1)
     if lo > dist.max_images:
         raise ValueError(f"a {qtype} question needs at least {lo} images; the distribution allows {dist.max_images}")
@@ -301,7 +319,7 @@ def accuracy_by_type(samples: Sequence[Sample], predictions: Iterable[str]) -> d
 
     Returns:
         ``{qtype: {"n": count, "correct": count, "accuracy": fraction}, ..., "all": {...}}`` for the
-        types present, in :data:`TRAINING_TYPES` order.
+        types present, in :data:`TRAINING_TYPES` then :data:`TRANSFER_TYPES` order.
 
     Raises:
         ValueError: a different number of predictions than samples.
@@ -315,7 +333,7 @@ def accuracy_by_type(samples: Sequence[Sample], predictions: Iterable[str]) -> d
             counts = tally.setdefault(name, [0, 0])
             counts[0] += 1
             counts[1] += is_correct(pred, sample)
-    order = [t for t in TRAINING_TYPES if t in tally] + ["all"] if tally else []
+    order = [t for t in (*TRAINING_TYPES, *TRANSFER_TYPES) if t in tally] + ["all"] if tally else []
     return {t: {"n": tally[t][0], "correct": tally[t][1], "accuracy": tally[t][1] / tally[t][0]} for t in order}
 
 
@@ -499,6 +517,23 @@ def _make_shape(rng, dist, n_images, size):
     return f"Which shape in Image {target + 1} is {colour}? Answer with one word.", kind, scenes, target
 
 
+def _make_count_colour(rng, dist, n_images, size):
+    target, colour, count = rng.randrange(n_images), rng.choice(tuple(COLOURS)), rng.randint(1, 3)
+
+    def make(canvas):
+        for _ in range(count):
+            canvas.add_shape(rng.choice(SHAPES), colour)
+        others = [c for c in COLOURS if c != colour]
+        # at least one shape of another colour, so counting every shape never gives the answer
+        for _ in range(rng.randint(1, max(1, dist.max_shapes - count))):
+            canvas.add_shape(rng.choice(SHAPES), rng.choice(others))
+        _maybe_word(canvas, dist)
+
+    scenes = _distractors(rng, dist, n_images, size, target, make)
+    return (f"How many {colour} shapes are in Image {target + 1}? Answer with a number.", str(count), scenes,
+            target)
+
+
 _MAKERS = {
     "colour": _make_colour,
     "which_image": _make_which_image,
@@ -506,4 +541,5 @@ _MAKERS = {
     "word": _make_word,
     "position": _make_position,
     "shape": _make_shape,
+    "count_colour": _make_count_colour,
 }

@@ -12,6 +12,7 @@ the question, so one compact prefix serves every question about the same images.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -81,6 +82,101 @@ def uniform_selector(span: VisualSpan, k: int, scores: TokenScores | None = None
     return pool[((torch.arange(k, dtype=torch.float64) + 0.5) * m / k).floor().long()]
 
 
+#: Row phases of :func:`staggered_selector`: row ``r`` starts at ``frac(r * PHI)`` of a stride
+#: (the golden ratio's fractional part spreads successive rows' offsets evenly over the stride).
+PHI = (5**0.5 - 1) / 2
+
+
+def _rows_of(span: VisualSpan, candidates: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The candidate offsets (all of the span's when None) and their split by grid row."""
+    pool = torch.arange(span.length) if candidates is None else candidates.long()
+    rows = pool // span.grid_w
+    return pool, [pool[rows == r] for r in range(span.grid_h)]
+
+
+def staggered_selector(span: VisualSpan, k: int, scores: TokenScores | None = None,
+                       candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep ``k`` candidates evenly spaced *per grid row*, each row's pattern shifted.
+
+    Row ``r`` (``m_r`` candidates, ``M_r`` in the rows before it, ``m`` in all) keeps
+    ``k_r = floor((M_r + m_r) k / m) - floor(M_r k / m)`` of them (so the counts add up to ``k`` and
+    no row gets more than it has), its candidates ``floor((j + frac(r * PHI)) * m_r / k_r)`` for
+    ``j < k_r``. :func:`uniform_selector` spaces the whole span in row-major order with one phase,
+    so when its stride divides the grid width every row keeps the same columns and whole columns
+    vanish (a 20-column grid at keep 0.6 keeps 12 of 20 columns and none of the other 8); here the
+    columns a row keeps move with the row. Ignores ``scores``; query- and content-independent.
+
+    Returns:
+        int64 ``[k]`` increasing offsets within the span.
+
+    Raises:
+        ValueError: ``k`` exceeds the number of candidates.
+    """
+    pool, rows = _rows_of(span, candidates)
+    m = len(pool)
+    if k > m:
+        raise ValueError(f"cannot keep {k} of {m} candidate tokens")
+    out, before = [], 0
+    for r, row in enumerate(rows):
+        m_r = len(row)
+        k_r = (before + m_r) * k // m - before * k // m
+        before += m_r
+        if k_r:
+            phase = (r * PHI) % 1.0
+            out.append(row[((torch.arange(k_r, dtype=torch.float64) + phase) * m_r / k_r).floor().long()])
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+
+
+def coverage_selector(score: str, floor_share: float = 0.5) -> Selector:
+    """A score-based selector with a per-region floor (a small object's tokens survive).
+
+    The grid is cut into square regions of side ``s = ceil(sqrt(n / q))`` tokens (``n`` the span's
+    tokens, ``q = max(1, floor(floor_share * k))`` the floor's budget); each region with a candidate
+    first keeps its candidate of highest ``scores[score]`` (if there are more such regions than
+    ``k``, the ``k`` best of those picks), then the rest of the ``k`` go to the remaining
+    candidates of highest score, ties to the lower offset. A pure top-``k`` (:func:`priority_selector`)
+    can spend the whole budget on a few salient areas and drop an object that covers one token;
+    the floor keeps the most salient token of every area. Not nested across ``k`` (the regions
+    depend on ``k``), so a stepwise compaction need not equal a direct one.
+
+    The returned selector raises ValueError when ``scores`` lacks ``score`` or ``k`` exceeds the
+    candidates.
+    """
+
+    def select(span: VisualSpan, k: int, scores: TokenScores | None = None,
+               candidates: torch.Tensor | None = None) -> torch.Tensor:
+        if scores is None or score not in scores:
+            raise ValueError(f"the coverage selector needs the prefix's {score!r} scores")
+        pool = torch.arange(span.length) if candidates is None else candidates.long()
+        if k > len(pool):
+            raise ValueError(f"cannot keep {k} of {len(pool)} candidate tokens")
+        if k == 0:
+            return torch.empty(0, dtype=torch.long)
+        priority = scores[score][pool].float()
+        order = torch.sort(priority, descending=True, stable=True).indices  # best first, ties to lower offset
+        q = max(1, int(floor_share * k))
+        side = max(1, math.ceil(math.sqrt(span.length / q)))
+        cols = -(-span.grid_w // side)
+        region = (pool // span.grid_w // side) * cols + (pool % span.grid_w) // side
+        seen: set[int] = set()
+        picks = []
+        for i in order.tolist():  # each region's best candidate, in the global score order
+            reg = int(region[i])
+            if reg not in seen:
+                seen.add(reg)
+                picks.append(i)
+        picks = picks[:k]
+        chosen = torch.zeros(len(pool), dtype=torch.bool)
+        chosen[picks] = True
+        rest = order[~chosen[order]][: k - len(picks)]
+        chosen[rest] = True
+        return pool[chosen]
+
+    select.__name__ = f"coverage_{score}_selector"
+    select.__doc__ = f"Coverage hybrid on ``{score}`` (:func:`coverage_selector`)."
+    return select
+
+
 def priority_selector(score: str) -> Selector:
     """A selector keeping the ``k`` candidates of highest ``scores[score]`` (a float32 priority
     ``[span.length]``, see :mod:`engine.cache.token_scores`), ties to the lower offset.
@@ -114,10 +210,13 @@ SELECTORS: dict[str, Selector] = {
     "attention": priority_selector("attention"),  # VisionZip-like: most attended in the vision tower
     "diversity": priority_selector("diversity"),  # DivPrune-like: greedy max-min on merged features
     "random": priority_selector("random"),  # control: a permutation seeded by the image's content
+    "staggered": staggered_selector,  # uniform per row, each row's columns shifted
+    "coverage": coverage_selector("attention"),  # most attended, with one token per region first
 }
 
 SELECTOR_SCORES: dict[str, tuple[str, ...]] = {
     "uniform": (), "attention": ("attention",), "diversity": ("diversity",), "random": ("random",),
+    "staggered": (), "coverage": ("attention",),
 }
 """The :mod:`~engine.cache.token_scores` each selector reads (computed when the prefix is built)."""
 
@@ -127,8 +226,8 @@ class CompactionConfig:
     """How a prefix is compacted.
 
     Attributes:
-        method: a key of :data:`SELECTORS` (``"uniform"``, ``"attention"``, ``"diversity"``,
-            ``"random"``), or None for no compaction.
+        method: a key of :data:`SELECTORS` (``"uniform"``, ``"staggered"``, ``"attention"``,
+            ``"coverage"``, ``"diversity"``, ``"random"``), or None for no compaction.
         keep_ratio: share of each image's visual tokens kept.
         min_keep: fewest visual tokens kept per image (or frame).
         compact_video: whether video frames are compacted too.
