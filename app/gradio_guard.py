@@ -13,18 +13,27 @@ refuses (400) any payload with a ``"path"`` that is not one of this process's up
 :meth:`UploadFolder.problem` from ``lstat`` alone: nothing the client names is ever opened here.
 Uploads named by a refused payload are deleted (they will never be used).
 
-Beside it: :class:`MalformedUploadGuard` (a 400, not Gradio's 500, for a malformed upload),
-:class:`NoRemoteFetch` (Gradio's routes that fetch a URL for the client answer 404) and
-:meth:`UploadFolder.sweep` with :func:`sweep_periodically` (uploads no event ever used).
+Beside it: :class:`GradioSessionGuard` (a Gradio session id is bound to the owner cookie that
+opened it: nobody else reads its event stream), :class:`ClosedGradioRoutes` (deep links and
+Gradio's monitoring answer 404), :class:`MalformedUploadGuard` (a 400, not Gradio's 500, for a
+malformed upload), :class:`NoRemoteFetch` (Gradio's routes that fetch a URL for the client answer
+404) and :meth:`UploadFolder.sweep` with :func:`sweep_periodically` (uploads no event ever used,
+deep-link snapshots).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
+import shutil
 import stat
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from urllib.parse import parse_qsl
 
 from .guards import TEXT_BODY_BYTES, UPLOAD_PATH, refuse
 
@@ -35,6 +44,11 @@ STALE_UPLOAD_S = 3600
 SWEEP_EVERY_S = 600
 #: Deepest JSON nesting accepted in an event payload (Gradio's own walk over it is recursive).
 MAX_PAYLOAD_DEPTH = 32
+#: Most Gradio sessions whose owner is remembered (least recently used forgotten beyond it; a live
+#: page polls and beats every few seconds, so it stays recent). ~100 bytes each.
+MAX_GRADIO_SESSIONS = 100_000
+#: Where Gradio writes deep-link snapshots (a page's component values) in its upload folder.
+DEEP_LINKS_DIRNAME = "deep_links"
 _UPLOAD_DIR_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -100,9 +114,10 @@ class UploadFolder:
         """Delete what Gradio left in the folder and nobody touched for ``older_than_s`` seconds:
         per-upload folders (``<64 hex digits>/``) and its temporary files (``tmp*``), such as
         uploads never named by an event or files of an interrupted upload. Returns how many went.
-        Anything else stays, and so do recent entries: another process may share the folder."""
+        Anything else stays, and so do recent entries: another process may share the folder.
+        Deep-link snapshots (:meth:`sweep_deep_links`) go whatever their age."""
         now = time.time() if now is None else now
-        removed = 0
+        removed = self.sweep_deep_links()
         try:
             entries = list(os.scandir(self.root))
         except OSError:
@@ -124,6 +139,22 @@ class UploadFolder:
             except OSError:
                 continue
         return removed
+
+
+    def sweep_deep_links(self) -> int:
+        """Delete Gradio's deep-link snapshots (``<folder>/deep_links/<id>/state.json``: a copy of
+        a page's chat, which Gradio's file route served to anyone and never deleted). Deep links
+        are off (:class:`ClosedGradioRoutes`), so these are left from before. Links are not
+        followed. Returns how many snapshot folders went."""
+        path = os.path.join(self.root, DEEP_LINKS_DIRNAME)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return 0
+            count = sum(1 for _ in os.scandir(path))
+        except OSError:
+            return 0
+        shutil.rmtree(path, ignore_errors=True)
+        return count
 
 
 class GradioPayloadGuard:
@@ -190,6 +221,118 @@ class GradioPayloadGuard:
             elif isinstance(value, list):
                 stack.extend((v, depth + 1) for v in value)
         return problem, named
+
+
+class SessionOwners:
+    """Which owner opened each Gradio session: ``session_hash`` -> SHA-256 of the owner key, the
+    first owner to name it keeps it. At most ``max_sessions`` are remembered, least recently used
+    forgotten first (a forgotten session is claimed again by the next owner naming it).
+
+    Args:
+        max_sessions: the bound (see :data:`MAX_GRADIO_SESSIONS`).
+    """
+
+    def __init__(self, max_sessions: int = MAX_GRADIO_SESSIONS):
+        self.max_sessions = int(max_sessions)
+        self._owners: OrderedDict[str, bytes] = OrderedDict()
+
+    def claim(self, session_hash: str, owner: str) -> bool:
+        """Whether ``owner`` (a plain owner key, not empty) may use ``session_hash``: it opened it,
+        or nobody had; in that case it is now the session's owner."""
+        digest = hashlib.sha256(owner.encode()).digest()
+        bound = self._owners.get(session_hash)
+        if bound is None:
+            self._owners[session_hash] = digest
+            while len(self._owners) > self.max_sessions:
+                self._owners.popitem(last=False)
+            return True
+        self._owners.move_to_end(session_hash)
+        return hmac.compare_digest(bound, digest)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+
+class GradioSessionGuard:
+    """Refuse (403) a request to Gradio's API that names a Gradio session (``session_hash``)
+    opened by another owner, or that names one without an owner cookie.
+
+    Gradio's page draws its session id with ``Math.random()`` and sends it in URLs; whoever had it
+    could read that page's event stream (``GET /gradio_api/queue/data?session_hash=H``: questions,
+    answers, a share link just created) with no cookie at all. Here each session id belongs to the
+    owner key (:mod:`app.server`'s HttpOnly cookie) that first named it. Where it is named: the
+    ``session_hash`` query parameter (``queue/data``, ``deep_link``), the path of
+    ``heartbeat/<hash>`` and ``stream/<hash>/...``, and the ``session_hash`` of a JSON body
+    (``queue/join``, ``cancel``, ``component_server``, ``call``, ``run``). The upload route's
+    ``session_hash`` header only labels a progress trace, and is not checked.
+
+    Args:
+        app: the ASGI app behind. owner_of: the request's owner key from its cookie ("" when it
+            sent no valid one). sessions: the bindings (:class:`SessionOwners`).
+        prefix: where Gradio's API lives. max_body: most body bytes read (the guards in front
+            refuse longer bodies before this one runs).
+    """
+
+    def __init__(self, app, owner_of: Callable[[dict], str], sessions: SessionOwners | None = None,
+                 prefix: str = "/gradio_api/", max_body: int = TEXT_BODY_BYTES):
+        self.app, self.owner_of = app, owner_of
+        self.sessions = sessions if sessions is not None else SessionOwners()
+        self.prefix, self.max_body = prefix, max_body
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(self.prefix) or path.rstrip("/") == UPLOAD_PATH:
+            return await self.app(scope, receive, send)
+        named = self._in_url(path, scope.get("query_string", b""))
+        if scope.get("method") == "POST":
+            body = await _read_body(receive, self.max_body)
+            if body is None:
+                return await refuse(scope, send, 413, f"the request body is larger than {self.max_body:,} bytes")
+            named += _body_session(body)
+            receive = _replay(body, receive)
+        if named:
+            owner = self.owner_of(scope)
+            if not owner:
+                return await refuse(scope, send, 403, "this page's session needs the Prism cookie: enable cookies "
+                                                      "for this site and reload the page")
+            if not all(self.sessions.claim(h, owner) for h in named):
+                return await refuse(scope, send, 403, "this Gradio session was opened by another browser; "
+                                                      "reload the page to get your own")
+        return await self.app(scope, receive, send)
+
+    def _in_url(self, path: str, query: bytes) -> list[str]:
+        """The session ids a request names in its path and query string."""
+        named = [v for k, v in parse_qsl(query.decode("latin-1"), keep_blank_values=True) if k == "session_hash"]
+        parts = path[len(self.prefix):].split("/")
+        # stream/<event_id> and stream/<event_id>/close name an event; stream/<hash>/<run>/<id>/... a session
+        if parts[0] == "heartbeat" and len(parts) >= 2 or parts[0] == "stream" and len(parts) >= 4:
+            named.append(parts[1])
+        return named
+
+
+class ClosedGradioRoutes:
+    """Answer 404 to Gradio routes Prism does not use and that hand out what they should not:
+
+    * deep links (``GET /gradio_api/deep_link?session_hash=H`` wrote a snapshot of that page's
+      chat and returned its id; ``/config?deep_link=<id>`` or ``/?deep_link=<id>`` gave the chat
+      back, to anyone, and the snapshot outlived the chat's deletion);
+    * Gradio's monitoring (``/monitoring``, ``/monitoring/summary``: per-event counts and
+      latencies, open to anyone; Prism's own metrics are ``/metrics``).
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope.get("path", "").rstrip("/").lower()
+            query = scope.get("query_string", b"").decode("latin-1")
+            if path == "/gradio_api/deep_link" or any(k == "deep_link" for k, _ in parse_qsl(query,
+                                                                                          keep_blank_values=True)):
+                return await refuse(scope, send, 404, "deep links are off on this server")
+            if path == "/monitoring" or path.startswith("/monitoring/"):
+                return await refuse(scope, send, 404, "Gradio's monitoring is off on this server; see /metrics")
+        return await self.app(scope, receive, send)
 
 
 class NoRemoteFetch:
@@ -284,6 +427,17 @@ async def _read_body(receive, limit: int) -> bytes | None:
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
+
+
+def _body_session(body: bytes) -> list[str]:
+    """The ``session_hash`` a JSON body names at its top level (none when it is not JSON, not an
+    object or the field is not a string: Gradio refuses those itself)."""
+    try:
+        payload = json.loads(body) if body.strip() else None
+    except (ValueError, RecursionError):
+        return []
+    value = payload.get("session_hash") if isinstance(payload, dict) else None
+    return [value] if isinstance(value, str) else []
 
 
 def _replay(body: bytes, receive):

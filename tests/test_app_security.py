@@ -97,7 +97,8 @@ def env(tmp_path_factory, tiny_engine_factory, live_server):
         server = live_server(create_app(settings, store, loader, chat))
         config = httpx.get(server.url + "/config", timeout=TIMEOUT_S).json()
         events = {d["api_name"]: d["id"] for d in config["dependencies"]}
-        yield types.SimpleNamespace(url=server.url, store=store, data=data, uploads=uploads, events=events)
+        yield types.SimpleNamespace(url=server.url, store=store, data=data, uploads=uploads, events=events,
+                                    engine=engine, chat=chat)
     finally:
         if previous is None:
             os.environ.pop("GRADIO_TEMP_DIR", None)
@@ -280,6 +281,110 @@ def test_the_server_fetches_no_url_a_client_names(env):
         status, answer = attacker.event("add_images", [None, [file_data(f"https://{host}/x.png")]])
         assert status == 400 and "not one of your uploads" in answer["detail"]
     assert looked_up == []
+
+
+# ---------------------------------------------------------------------------------- issue 30.1: sessions
+def test_a_gradio_session_id_reads_nothing_without_its_owners_cookie(env):
+    """Attacker: the owner's Gradio ``session_hash`` (drawn with Math.random(), sent in URLs), and
+    no cookie or a cookie of their own. Before the fix ``GET /gradio_api/queue/data?session_hash=H``
+    streamed the owner's question and answer (and took those messages from the owner's stream).
+    Now every route naming H answers 403 to anyone but the owner who first named it, and the
+    owner's own stream still gets its whole answer."""
+    owner = Browser(env)
+    joined = owner.join("answer", [None, "Where is the secret meeting?", 0.0, 16, False])
+    assert joined.status_code == 200, joined.text
+    h = owner.session_hash
+    # a short timeout: an event stream that answers (the bug) would hold the request open
+    strangers = [httpx.Client(base_url=env.url, timeout=LIVENESS_S), Browser(env).http]  # no cookie; their own
+    for http in strangers:
+        expected = "needs the Prism cookie" if "prism_owner" not in http.cookies else "another browser"
+        attempts = [http.get("/gradio_api/queue/data", params={"session_hash": h}),
+                    http.get(f"/gradio_api/heartbeat/{h}"),
+                    http.post("/gradio_api/queue/join", json={"data": [None], "fn_index": env.events["new_session"],
+                                                               "session_hash": h, "trigger_id": None}),
+                    http.post("/gradio_api/cancel", json={"session_hash": h, "fn_index": 0, "event_id": "x"})]
+        for r in attempts:
+            assert r.status_code == 403 and expected in r.json()["detail"], (r.request.url, r.text)
+            assert "secret meeting" not in r.text
+    done = owner.completion(joined.json()["event_id"])
+    assert done["success"] and "Where is the secret meeting?" in json.dumps(done["output"])
+
+
+def test_a_session_id_first_named_without_a_cookie_is_not_bound_to_anyone(env):
+    """A cookieless client naming a fresh session id is refused and claims nothing: the browser
+    that names it next (with its cookie) owns it."""
+    h = uuid.uuid4().hex[:12]
+    r = httpx.get(env.url + "/gradio_api/queue/data", params={"session_hash": h}, timeout=TIMEOUT_S)
+    assert r.status_code == 403
+    owner = Browser(env)
+    owner.session_hash = h
+    status, done = owner.event("new_session", [])
+    assert status == 200 and done["success"], done
+
+
+def test_deep_links_are_off_and_their_snapshots_are_swept(env):
+    """Attacker: Gradio's deep links. ``GET /gradio_api/deep_link?session_hash=H`` wrote a snapshot
+    of the owner's page (the chat) under ``<data>/tmp/deep_links/`` and returned its id;
+    ``/config?deep_link=<id>`` gave the chat back to anyone, and the snapshot outlived deleting the
+    chat. Now all three routes answer 404, and a snapshot left there (by an older server) is swept
+    when a chat is deleted."""
+    owner = Browser(env)
+    status, done = owner.event("answer", [None, "The vault code is 4711", 0.0, 16, False])
+    assert status == 200 and done["success"], done
+    for path in (f"/gradio_api/deep_link?session_hash={owner.session_hash}", "/config?deep_link=abc",
+                 "/?deep_link=abc", "/gradio_api/deep_link"):
+        r = owner.http.get(path)
+        assert r.status_code == 404 and r.json()["detail"] == "deep links are off on this server", path
+    assert not (env.uploads / "deep_links").exists()
+    snapshot = env.uploads / "deep_links" / "left-by-an-older-server" / "state.json"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.write_text('[{"value": "The vault code is 4711"}]')
+    [session] = env.store.list_sessions(owner.owner)
+    status, done = owner.event("delete", [session.id])
+    assert status == 200 and done["success"], done
+    assert env.store.list_sessions(owner.owner) == [] and not (env.uploads / "deep_links").exists()
+
+
+def test_gradio_monitoring_is_closed(env):
+    """Attacker: Gradio's ``/monitoring/summary`` (per-event counts and latencies, e.g. how many
+    shares were created), open to anyone even where ``/metrics`` needs a key. Now 404, as are the
+    dashboard's routes."""
+    stranger = httpx.Client(base_url=env.url, timeout=TIMEOUT_S)
+    for path in ("/monitoring/summary", "/monitoring", "/monitoring/", "/monitoring/some-key"):
+        r = stranger.get(path)
+        assert r.status_code == 404 and "monitoring is off" in r.json()["detail"], (path, r.text)
+        assert "create_share" not in r.text
+
+
+def test_deleting_a_chat_makes_the_engine_forget_it_and_revoking_a_share_too(env, media_path):
+    """A chat's images were asked about (its prefix, vision features and processed pixels are in
+    the engine). Deleting it has the engine forget its salt: nothing of it is left there, and the
+    engine's counters say so; another owner's chat keeps its cached prefix. Revoking a share
+    forgets the shared session's salt as well (in a thread of its own, joined here)."""
+    photo = ("astronaut.png", media_path("astronaut.png").read_bytes())
+    users = [Browser(env), Browser(env)]
+    for user in users:
+        status, done = user.event("add_images", [None, [file_data(p) for p in user.upload(photo)]])
+        assert status == 200 and done["success"], done
+        [session] = env.store.list_sessions(user.owner)
+        status, done = user.event("answer", [session.id, "What is this?", 0.0, 16, False])
+        assert status == 200 and done["success"], done
+    victim, other = (env.store.list_sessions(u.owner)[0] for u in users)
+    entries = env.engine.prefix_cache.entries
+    assert any(e.salt == victim.cache_salt for e in entries) and any(e.salt == other.cache_salt for e in entries)
+    forgotten = env.engine.stats()["forgotten_sessions"]
+
+    status, done = users[0].event("delete", [victim.id])
+
+    assert status == 200 and done["success"], done
+    assert env.engine.stats()["forgotten_sessions"] == forgotten + 1
+    salts = {e.salt for e in env.engine.prefix_cache.entries}
+    assert victim.cache_salt not in salts and other.cache_salt in salts
+    token, share = env.store.create_share(other.id, users[1].owner, "continue")
+    env.chat.revoke_share(other.id, users[1].owner, share.id).join(TIMEOUT_S)
+    assert other.cache_salt not in {e.salt for e in env.engine.prefix_cache.entries}
+    assert env.engine.stats()["forgotten_sessions"] == forgotten + 2
+    assert env.store.resolve_share(token) is None
 
 
 # ---------------------------------------------------------------------------------- 7: leftovers
