@@ -813,3 +813,19 @@ def test_fuzz_the_http_surface(env):
         assert health.get("/healthz").status_code == 200
 
     fuzz()
+
+
+def test_the_demo_checkpoint_is_private_like_the_rest_of_the_data_dir(tmp_path):
+    """Attacker: another user of the machine. The demo model's weights were 0644 in a 0700
+    folder (the tiny builder's chmod). Now every file of the demo checkpoint the app builds is
+    0600 and every folder 0700, and an existing one from before is tightened when it is used."""
+    from app.model_loader import demo_checkpoint
+
+    def loose(folder: Path) -> list[str]:
+        return [str(p) for p in [folder, *folder.rglob("*")] if stat.S_IMODE(p.lstat().st_mode) & 0o077]
+
+    folder = demo_checkpoint(tmp_path)
+    assert (folder / "model.safetensors").is_file() and loose(folder) == []
+    os.chmod(folder / "model.safetensors", 0o644)  # as a server before the fix left it
+    os.chmod(folder, 0o755)
+    assert demo_checkpoint(tmp_path) == folder and loose(folder) == []
