@@ -352,6 +352,37 @@ class NoRemoteFetch:
         return await self.app(scope, receive, send)
 
 
+class UploadsNotServed:
+    """Answer 404 to Gradio's file route (``/gradio_api/file=<path>``, ``/gradio_api/file/<path>``)
+    for anything inside the upload folder: an upload was readable by its path, by anyone, until
+    its event ran (or for an hour when none did), and Gradio's deep-link snapshots lived there too.
+    The page never reads its uploads back (the store's images are served by ``/images/<sha256>``
+    to their owners)."""
+
+    PREFIXES = ("/gradio_api/file=", "/gradio_api/file/")
+
+    def __init__(self, app, uploads: UploadFolder):
+        self.app, self.uploads = app, uploads
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith(self.PREFIXES):
+            named = path[len(self.PREFIXES[0]):]
+            if self._inside(named):
+                return await refuse(scope, send, 404, "uploads are not served back")
+        return await self.app(scope, receive, send)
+
+    def _inside(self, named: str) -> bool:
+        """Whether ``named`` (as Gradio would take it: relative to the working folder, links
+        resolved or not) lies in the upload folder."""
+        roots = {self.uploads.root, os.path.realpath(self.uploads.root)}
+        try:
+            forms = {os.path.abspath(named), os.path.realpath(named)}
+        except (OSError, ValueError):
+            return True  # nothing Gradio could serve either: refuse without asking it
+        return any(f == r or f.startswith(r + os.sep) for f in forms for r in roots)
+
+
 class MalformedUploadGuard:
     """Answer 400 where Gradio's upload route fails with a TypeError (a 500) on a multipart part
     named ``files`` that is not a file (no ``filename``). Gradio's own error layer has sent its 500

@@ -54,6 +54,7 @@ from .gradio_guard import (
     MalformedUploadGuard,
     NoRemoteFetch,
     UploadFolder,
+    UploadsNotServed,
     sweep_periodically,
 )
 from .guards import BodyCaps, BodySizeLimit, SameOriginGuard, SecurityHeaders
@@ -291,4 +292,5 @@ def _mount_ui(app: FastAPI, settings: Settings, chat: ChatService, loader: Model
     app.add_middleware(GradioPayloadGuard, uploads=app.state.uploads, events=frozenset(blocks.fns))
     app.add_middleware(MalformedUploadGuard)
     app.add_middleware(NoRemoteFetch)
+    app.add_middleware(UploadsNotServed, uploads=app.state.uploads)
     app.add_middleware(ClosedGradioRoutes)

@@ -411,6 +411,25 @@ def test_uploads_leave_nothing_behind_in_the_upload_folder(env, media_path):
     assert len(env.store.list_sessions(user.owner)[0].image_shas) == 1
 
 
+def test_an_upload_is_not_readable_by_its_path(env, media_path):
+    """Attacker: the path of someone's upload (shown in the upload reply; it lies in the data dir).
+    Before the fix ``/gradio_api/file=<path>`` served it to anyone until its event ran, or for an
+    hour. Now 404 for every spelling of a path in the upload folder, to the uploader too (the page
+    never reads an upload back)."""
+    user = Browser(env)
+    [path] = user.upload(("astronaut.png", media_path("astronaut.png").read_bytes()))
+    stranger = httpx.Client(base_url=env.url, timeout=TIMEOUT_S)
+    dotted = str(env.uploads / ".." / env.uploads.name / Path(path).relative_to(env.uploads))
+    for http in (stranger, user.http):
+        for spelling in (f"/gradio_api/file={path}", f"/gradio_api/file/{path}", f"/gradio_api/file={dotted}",
+                         f"/gradio_api/file={quote(path)}"):
+            r = http.get(spelling)
+            assert r.status_code == 404 and r.json()["detail"] == "uploads are not served back", (spelling, r.text)
+    from app.gradio_guard import UploadFolder
+
+    UploadFolder(env.uploads, 1 << 30).discard(path)  # no event uses it: leave the folder empty for the others
+
+
 def test_a_malformed_upload_gets_400_not_500(env):
     """Attacker: a multipart upload whose ``files`` part is a plain field (no file name); Gradio's
     upload route raised a TypeError on it, a 500. It now gets 400 saying what is malformed."""
