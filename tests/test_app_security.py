@@ -296,6 +296,7 @@ def test_a_gradio_session_id_reads_nothing_without_its_owners_cookie(env):
     h = owner.session_hash
     # a short timeout: an event stream that answers (the bug) would hold the request open
     strangers = [httpx.Client(base_url=env.url, timeout=LIVENESS_S), Browser(env).http]  # no cookie; their own
+    strangers[1].timeout = httpx.Timeout(LIVENESS_S)
     for http in strangers:
         expected = "needs the Prism cookie" if "prism_owner" not in http.cookies else "another browser"
         attempts = [http.get("/gradio_api/queue/data", params={"session_hash": h}),
