@@ -13,7 +13,8 @@ refuses (400) any payload with a ``"path"`` that is not one of this process's up
 :meth:`UploadFolder.problem` from ``lstat`` alone: nothing the client names is ever opened here.
 Uploads named by a refused payload are deleted (they will never be used).
 
-Beside it: :class:`GradioSessionGuard` (a Gradio session id is bound to the owner cookie that
+The upload reply names uploads relative to the folder (:class:`RelativeUploadPaths`); the guard
+puts the folder back in front of such a name. Beside it: :class:`GradioSessionGuard` (a Gradio session id is bound to the owner cookie that
 opened it: nobody else reads its event stream), :class:`ClosedGradioRoutes` (deep links and
 Gradio's monitoring answer 404), :class:`MalformedUploadGuard` (a 400, not Gradio's 500, for a
 malformed upload), :class:`NoRemoteFetch` (Gradio's routes that fetch a URL for the client answer
@@ -93,6 +94,23 @@ class UploadFolder:
         if file.st_size > self.max_file_bytes:
             return f"the file is larger than the upload limit of {self.max_file_bytes:,} bytes"
         return None
+
+    def absolute(self, name: object) -> object:
+        """An upload as the upload reply names it (``<64 hex digits>/<name>``, relative to this
+        folder: the reply does not show where the data dir is) as the absolute path Gradio
+        takes; anything else unchanged (an absolute path is judged by :meth:`problem` as it is)."""
+        if not isinstance(name, str) or os.path.isabs(name) or "\x00" in name:
+            return name
+        parts = name.split("/")
+        if len(parts) != 2 or not _UPLOAD_DIR_RE.fullmatch(parts[0]) or parts[1] in ("", ".", ".."):
+            return name
+        return os.path.join(self.root, parts[0], parts[1])
+
+    def relative(self, path: object) -> object:
+        """The inverse of :meth:`absolute` for a path inside this folder; anything else unchanged."""
+        if isinstance(path, str) and path.startswith(self.root + os.sep):
+            return path[len(self.root) + 1:].replace(os.sep, "/")
+        return path
 
     def discard(self, path: str | os.PathLike) -> None:
         """Delete an upload (a regular file inside this folder, never through a link) and its
@@ -188,20 +206,26 @@ class GradioPayloadGuard:
             content_type = dict(scope.get("headers", [])).get(b"content-type", b"").split(b";")[0].strip().lower()
             if content_type not in (b"", b"application/json") and not content_type.endswith(b"+json"):
                 return await refuse(scope, send, 415, "Gradio's API takes JSON bodies here")
-            problem, named = self.check(body)
+            problem, named, rewritten = self.check(body)
             if problem is not None:
                 for upload in named:
                     self.uploads.discard(upload)
                 return await refuse(scope, send, 400, problem)
+            if rewritten is not None:
+                body = rewritten
+                headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
+                scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         return await self.app(scope, _replay(body, receive), send)
 
-    def check(self, body: bytes) -> tuple[str | None, list[str]]:
-        """``(why the payload is refused or None, the valid uploads it names)``."""
+    def check(self, body: bytes) -> tuple[str | None, list[str], bytes | None]:
+        """``(why the payload is refused or None, the valid uploads it names, the body to hand on
+        when an upload was named as the upload reply names it, relative to the folder (its
+        absolute path put in), else None)``."""
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError):
-            return "the request body must be JSON", []
-        named, problem = [], None
+            return "the request body must be JSON", [], None
+        named, problem, changed = [], None, False
         event = payload.get("fn_index") if isinstance(payload, dict) else None
         if event is not None and (type(event) is not int or event not in self.events):
             problem = f"there is no event number {str(event)[:40]} on this page"
@@ -209,9 +233,12 @@ class GradioPayloadGuard:
         while stack:
             value, depth = stack.pop()
             if depth > MAX_PAYLOAD_DEPTH:
-                return f"the payload nests deeper than {MAX_PAYLOAD_DEPTH} levels", named
+                return f"the payload nests deeper than {MAX_PAYLOAD_DEPTH} levels", named, None
             if isinstance(value, dict):
                 if "path" in value:
+                    full = self.uploads.absolute(value["path"])
+                    if full is not value["path"]:
+                        value["path"], changed = full, True
                     why = self.uploads.problem(value["path"])
                     if why is None:
                         named.append(value["path"])
@@ -220,7 +247,7 @@ class GradioPayloadGuard:
                 stack.extend((v, depth + 1) for v in value.values())
             elif isinstance(value, list):
                 stack.extend((v, depth + 1) for v in value)
-        return problem, named
+        return problem, named, json.dumps(payload).encode() if changed else None
 
 
 class SessionOwners:
@@ -381,6 +408,53 @@ class UploadsNotServed:
         except (OSError, ValueError):
             return True  # nothing Gradio could serve either: refuse without asking it
         return any(f == r or f.startswith(r + os.sep) for f in forms for r in roots)
+
+
+class RelativeUploadPaths:
+    """Name each upload in the upload reply relative to the upload folder (``<64 hex>/<name>``):
+    the absolute path showed every client where the server's data dir is.
+    :class:`GradioPayloadGuard` puts the folder back in front when an event names one.
+
+    Args:
+        app: the ASGI app behind. uploads: the upload folder.
+    """
+
+    def __init__(self, app, uploads: UploadFolder):
+        self.app, self.uploads = app, uploads
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path", "").rstrip("/") != UPLOAD_PATH:
+            return await self.app(scope, receive, send)
+        start: dict | None = None
+        chunks: list[bytes] = []
+
+        async def holding(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body" or start is None:
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = b"".join(chunks)
+            if start.get("status") == 200:
+                body = self._relative(body)
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, holding)
+
+    def _relative(self, body: bytes) -> bytes:
+        try:
+            paths = json.loads(body)
+        except ValueError:
+            return body
+        if not isinstance(paths, list):
+            return body
+        return json.dumps([self.uploads.relative(p) for p in paths]).encode()
 
 
 class MalformedUploadGuard:

@@ -53,6 +53,7 @@ from .gradio_guard import (
     GradioSessionGuard,
     MalformedUploadGuard,
     NoRemoteFetch,
+    RelativeUploadPaths,
     UploadFolder,
     UploadsNotServed,
     sweep_periodically,
@@ -291,6 +292,7 @@ def _mount_ui(app: FastAPI, settings: Settings, chat: ChatService, loader: Model
     app.add_middleware(GradioSessionGuard, owner_of=owner_in)
     app.add_middleware(GradioPayloadGuard, uploads=app.state.uploads, events=frozenset(blocks.fns))
     app.add_middleware(MalformedUploadGuard)
+    app.add_middleware(RelativeUploadPaths, uploads=app.state.uploads)
     app.add_middleware(NoRemoteFetch)
     app.add_middleware(UploadsNotServed, uploads=app.state.uploads)
     app.add_middleware(ClosedGradioRoutes)

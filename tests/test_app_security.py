@@ -397,7 +397,7 @@ def test_uploads_leave_nothing_behind_in_the_upload_folder(env, media_path):
     refused at the door (it also names ``/etc/passwd``) takes its good uploads with it."""
     user = Browser(env)
     paths = user.upload(("astronaut.png", media_path("astronaut.png").read_bytes()), ("notes.txt", b"hello"))
-    assert all(Path(p).parent.parent == env.uploads for p in paths)
+    assert all((env.uploads / p).is_file() for p in paths)
     status, done = user.event("add_images", [None, [file_data(p) for p in paths]])
     assert status == 200 and done["success"], done
     assert "notes.txt" in notice(done) and "not an image" in notice(done)
@@ -412,15 +412,36 @@ def test_uploads_leave_nothing_behind_in_the_upload_folder(env, media_path):
     assert len(env.store.list_sessions(user.owner)[0].image_shas) == 1
 
 
-def test_an_upload_is_not_readable_by_its_path(env, media_path):
-    """Attacker: the path of someone's upload (shown in the upload reply; it lies in the data dir).
-    Before the fix ``/gradio_api/file=<path>`` served it to anyone until its event ran, or for an
-    hour. Now 404 for every spelling of a path in the upload folder, to the uploader too (the page
-    never reads an upload back)."""
+def test_the_upload_reply_hides_the_data_dir_and_an_event_may_name_either_form(env, media_path):
+    """Attacker: any visitor, reading the upload reply. It named each upload by its absolute path,
+    showing where the server's data dir is. Now it names ``<64 hex>/<name>``, relative to the
+    upload folder; an event naming that (or the absolute path, as before) adds the file."""
     user = Browser(env)
-    [path] = user.upload(("astronaut.png", media_path("astronaut.png").read_bytes()))
+    [name] = user.upload(("astronaut.png", media_path("astronaut.png").read_bytes()))
+    assert not os.path.isabs(name) and str(env.data) not in name and str(env.uploads) not in name
+    assert len(Path(name).parts) == 2 and (env.uploads / name).is_file()
+    status, done = user.event("add_images", [None, [file_data(name)]])
+    assert status == 200 and done["success"], done
+    assert len(env.store.list_sessions(user.owner)[0].image_shas) == 1 and files_in(env.uploads) == []
+    [other] = user.upload(("coffee.png", media_path("coffee.png").read_bytes()))
+    status, done = user.event("add_images", [None, [file_data(env.uploads / other)]])
+    assert status == 200 and done["success"], done
+    assert len(env.store.list_sessions(user.owner)[0].image_shas) == 2
+    for bad in (f"../{other}", f"{other}/..", "not-hex/x.png", f"{Path(other).parent}/"):
+        status, refused = user.event("add_images", [None, [file_data(bad)]])
+        assert status == 400 and "not one of your uploads" in refused["detail"], bad
+
+
+def test_an_upload_is_not_readable_by_its_path(env, media_path):
+    """Attacker: the path of someone's upload (it lies in the data dir). Before the fix
+    ``/gradio_api/file=<path>`` served it to anyone until its event ran, or for an hour. Now 404
+    for every spelling of a path in the upload folder, to the uploader too (the page never reads an
+    upload back)."""
+    user = Browser(env)
+    [name] = user.upload(("astronaut.png", media_path("astronaut.png").read_bytes()))
+    path = str(env.uploads / name)
     stranger = httpx.Client(base_url=env.url, timeout=TIMEOUT_S)
-    dotted = str(env.uploads / ".." / env.uploads.name / Path(path).relative_to(env.uploads))
+    dotted = str(env.uploads / ".." / env.uploads.name / name)
     for http in (stranger, user.http):
         for spelling in (f"/gradio_api/file={path}", f"/gradio_api/file/{path}", f"/gradio_api/file={dotted}",
                          f"/gradio_api/file={quote(path)}"):
