@@ -323,6 +323,19 @@ def test_a_session_id_first_named_without_a_cookie_is_not_bound_to_anyone(env):
     assert status == 200 and done["success"], done
 
 
+def test_session_owners_are_bounded_and_a_live_session_stays():
+    """The bindings are bounded (a flood of new session ids cannot grow memory without end): the
+    least recently used goes first, and one still in use (a live page polls) stays bound."""
+    from app.gradio_guard import SessionOwners
+
+    owners = SessionOwners(max_sessions=2)
+    assert owners.claim("live", "a" * 32) and owners.claim("old", "b" * 32)
+    assert owners.claim("live", "a" * 32) and not owners.claim("live", "b" * 32)  # used again: most recent
+    assert owners.claim("flood", "c" * 32) and len(owners) == 2  # "old" went
+    assert not owners.claim("live", "c" * 32)
+    assert owners.claim("old", "c" * 32)  # forgotten: claimed anew
+
+
 def test_deep_links_are_off_and_their_snapshots_are_swept(env):
     """Attacker: Gradio's deep links. ``GET /gradio_api/deep_link?session_hash=H`` wrote a snapshot
     of the owner's page (the chat) under ``<data>/tmp/deep_links/`` and returned its id;
