@@ -14,12 +14,13 @@ refuses (400) any payload with a ``"path"`` that is not one of this process's up
 Uploads named by a refused payload are deleted (they will never be used).
 
 The upload reply names uploads relative to the folder (:class:`RelativeUploadPaths`); the guard
-puts the folder back in front of such a name. Beside it: :class:`GradioSessionGuard` (a Gradio session id is bound to the owner cookie that
-opened it: nobody else reads its event stream), :class:`ClosedGradioRoutes` (deep links and
-Gradio's monitoring answer 404), :class:`MalformedUploadGuard` (a 400, not Gradio's 500, for a
-malformed upload), :class:`NoRemoteFetch` (Gradio's routes that fetch a URL for the client answer
-404) and :meth:`UploadFolder.sweep` with :func:`sweep_periodically` (uploads no event ever used,
-deep-link snapshots).
+puts the folder back in front of such a name. Beside it: :class:`GradioSessionGuard` (a Gradio
+session id is bound to the owner cookie that opened it: nobody else reads its event stream),
+:class:`ClosedGradioRoutes` (deep links and Gradio's monitoring answer 404),
+:class:`UploadsNotServed` (uploads are not read back by path), :class:`MalformedUploadGuard` (a
+400, not Gradio's 500, for a malformed upload), :class:`NoRemoteFetch` (Gradio's routes that fetch
+a URL for the client answer 404) and :meth:`UploadFolder.sweep` with :func:`sweep_periodically`
+(uploads no event ever used, deep-link snapshots).
 """
 
 from __future__ import annotations
