@@ -373,9 +373,46 @@ class ChatService:
         return self.store.rename_session(session.id, owner, copy_title(session.title))
 
     def delete(self, session_id: str, owner: str) -> None:
+        """Delete the owner's session: its answers in progress are stopped, the store drops it
+        (its images' files go with their last session), and the engine forgets its salt
+        (:meth:`forget`). Copies of a "can continue" share keep the salt: they compute their
+        prefix again.
+
+        Raises:
+            ChatError: the session is not the owner's.
+        """
         session = self._owned(session_id, owner)
         self.stop(session.id, owner)
         self.store.delete_session(session.id, owner)
+        self.forget(session.cache_salt)
+
+    def revoke_share(self, session_id: str | None, owner: str, share_id: str) -> threading.Thread | None:
+        """Revoke one of the session's share links, then have the engine forget the session's
+        salt (what the visitors' copies of a "can continue" share warmed with the owner), in a
+        thread of its own: the owner's answers in progress finish first, and the click need not
+        wait for them. Returns that thread (None when nothing was revoked).
+
+        Raises:
+            ChatError: the session is not the owner's. NotFound, PermissionDenied: the share is
+                not one of the owner's.
+        """
+        session = self._owned(session_id, owner)
+        self.store.revoke_share(share_id, owner)
+        worker = threading.Thread(target=self.forget, args=(session.cache_salt,), name="prism-forget", daemon=True)
+        worker.start()
+        return worker
+
+    def forget(self, cache_salt: str) -> None:
+        """Have the engine drop what it keeps of a salt (``Engine.forget``: prefix entries, vision
+        features, processed images, after the salt's running answers); nothing while the model
+        loads (a new engine holds nothing of it) or once it is closed."""
+        engine = self.engine_or_none()
+        if engine is None:
+            return
+        try:
+            engine.forget(cache_salt)
+        except PrismError as exc:  # closed during shutdown
+            log.info("forget skipped: %s", exc)
 
     def turns(self, session_id: str | None) -> list[TurnView]:
         """The session's turns as views, oldest first (no ownership check: callers check).

@@ -13,18 +13,29 @@ refuses (400) any payload with a ``"path"`` that is not one of this process's up
 :meth:`UploadFolder.problem` from ``lstat`` alone: nothing the client names is ever opened here.
 Uploads named by a refused payload are deleted (they will never be used).
 
-Beside it: :class:`MalformedUploadGuard` (a 400, not Gradio's 500, for a malformed upload),
-:class:`NoRemoteFetch` (Gradio's routes that fetch a URL for the client answer 404) and
-:meth:`UploadFolder.sweep` with :func:`sweep_periodically` (uploads no event ever used).
+The upload reply names uploads relative to the folder (:class:`RelativeUploadPaths`); the guard
+puts the folder back in front of such a name. Beside it: :class:`GradioSessionGuard` (a Gradio
+session id is bound to the owner cookie that opened it: nobody else reads its event stream),
+:class:`ClosedGradioRoutes` (deep links and Gradio's monitoring answer 404),
+:class:`UploadsNotServed` (uploads are not read back by path), :class:`MalformedUploadGuard` (a
+400, not Gradio's 500, for a malformed upload), :class:`NoRemoteFetch` (Gradio's routes that fetch
+a URL for the client answer 404) and :meth:`UploadFolder.sweep` with :func:`sweep_periodically`
+(uploads no event ever used, deep-link snapshots).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
+import shutil
 import stat
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from urllib.parse import parse_qsl
 
 from .guards import TEXT_BODY_BYTES, UPLOAD_PATH, refuse
 
@@ -35,6 +46,11 @@ STALE_UPLOAD_S = 3600
 SWEEP_EVERY_S = 600
 #: Deepest JSON nesting accepted in an event payload (Gradio's own walk over it is recursive).
 MAX_PAYLOAD_DEPTH = 32
+#: Most Gradio sessions whose owner is remembered (least recently used forgotten beyond it; a live
+#: page polls and beats every few seconds, so it stays recent). ~100 bytes each.
+MAX_GRADIO_SESSIONS = 100_000
+#: Where Gradio writes deep-link snapshots (a page's component values) in its upload folder.
+DEEP_LINKS_DIRNAME = "deep_links"
 _UPLOAD_DIR_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -80,6 +96,23 @@ class UploadFolder:
             return f"the file is larger than the upload limit of {self.max_file_bytes:,} bytes"
         return None
 
+    def absolute(self, name: object) -> object:
+        """An upload as the upload reply names it (``<64 hex digits>/<name>``, relative to this
+        folder: the reply does not show where the data dir is) as the absolute path Gradio
+        takes; anything else unchanged (an absolute path is judged by :meth:`problem` as it is)."""
+        if not isinstance(name, str) or os.path.isabs(name) or "\x00" in name:
+            return name
+        parts = name.split("/")
+        if len(parts) != 2 or not _UPLOAD_DIR_RE.fullmatch(parts[0]) or parts[1] in ("", ".", ".."):
+            return name
+        return os.path.join(self.root, parts[0], parts[1])
+
+    def relative(self, path: object) -> object:
+        """The inverse of :meth:`absolute` for a path inside this folder; anything else unchanged."""
+        if isinstance(path, str) and path.startswith(self.root + os.sep):
+            return path[len(self.root) + 1:].replace(os.sep, "/")
+        return path
+
     def discard(self, path: str | os.PathLike) -> None:
         """Delete an upload (a regular file inside this folder, never through a link) and its
         per-upload folder once empty. Anything else is left alone; errors are ignored."""
@@ -100,9 +133,10 @@ class UploadFolder:
         """Delete what Gradio left in the folder and nobody touched for ``older_than_s`` seconds:
         per-upload folders (``<64 hex digits>/``) and its temporary files (``tmp*``), such as
         uploads never named by an event or files of an interrupted upload. Returns how many went.
-        Anything else stays, and so do recent entries: another process may share the folder."""
+        Anything else stays, and so do recent entries: another process may share the folder.
+        Deep-link snapshots (:meth:`sweep_deep_links`) go whatever their age."""
         now = time.time() if now is None else now
-        removed = 0
+        removed = self.sweep_deep_links()
         try:
             entries = list(os.scandir(self.root))
         except OSError:
@@ -124,6 +158,22 @@ class UploadFolder:
             except OSError:
                 continue
         return removed
+
+
+    def sweep_deep_links(self) -> int:
+        """Delete Gradio's deep-link snapshots (``<folder>/deep_links/<id>/state.json``: a copy of
+        a page's chat, which Gradio's file route served to anyone and never deleted). Deep links
+        are off (:class:`ClosedGradioRoutes`), so these are left from before. Links are not
+        followed. Returns how many snapshot folders went."""
+        path = os.path.join(self.root, DEEP_LINKS_DIRNAME)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return 0
+            count = sum(1 for _ in os.scandir(path))
+        except OSError:
+            return 0
+        shutil.rmtree(path, ignore_errors=True)
+        return count
 
 
 class GradioPayloadGuard:
@@ -157,20 +207,26 @@ class GradioPayloadGuard:
             content_type = dict(scope.get("headers", [])).get(b"content-type", b"").split(b";")[0].strip().lower()
             if content_type not in (b"", b"application/json") and not content_type.endswith(b"+json"):
                 return await refuse(scope, send, 415, "Gradio's API takes JSON bodies here")
-            problem, named = self.check(body)
+            problem, named, rewritten = self.check(body)
             if problem is not None:
                 for upload in named:
                     self.uploads.discard(upload)
                 return await refuse(scope, send, 400, problem)
+            if rewritten is not None:
+                body = rewritten
+                headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
+                scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         return await self.app(scope, _replay(body, receive), send)
 
-    def check(self, body: bytes) -> tuple[str | None, list[str]]:
-        """``(why the payload is refused or None, the valid uploads it names)``."""
+    def check(self, body: bytes) -> tuple[str | None, list[str], bytes | None]:
+        """``(why the payload is refused or None, the valid uploads it names, the body to hand on
+        when an upload was named as the upload reply names it, relative to the folder (its
+        absolute path put in), else None)``."""
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError):
-            return "the request body must be JSON", []
-        named, problem = [], None
+            return "the request body must be JSON", [], None
+        named, problem, changed = [], None, False
         event = payload.get("fn_index") if isinstance(payload, dict) else None
         if event is not None and (type(event) is not int or event not in self.events):
             problem = f"there is no event number {str(event)[:40]} on this page"
@@ -178,9 +234,12 @@ class GradioPayloadGuard:
         while stack:
             value, depth = stack.pop()
             if depth > MAX_PAYLOAD_DEPTH:
-                return f"the payload nests deeper than {MAX_PAYLOAD_DEPTH} levels", named
+                return f"the payload nests deeper than {MAX_PAYLOAD_DEPTH} levels", named, None
             if isinstance(value, dict):
                 if "path" in value:
+                    full = self.uploads.absolute(value["path"])
+                    if full is not value["path"]:
+                        value["path"], changed = full, True
                     why = self.uploads.problem(value["path"])
                     if why is None:
                         named.append(value["path"])
@@ -189,7 +248,119 @@ class GradioPayloadGuard:
                 stack.extend((v, depth + 1) for v in value.values())
             elif isinstance(value, list):
                 stack.extend((v, depth + 1) for v in value)
-        return problem, named
+        return problem, named, json.dumps(payload).encode() if changed else None
+
+
+class SessionOwners:
+    """Which owner opened each Gradio session: ``session_hash`` -> SHA-256 of the owner key, the
+    first owner to name it keeps it. At most ``max_sessions`` are remembered, least recently used
+    forgotten first (a forgotten session is claimed again by the next owner naming it).
+
+    Args:
+        max_sessions: the bound (see :data:`MAX_GRADIO_SESSIONS`).
+    """
+
+    def __init__(self, max_sessions: int = MAX_GRADIO_SESSIONS):
+        self.max_sessions = int(max_sessions)
+        self._owners: OrderedDict[str, bytes] = OrderedDict()
+
+    def claim(self, session_hash: str, owner: str) -> bool:
+        """Whether ``owner`` (a plain owner key, not empty) may use ``session_hash``: it opened it,
+        or nobody had; in that case it is now the session's owner."""
+        digest = hashlib.sha256(owner.encode()).digest()
+        bound = self._owners.get(session_hash)
+        if bound is None:
+            self._owners[session_hash] = digest
+            while len(self._owners) > self.max_sessions:
+                self._owners.popitem(last=False)
+            return True
+        self._owners.move_to_end(session_hash)
+        return hmac.compare_digest(bound, digest)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+
+class GradioSessionGuard:
+    """Refuse (403) a request to Gradio's API that names a Gradio session (``session_hash``)
+    opened by another owner, or that names one without an owner cookie.
+
+    Gradio's page draws its session id with ``Math.random()`` and sends it in URLs; whoever had it
+    could read that page's event stream (``GET /gradio_api/queue/data?session_hash=H``: questions,
+    answers, a share link just created) with no cookie at all. Here each session id belongs to the
+    owner key (:mod:`app.server`'s HttpOnly cookie) that first named it. Where it is named: the
+    ``session_hash`` query parameter (``queue/data``, ``deep_link``), the path of
+    ``heartbeat/<hash>`` and ``stream/<hash>/...``, and the ``session_hash`` of a JSON body
+    (``queue/join``, ``cancel``, ``component_server``, ``call``, ``run``). The upload route's
+    ``session_hash`` header only labels a progress trace, and is not checked.
+
+    Args:
+        app: the ASGI app behind. owner_of: the request's owner key from its cookie ("" when it
+            sent no valid one). sessions: the bindings (:class:`SessionOwners`).
+        prefix: where Gradio's API lives. max_body: most body bytes read (the guards in front
+            refuse longer bodies before this one runs).
+    """
+
+    def __init__(self, app, owner_of: Callable[[dict], str], sessions: SessionOwners | None = None,
+                 prefix: str = "/gradio_api/", max_body: int = TEXT_BODY_BYTES):
+        self.app, self.owner_of = app, owner_of
+        self.sessions = sessions if sessions is not None else SessionOwners()
+        self.prefix, self.max_body = prefix, max_body
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(self.prefix) or path.rstrip("/") == UPLOAD_PATH:
+            return await self.app(scope, receive, send)
+        named = self._in_url(path, scope.get("query_string", b""))
+        if scope.get("method") == "POST":
+            body = await _read_body(receive, self.max_body)
+            if body is None:
+                return await refuse(scope, send, 413, f"the request body is larger than {self.max_body:,} bytes")
+            named += _body_session(body)
+            receive = _replay(body, receive)
+        if named:
+            owner = self.owner_of(scope)
+            if not owner:
+                return await refuse(scope, send, 403, "this page's session needs the Prism cookie: enable cookies "
+                                                      "for this site and reload the page")
+            if not all(self.sessions.claim(h, owner) for h in named):
+                return await refuse(scope, send, 403, "this Gradio session was opened by another browser; "
+                                                      "reload the page to get your own")
+        return await self.app(scope, receive, send)
+
+    def _in_url(self, path: str, query: bytes) -> list[str]:
+        """The session ids a request names in its path and query string."""
+        named = [v for k, v in parse_qsl(query.decode("latin-1"), keep_blank_values=True) if k == "session_hash"]
+        parts = path[len(self.prefix):].split("/")
+        # stream/<event_id> and stream/<event_id>/close name an event; stream/<hash>/<run>/<id>/... a session
+        if parts[0] == "heartbeat" and len(parts) >= 2 or parts[0] == "stream" and len(parts) >= 4:
+            named.append(parts[1])
+        return named
+
+
+class ClosedGradioRoutes:
+    """Answer 404 to Gradio routes Prism does not use and that hand out what they should not:
+
+    * deep links (``GET /gradio_api/deep_link?session_hash=H`` wrote a snapshot of that page's
+      chat and returned its id; ``/config?deep_link=<id>`` or ``/?deep_link=<id>`` gave the chat
+      back, to anyone, and the snapshot outlived the chat's deletion);
+    * Gradio's monitoring (``/monitoring``, ``/monitoring/summary``: per-event counts and
+      latencies, open to anyone; Prism's own metrics are ``/metrics``).
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope.get("path", "").rstrip("/").lower()
+            query = scope.get("query_string", b"").decode("latin-1")
+            if path == "/gradio_api/deep_link" or any(k == "deep_link" for k, _ in parse_qsl(query,
+                                                                                          keep_blank_values=True)):
+                return await refuse(scope, send, 404, "deep links are off on this server")
+            if path == "/monitoring" or path.startswith("/monitoring/"):
+                return await refuse(scope, send, 404, "Gradio's monitoring is off on this server; see /metrics")
+        return await self.app(scope, receive, send)
 
 
 class NoRemoteFetch:
@@ -207,6 +378,84 @@ class NoRemoteFetch:
         if scope["type"] == "http" and scope.get("path", "").lower().startswith(self.PREFIXES):
             return await refuse(scope, send, 404, "this server does not fetch URLs")
         return await self.app(scope, receive, send)
+
+
+class UploadsNotServed:
+    """Answer 404 to Gradio's file route (``/gradio_api/file=<path>``, ``/gradio_api/file/<path>``)
+    for anything inside the upload folder: an upload was readable by its path, by anyone, until
+    its event ran (or for an hour when none did), and Gradio's deep-link snapshots lived there too.
+    The page never reads its uploads back (the store's images are served by ``/images/<sha256>``
+    to their owners)."""
+
+    PREFIXES = ("/gradio_api/file=", "/gradio_api/file/")
+
+    def __init__(self, app, uploads: UploadFolder):
+        self.app, self.uploads = app, uploads
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith(self.PREFIXES):
+            named = path[len(self.PREFIXES[0]):]
+            if self._inside(named):
+                return await refuse(scope, send, 404, "uploads are not served back")
+        return await self.app(scope, receive, send)
+
+    def _inside(self, named: str) -> bool:
+        """Whether ``named`` (as Gradio would take it: relative to the working folder, links
+        resolved or not) lies in the upload folder."""
+        roots = {self.uploads.root, os.path.realpath(self.uploads.root)}
+        try:
+            forms = {os.path.abspath(named), os.path.realpath(named)}
+        except (OSError, ValueError):
+            return True  # nothing Gradio could serve either: refuse without asking it
+        return any(f == r or f.startswith(r + os.sep) for f in forms for r in roots)
+
+
+class RelativeUploadPaths:
+    """Name each upload in the upload reply relative to the upload folder (``<64 hex>/<name>``):
+    the absolute path showed every client where the server's data dir is.
+    :class:`GradioPayloadGuard` puts the folder back in front when an event names one.
+
+    Args:
+        app: the ASGI app behind. uploads: the upload folder.
+    """
+
+    def __init__(self, app, uploads: UploadFolder):
+        self.app, self.uploads = app, uploads
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path", "").rstrip("/") != UPLOAD_PATH:
+            return await self.app(scope, receive, send)
+        start: dict | None = None
+        chunks: list[bytes] = []
+
+        async def holding(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body" or start is None:
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = b"".join(chunks)
+            if start.get("status") == 200:
+                body = self._relative(body)
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, holding)
+
+    def _relative(self, body: bytes) -> bytes:
+        try:
+            paths = json.loads(body)
+        except ValueError:
+            return body
+        if not isinstance(paths, list):
+            return body
+        return json.dumps([self.uploads.relative(p) for p in paths]).encode()
 
 
 class MalformedUploadGuard:
@@ -284,6 +533,17 @@ async def _read_body(receive, limit: int) -> bytes | None:
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
+
+
+def _body_session(body: bytes) -> list[str]:
+    """The ``session_hash`` a JSON body names at its top level (none when it is not JSON, not an
+    object or the field is not a string: Gradio refuses those itself)."""
+    try:
+        payload = json.loads(body) if body.strip() else None
+    except (ValueError, RecursionError):
+        return []
+    value = payload.get("session_hash") if isinstance(payload, dict) else None
+    return [value] if isinstance(value, str) else []
 
 
 def _replay(body: bytes, receive):

@@ -17,8 +17,11 @@ import os
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+
+from sessions import private_dir
 
 from .settings import REAL_MODEL, Settings
 
@@ -102,13 +105,20 @@ def hub_reachable(model_id: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
 
 
 def demo_checkpoint(data_dir: Path) -> Path:
-    """The tiny demo checkpoint under ``data_dir/models``, built on first use."""
+    """The tiny demo checkpoint under ``data_dir/models``, built on first use; private like the
+    rest of the data dir (folders ``0700``, files ``0600``; an existing one is tightened: the
+    builder leaves its weights ``0644`` for checkpoints shared outside an app)."""
     from engine.model.tiny import build_tiny_checkpoint
 
     folder = data_dir / "models" / "tiny-demo"
+    private_dir(folder)
     if not (folder / "model.safetensors").is_file() or not (folder / "tokenizer.json").is_file():
         say(f"building the tiny demo checkpoint in {folder} (once) ...")
         build_tiny_checkpoint(folder, "demo", seed=0)
+    for path in folder.rglob("*"):
+        with suppress(OSError):
+            if not path.is_symlink() and path.stat().st_mode & 0o077:
+                path.chmod(0o700 if path.is_dir() else 0o600)
     return folder
 
 

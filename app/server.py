@@ -24,7 +24,8 @@ Every browser gets an owner key in an HttpOnly cookie (:class:`OwnerCookieMiddle
 the only credential for its sessions and is never put in a page.
 
 In front of every route sit the refusals of :mod:`app.guards` (body sizes, other origins, page
-headers) and of :mod:`app.gradio_guard` (file paths in Gradio's event payloads).
+headers) and of :mod:`app.gradio_guard` (file paths in Gradio's event payloads, Gradio sessions
+bound to the owner cookie that opened them, deep links and Gradio's monitoring off).
 """
 
 from __future__ import annotations
@@ -47,10 +48,14 @@ from .chat import ChatService
 from .gradio_guard import (
     STALE_UPLOAD_S,
     SWEEP_EVERY_S,
+    ClosedGradioRoutes,
     GradioPayloadGuard,
+    GradioSessionGuard,
     MalformedUploadGuard,
     NoRemoteFetch,
+    RelativeUploadPaths,
     UploadFolder,
+    UploadsNotServed,
     sweep_periodically,
 )
 from .guards import BodyCaps, BodySizeLimit, SameOriginGuard, SecurityHeaders
@@ -116,6 +121,14 @@ class OwnerCookieMiddleware:
 
 def owner_from(request: Request) -> str:
     return request.cookies.get(OWNER_COOKIE, "")
+
+
+def owner_in(scope) -> str:
+    """The owner key a request's cookie carries, "" when it carries no valid one (before
+    :class:`OwnerCookieMiddleware` gives it a fresh one)."""
+    raw = b"; ".join(v for k, v in scope.get("headers", []) if k == b"cookie").decode("latin-1")
+    key = cookie_parser(raw).get(OWNER_COOKIE, "")
+    return key if _OWNER_RE.fullmatch(key) else ""
 
 
 def _not_found() -> Response:
@@ -274,6 +287,12 @@ def _mount_ui(app: FastAPI, settings: Settings, chat: ChatService, loader: Model
     # set this flag, which mounting never does; set, its own check runs again behind ours.
     blocks.has_launched = True
     app.state.uploads = UploadFolder.of_gradio(max_file_bytes)
+    app.state.uploads.sweep_deep_links()  # snapshots of chats left by a server before deep links were off
+    # added first = runs last: the payload's JSON is checked before the session it names
+    app.add_middleware(GradioSessionGuard, owner_of=owner_in)
     app.add_middleware(GradioPayloadGuard, uploads=app.state.uploads, events=frozenset(blocks.fns))
     app.add_middleware(MalformedUploadGuard)
+    app.add_middleware(RelativeUploadPaths, uploads=app.state.uploads)
     app.add_middleware(NoRemoteFetch)
+    app.add_middleware(UploadsNotServed, uploads=app.state.uploads)
+    app.add_middleware(ClosedGradioRoutes)

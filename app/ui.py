@@ -175,6 +175,7 @@ class PrismUI:
         if self.chat.session(session_id, owner) is None:
             return tuple(gr.skip() for _ in range(7))
         self.chat.delete(session_id, owner)
+        UploadFolder.of_gradio().sweep_deep_links()  # a snapshot there could hold this chat
         sessions = self.chat.sessions(owner)
         return self.session_outputs(sessions[0].id if sessions else None, owner)
 
@@ -328,7 +329,7 @@ class PrismUI:
         share_id = event_value(evt, "revoke")
         if share_id and self.chat.session(session_id, owner) is not None:
             try:
-                self.chat.store.revoke_share(share_id, owner)
+                self.chat.revoke_share(session_id, owner, share_id)
             except Exception as exc:  # not ours / gone
                 log.info("revoke refused: %s", exc)
         shares = self.chat.store.list_shares(session_id, owner) if self.chat.session(session_id, owner) else []

@@ -4,7 +4,7 @@ Public API: :class:`Engine`, :class:`SamplingParams`, :class:`Completion`, :clas
 the :class:`PrismError` family.
 """
 
-from .engine import Engine, EngineOptions
+from .engine import Engine, EngineOptions, Forgotten
 from .errors import (
     CheckpointError,
     EngineOverloadedError,
@@ -26,6 +26,7 @@ __all__ = [
     "Engine",
     "EngineOptions",
     "EngineOverloadedError",
+    "Forgotten",
     "ImageDigestMismatchError",
     "RequestTooLargeError",
     "InvalidImageError",

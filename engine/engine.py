@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +44,32 @@ from .serving.runner import ModelRunner
 from .serving.sampling import SamplingParams
 from .serving.scheduler import Scheduler, SchedulerConfig
 
-__all__ = ["Engine", "EngineOptions"]
+__all__ = ["Engine", "EngineOptions", "Forgotten"]
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """What :meth:`Engine.forget` dropped (counts; an engine's running totals in ``stats()`` as
+    ``forgotten_*``).
+
+    Attributes:
+        sessions: salts forgotten (1 for one call; 0 under ``cache_scope="global"``).
+        cache_entries: prefix-cache entries (public prefixes and conversation extensions).
+        vision_features: per-image vision features.
+        processed_images: processed images (decoded, resized pixels).
+        decoded_videos: decoded and sampled clips.
+        vision_graphs: the vision encoder's CUDA graphs.
+    """
+
+    sessions: int = 0
+    cache_entries: int = 0
+    vision_features: int = 0
+    processed_images: int = 0
+    decoded_videos: int = 0
+    vision_graphs: int = 0
+
+    def __add__(self, other: Forgotten) -> Forgotten:
+        return Forgotten(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
 
 
 class Engine:
@@ -143,6 +170,7 @@ class Engine:
         self.intake = Intake(self.tokenizer, model.device, self.max_model_len, reuse)
         self.loop = EngineLoop(scheduler, runner, reuse, eos_token_ids=self.eos_token_ids,
                                debug_checks=options.debug_checks)
+        self.forgotten = Forgotten()
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, device=None, dtype=None, **options) -> Engine:
@@ -280,8 +308,10 @@ class Engine:
         the processed-image cache's hits, entries and refused entries (``image_cache_hits``,
         ``image_cache_entries``, ``image_cache_mismatches``) and the vision-feature cache's hits
         and entries; with the vision encoder's CUDA graphs, their eager runs, captures and
-        replays (``vision_graph_*``). Every cache is keyed by the cache salt, so each hit is one
-        within a session (or under ``cache_scope="global"``).
+        replays (``vision_graph_*``); what :meth:`forget` dropped so far (``forgotten_sessions``,
+        ``forgotten_cache_entries``, ``forgotten_vision_features``, ``forgotten_processed_images``,
+        ``forgotten_decoded_videos``, ``forgotten_vision_graphs``). Every cache is keyed by the
+        cache salt, so each hit is one within a session (or under ``cache_scope="global"``).
 
         Raises:
             PrismError: the engine is closed.
@@ -290,8 +320,9 @@ class Engine:
             if self.loop.closed:
                 raise PrismError("engine is closed")
             cache = self.prefix_cache.counters() if self.prefix_cache is not None else {"prefix_cache": False}
+            forgotten = {f"forgotten_{k}": v for k, v in dataclasses.asdict(self.forgotten).items()}
             return {**self.pool.counters(), **self.loop.counters(), **cache, **self.prompts.counters(),
-                    **self.vision.counters()}
+                    **self.vision.counters(), **forgotten}
 
     def prefix_info(self, cache_salt: str | None, images: list[str | None] | None = None) -> list[dict] | None:
         """What the compact prefix the session's next question would attach kept of each image:
@@ -322,6 +353,45 @@ class Engine:
             if self.loop.closed:
                 raise PrismError("engine is closed")
             return None if reuse is None else reuse.prefix_info(self.options.salt(cache_salt), images)
+
+    def forget(self, cache_salt: str) -> Forgotten:
+        """Drop everything the engine keeps of one session (cache salt), at once: its prefix-cache
+        entries (public prefixes and conversation extensions; their pages go back to the pool),
+        its vision features, its processed images and decoded clips, and its vision encoder CUDA
+        graphs with their sightings. Its next question is a miss that runs the vision encoder
+        again; other salts' entries are untouched.
+
+        A request of that salt queued or running when ``forget`` is called finishes first
+        (``forget`` does not cancel it: cancel it first to end it sooner), so nothing it computed
+        is left behind; ``forget`` returns once it has and everything is dropped. A request of the
+        salt submitted meanwhile or later is a new one: it runs, and caches, as usual. Under
+        ``cache_scope="global"`` nothing is any one session's: nothing is dropped.
+
+        Returns:
+            The counts dropped (:class:`Forgotten`), also added to ``stats()``'s ``forgotten_*``.
+
+        Raises:
+            InvalidRequestError: ``cache_salt`` is not a non-empty string (the empty salt is the
+                anonymous session every request without a salt shares).
+            PrismError: the engine is closed.
+        """
+        if not isinstance(cache_salt, str) or not cache_salt:
+            raise InvalidRequestError("forget needs a session's cache salt (a non-empty string)")
+        with self.loop.paused():
+            if self.loop.closed:
+                raise PrismError("engine is closed")
+            if self.options.salt(cache_salt) != cache_salt:  # cache_scope="global": no session has its own
+                return Forgotten()
+            self.loop.wait_for_salt(cache_salt)
+            if self.loop.closed:  # it stopped while the salt's requests ran
+                raise PrismError("engine is closed")
+            cache = self.prefix_cache
+            entries = cache.forget(cache_salt) if cache is not None else 0
+            features, graphs = self.vision.forget(cache_salt)
+            images, videos = self.prompts.forget(cache_salt)
+            done = Forgotten(1, entries, features, images, videos, graphs)
+            self.forgotten += done
+            return done
 
     def count_prompt_tokens(self, messages, *, cache_salt: str | None = None) -> int:
         """Prompt length in tokens of ``messages`` (images processed and cached under

@@ -97,7 +97,8 @@ def env(tmp_path_factory, tiny_engine_factory, live_server):
         server = live_server(create_app(settings, store, loader, chat))
         config = httpx.get(server.url + "/config", timeout=TIMEOUT_S).json()
         events = {d["api_name"]: d["id"] for d in config["dependencies"]}
-        yield types.SimpleNamespace(url=server.url, store=store, data=data, uploads=uploads, events=events)
+        yield types.SimpleNamespace(url=server.url, store=store, data=data, uploads=uploads, events=events,
+                                    engine=engine, chat=chat)
     finally:
         if previous is None:
             os.environ.pop("GRADIO_TEMP_DIR", None)
@@ -282,6 +283,124 @@ def test_the_server_fetches_no_url_a_client_names(env):
     assert looked_up == []
 
 
+# ---------------------------------------------------------------------------------- issue 30.1: sessions
+def test_a_gradio_session_id_reads_nothing_without_its_owners_cookie(env):
+    """Attacker: the owner's Gradio ``session_hash`` (drawn with Math.random(), sent in URLs), and
+    no cookie or a cookie of their own. Before the fix ``GET /gradio_api/queue/data?session_hash=H``
+    streamed the owner's question and answer (and took those messages from the owner's stream).
+    Now every route naming H answers 403 to anyone but the owner who first named it, and the
+    owner's own stream still gets its whole answer."""
+    owner = Browser(env)
+    joined = owner.join("answer", [None, "Where is the secret meeting?", 0.0, 16, False])
+    assert joined.status_code == 200, joined.text
+    h = owner.session_hash
+    # a short timeout: an event stream that answers (the bug) would hold the request open
+    strangers = [httpx.Client(base_url=env.url, timeout=LIVENESS_S), Browser(env).http]  # no cookie; their own
+    strangers[1].timeout = httpx.Timeout(LIVENESS_S)
+    for http in strangers:
+        expected = "needs the Prism cookie" if "prism_owner" not in http.cookies else "another browser"
+        attempts = [http.get("/gradio_api/queue/data", params={"session_hash": h}),
+                    http.get(f"/gradio_api/heartbeat/{h}"),
+                    http.post("/gradio_api/queue/join", json={"data": [None], "fn_index": env.events["new_session"],
+                                                               "session_hash": h, "trigger_id": None}),
+                    http.post("/gradio_api/cancel", json={"session_hash": h, "fn_index": 0, "event_id": "x"})]
+        for r in attempts:
+            assert r.status_code == 403 and expected in r.json()["detail"], (r.request.url, r.text)
+            assert "secret meeting" not in r.text
+    done = owner.completion(joined.json()["event_id"])
+    assert done["success"] and "Where is the secret meeting?" in json.dumps(done["output"])
+
+
+def test_a_session_id_first_named_without_a_cookie_is_not_bound_to_anyone(env):
+    """A cookieless client naming a fresh session id is refused and claims nothing: the browser
+    that names it next (with its cookie) owns it."""
+    h = uuid.uuid4().hex[:12]
+    r = httpx.get(env.url + "/gradio_api/queue/data", params={"session_hash": h}, timeout=TIMEOUT_S)
+    assert r.status_code == 403
+    owner = Browser(env)
+    owner.session_hash = h
+    status, done = owner.event("new_session", [])
+    assert status == 200 and done["success"], done
+
+
+def test_session_owners_are_bounded_and_a_live_session_stays():
+    """The bindings are bounded (a flood of new session ids cannot grow memory without end): the
+    least recently used goes first, and one still in use (a live page polls) stays bound."""
+    from app.gradio_guard import SessionOwners
+
+    owners = SessionOwners(max_sessions=2)
+    assert owners.claim("live", "a" * 32) and owners.claim("old", "b" * 32)
+    assert owners.claim("live", "a" * 32) and not owners.claim("live", "b" * 32)  # used again: most recent
+    assert owners.claim("flood", "c" * 32) and len(owners) == 2  # "old" went
+    assert not owners.claim("live", "c" * 32)
+    assert owners.claim("old", "c" * 32)  # forgotten: claimed anew
+
+
+def test_deep_links_are_off_and_their_snapshots_are_swept(env):
+    """Attacker: Gradio's deep links. ``GET /gradio_api/deep_link?session_hash=H`` wrote a snapshot
+    of the owner's page (the chat) under ``<data>/tmp/deep_links/`` and returned its id;
+    ``/config?deep_link=<id>`` gave the chat back to anyone, and the snapshot outlived deleting the
+    chat. Now all three routes answer 404, and a snapshot left there (by an older server) is swept
+    when a chat is deleted."""
+    owner = Browser(env)
+    status, done = owner.event("answer", [None, "The vault code is 4711", 0.0, 16, False])
+    assert status == 200 and done["success"], done
+    for path in (f"/gradio_api/deep_link?session_hash={owner.session_hash}", "/config?deep_link=abc",
+                 "/?deep_link=abc", "/gradio_api/deep_link"):
+        r = owner.http.get(path)
+        assert r.status_code == 404 and r.json()["detail"] == "deep links are off on this server", path
+    assert not (env.uploads / "deep_links").exists()
+    snapshot = env.uploads / "deep_links" / "left-by-an-older-server" / "state.json"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.write_text('[{"value": "The vault code is 4711"}]')
+    [session] = env.store.list_sessions(owner.owner)
+    status, done = owner.event("delete", [session.id])
+    assert status == 200 and done["success"], done
+    assert env.store.list_sessions(owner.owner) == [] and not (env.uploads / "deep_links").exists()
+
+
+def test_gradio_monitoring_is_closed(env):
+    """Attacker: Gradio's ``/monitoring/summary`` (per-event counts and latencies, e.g. how many
+    shares were created), open to anyone even where ``/metrics`` needs a key. Now 404, as are the
+    dashboard's routes."""
+    stranger = httpx.Client(base_url=env.url, timeout=TIMEOUT_S)
+    for path in ("/monitoring/summary", "/monitoring", "/monitoring/", "/monitoring/some-key"):
+        r = stranger.get(path)
+        assert r.status_code == 404 and "monitoring is off" in r.json()["detail"], (path, r.text)
+        assert "create_share" not in r.text
+
+
+def test_deleting_a_chat_makes_the_engine_forget_it_and_revoking_a_share_too(env, media_path):
+    """A chat's images were asked about (its prefix, vision features and processed pixels are in
+    the engine). Deleting it has the engine forget its salt: nothing of it is left there, and the
+    engine's counters say so; another owner's chat keeps its cached prefix. Revoking a share
+    forgets the shared session's salt as well (in a thread of its own, joined here)."""
+    photo = ("astronaut.png", media_path("astronaut.png").read_bytes())
+    users = [Browser(env), Browser(env)]
+    for user in users:
+        status, done = user.event("add_images", [None, [file_data(p) for p in user.upload(photo)]])
+        assert status == 200 and done["success"], done
+        [session] = env.store.list_sessions(user.owner)
+        status, done = user.event("answer", [session.id, "What is this?", 0.0, 16, False])
+        assert status == 200 and done["success"], done
+    victim, other = (env.store.list_sessions(u.owner)[0] for u in users)
+    entries = env.engine.prefix_cache.entries
+    assert any(e.salt == victim.cache_salt for e in entries) and any(e.salt == other.cache_salt for e in entries)
+    forgotten = env.engine.stats()["forgotten_sessions"]
+
+    status, done = users[0].event("delete", [victim.id])
+
+    assert status == 200 and done["success"], done
+    assert env.engine.stats()["forgotten_sessions"] == forgotten + 1
+    salts = {e.salt for e in env.engine.prefix_cache.entries}
+    assert victim.cache_salt not in salts and other.cache_salt in salts
+    token, share = env.store.create_share(other.id, users[1].owner, "continue")
+    env.chat.revoke_share(other.id, users[1].owner, share.id).join(TIMEOUT_S)
+    assert other.cache_salt not in {e.salt for e in env.engine.prefix_cache.entries}
+    assert env.engine.stats()["forgotten_sessions"] == forgotten + 2
+    assert env.store.resolve_share(token) is None
+
+
 # ---------------------------------------------------------------------------------- 7: leftovers
 def test_uploads_leave_nothing_behind_in_the_upload_folder(env, media_path):
     """A user uploads a photo and a text file, then adds both: the photo is stored, the text file
@@ -291,7 +410,7 @@ def test_uploads_leave_nothing_behind_in_the_upload_folder(env, media_path):
     refused at the door (it also names ``/etc/passwd``) takes its good uploads with it."""
     user = Browser(env)
     paths = user.upload(("astronaut.png", media_path("astronaut.png").read_bytes()), ("notes.txt", b"hello"))
-    assert all(Path(p).parent.parent == env.uploads for p in paths)
+    assert all((env.uploads / p).is_file() for p in paths)
     status, done = user.event("add_images", [None, [file_data(p) for p in paths]])
     assert status == 200 and done["success"], done
     assert "notes.txt" in notice(done) and "not an image" in notice(done)
@@ -304,6 +423,46 @@ def test_uploads_leave_nothing_behind_in_the_upload_folder(env, media_path):
     assert status == 400 and "/etc/passwd" in refused["detail"]
     assert files_in(env.uploads) == []
     assert len(env.store.list_sessions(user.owner)[0].image_shas) == 1
+
+
+def test_the_upload_reply_hides_the_data_dir_and_an_event_may_name_either_form(env, media_path):
+    """Attacker: any visitor, reading the upload reply. It named each upload by its absolute path,
+    showing where the server's data dir is. Now it names ``<64 hex>/<name>``, relative to the
+    upload folder; an event naming that (or the absolute path, as before) adds the file."""
+    user = Browser(env)
+    [name] = user.upload(("astronaut.png", media_path("astronaut.png").read_bytes()))
+    assert not os.path.isabs(name) and str(env.data) not in name and str(env.uploads) not in name
+    assert len(Path(name).parts) == 2 and (env.uploads / name).is_file()
+    status, done = user.event("add_images", [None, [file_data(name)]])
+    assert status == 200 and done["success"], done
+    assert len(env.store.list_sessions(user.owner)[0].image_shas) == 1 and files_in(env.uploads) == []
+    [other] = user.upload(("coffee.png", media_path("coffee.png").read_bytes()))
+    status, done = user.event("add_images", [None, [file_data(env.uploads / other)]])
+    assert status == 200 and done["success"], done
+    assert len(env.store.list_sessions(user.owner)[0].image_shas) == 2
+    for bad in (f"../{other}", f"{other}/..", "not-hex/x.png", f"{Path(other).parent}/"):
+        status, refused = user.event("add_images", [None, [file_data(bad)]])
+        assert status == 400 and "not one of your uploads" in refused["detail"], bad
+
+
+def test_an_upload_is_not_readable_by_its_path(env, media_path):
+    """Attacker: the path of someone's upload (it lies in the data dir). Before the fix
+    ``/gradio_api/file=<path>`` served it to anyone until its event ran, or for an hour. Now 404
+    for every spelling of a path in the upload folder, to the uploader too (the page never reads an
+    upload back)."""
+    user = Browser(env)
+    [name] = user.upload(("astronaut.png", media_path("astronaut.png").read_bytes()))
+    path = str(env.uploads / name)
+    stranger = httpx.Client(base_url=env.url, timeout=TIMEOUT_S)
+    dotted = str(env.uploads / ".." / env.uploads.name / name)
+    for http in (stranger, user.http):
+        for spelling in (f"/gradio_api/file={path}", f"/gradio_api/file/{path}", f"/gradio_api/file={dotted}",
+                         f"/gradio_api/file={quote(path)}"):
+            r = http.get(spelling)
+            assert r.status_code == 404 and r.json()["detail"] == "uploads are not served back", (spelling, r.text)
+    from app.gradio_guard import UploadFolder
+
+    UploadFolder(env.uploads, 1 << 30).discard(path)  # no event uses it: leave the folder empty for the others
 
 
 def test_a_malformed_upload_gets_400_not_500(env):
@@ -708,3 +867,19 @@ def test_fuzz_the_http_surface(env):
         assert health.get("/healthz").status_code == 200
 
     fuzz()
+
+
+def test_the_demo_checkpoint_is_private_like_the_rest_of_the_data_dir(tmp_path):
+    """Attacker: another user of the machine. The demo model's weights were 0644 in a 0700
+    folder (the tiny builder's chmod). Now every file of the demo checkpoint the app builds is
+    0600 and every folder 0700, and an existing one from before is tightened when it is used."""
+    from app.model_loader import demo_checkpoint
+
+    def loose(folder: Path) -> list[str]:
+        return [str(p) for p in [folder, *folder.rglob("*")] if stat.S_IMODE(p.lstat().st_mode) & 0o077]
+
+    folder = demo_checkpoint(tmp_path)
+    assert (folder / "model.safetensors").is_file() and loose(folder) == []
+    os.chmod(folder / "model.safetensors", 0o644)  # as a server before the fix left it
+    os.chmod(folder, 0o755)
+    assert demo_checkpoint(tmp_path) == folder and loose(folder) == []

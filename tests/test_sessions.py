@@ -436,6 +436,27 @@ def test_fork_session(store, alice, bob, photos):
         store.fork_session(store.resolve_share("unknown-token"), bob)
 
 
+def test_an_image_file_goes_with_the_last_session_holding_it(store, alice, bob, photos):
+    """Images are content-addressed and shared by forks and by other owners' uploads of the same
+    bytes (issue 30.1): deleting or removing it from one holder keeps the file for the others;
+    it goes when no session holds it."""
+    cat = sha(photos["chelsea.png"])
+    session = store.create_session(alice)
+    store.add_image(session.id, alice, photos["chelsea.png"])
+    token, _ = store.create_share(session.id, alice, "continue")
+    fork = store.fork_session(store.resolve_share(token), bob)
+    stranger = store.create_session(bob)
+    store.add_image(stranger.id, bob, photos["chelsea.png"])  # the same bytes, uploaded on their own
+    path = store.image_path(cat)
+
+    store.delete_session(session.id, alice)
+    assert path.is_file() and store.has_image(fork.id, cat)
+    store.remove_image(fork.id, bob, cat)
+    assert path.is_file() and store.image_path(cat) == path  # the stranger's session still holds it
+    store.delete_session(stranger.id, bob)
+    assert not path.exists() and store.image_path(cat) is None and stored_files(store) == []
+
+
 def test_public_dict_hides_secrets(store, alice):
     session = store.create_session(alice, "Public view")
     public = session.to_public_dict()

@@ -236,3 +236,20 @@ def test_a_graph_one_session_earned_is_not_replayed_for_another(tiny_engine_fact
     assert steps == [(1, 0, 0), (1, 1, 0), (1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2)]
     stats = engine.stats()
     assert (stats["vision_graph_captures"], stats["vision_graph_replays"]) == (2, 2)
+
+
+def test_a_forgotten_scope_starts_eager_again_and_other_scopes_keep_their_graphs(model, photo_inputs):
+    """Engine.forget (issue 30.1): a forgotten session's graphs and sightings go, so its next call
+    of the same images runs eagerly as a first sighting; another scope's graph still replays."""
+    graphs = EagerStandIn(model)
+    pixels, grids = photo_inputs["square"]
+    for scope in ("victim", "other"):
+        graphs(pixels, grids, scope)
+        graphs(pixels, grids, scope)  # captured
+    assert graphs.captures == 2
+    assert graphs.forget("victim") == 1
+    eager, replays = graphs.eager_runs, graphs.replays
+    graphs(pixels, grids, "victim")
+    assert (graphs.eager_runs, graphs.replays, graphs.captures) == (eager + 1, replays, 2)  # a first sighting
+    graphs(pixels, grids, "other")
+    assert graphs.replays == replays + 1

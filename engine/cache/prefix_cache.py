@@ -404,16 +404,36 @@ class PrefixCache:
         return len(freed)
 
     def evict(self, entry: PrefixEntry) -> None:
+        self._remove(entry)
+        if entry.parent is None:
+            self.stats.prefix_evictions += 1
+        else:
+            self.stats.extension_evictions += 1
+
+    def forget(self, salt: str) -> int:
+        """Drop every entry of ``salt``, its prefixes and their extensions, whether or not a
+        request reads one: the cache's references on their pages go now, and a request that
+        attached an entry keeps its own (its pages are freed when it finishes; it keeps no
+        conversation extension of a dropped entry). Not counted as evictions. Returns how many
+        entries went."""
+        gone = 0
+        for entry in [e for e in self.prefixes.values() if e.salt == salt]:
+            for child in list(entry.children):
+                self._remove(child)
+                gone += 1
+            self._remove(entry)
+            gone += 1
+        return gone
+
+    def _remove(self, entry: PrefixEntry) -> None:
         entry.alive = False
         self.pool.release(entry.pages)
         entry.pages = []
         if entry.parent is None:
             if self.prefixes.get(entry.key) is entry:
                 del self.prefixes[entry.key]
-            self.stats.prefix_evictions += 1
         else:
             entry.parent.children.remove(entry)
-            self.stats.extension_evictions += 1
 
     def clear(self) -> None:
         """Evict every entry that no running request uses."""

@@ -81,6 +81,18 @@ class VisionGraphs:
         with self._lock:
             return self._encode(pixels, (scope, tuple(tuple(int(x) for x in g) for g in grids)))
 
+    def forget(self, scope: str) -> int:
+        """Drop the scope's graphs, sightings and eager-only marks (its next call of a combination
+        runs eagerly again, as a first sighting); returns how many graphs went."""
+        with self._lock:
+            graphs = [k for k in self._graphs if k[0] == scope]
+            for key in graphs:
+                del self._graphs[key]
+            for key in [k for k in self._seen if k[0] == scope]:
+                del self._seen[key]
+            self._eager_only = {k for k in self._eager_only if k[0] != scope}
+            return len(graphs)
+
     def _encode(self, pixels: torch.Tensor, key: Key) -> VisionFeatures:
         grids = key[1]
         entry = self._graphs.get(key)

@@ -113,6 +113,14 @@ class ProcessedImages:
             self._processed.clear()
             self._cached_bytes = 0
 
+    def forget(self, salt: str) -> int:
+        """Drop the salt's processed images; returns how many went."""
+        with self._lock:
+            gone = [k for k in self._processed if k[0] == salt]
+            for key in gone:
+                self._cached_bytes -= self._processed.pop(key).nbytes
+            return len(gone)
+
     def sources(self, images: list, claims: list[str | None]) -> list[Source]:
         """Each image part with its cache key: its claimed digest, else :meth:`_source` (side by
         side; an object given twice is read once: a lazily decoded PIL image must not be decoded

@@ -289,6 +289,10 @@ class PromptBuilder:
         """Images in the processed-image cache (one per salt and image)."""
         return self.images.cache_entries
 
+    def forget(self, salt: str) -> tuple[int, int]:
+        """Drop what this builder keeps of the salt: ``(processed images, decoded clips)`` dropped."""
+        return self.images.forget(salt), self.videos.forget(salt)
+
     def counters(self) -> dict:
         """The processed-image cache's part of :meth:`Engine.stats() <engine.Engine.stats>`: hits,
         entries and cached PIL images refused for another size or grid."""

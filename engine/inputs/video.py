@@ -358,6 +358,14 @@ class DecodedVideos:
     def entries(self) -> int:
         return len(self._entries)
 
+    def forget(self, salt: str) -> int:
+        """Drop the salt's decoded clips; returns how many went."""
+        with self._lock:
+            gone = [k for k in self._entries if k[0] == salt]
+            for key in gone:
+                self._bytes -= self._entries.pop(key).frames.nbytes
+            return len(gone)
+
     def get(self, source, salt: str) -> DecodedVideo:
         """The clip's sampled frames (see :func:`decode_video`), from the cache when this salt
         decoded the same bytes before.

@@ -66,6 +66,12 @@ class VisionLookup:
                 ran = True
         return out, ran
 
+    def forget(self, salt: str) -> tuple[int, int]:
+        """Drop the salt's vision features and, with CUDA graphs, its graphs and sightings:
+        ``(features dropped, graphs dropped)``."""
+        graphs = self.encoder.forget(salt) if isinstance(self.encoder, VisionGraphs) else 0
+        return self.cache.forget(salt), graphs
+
     def counters(self) -> dict:
         """The lookup's part of :meth:`Engine.stats() <engine.Engine.stats>`: the vision-feature
         cache's hits and entries; with the encoder's CUDA graphs, their eager runs, captures and
@@ -81,7 +87,7 @@ class VisionLookup:
         """Features of the prompt's images ``indices``: from the session's vision-feature cache,
         the others encoded together. Returns them in order and whether the encoder ran."""
         merge2 = self.merge_size ** 2
-        keys = [f"{salt}|{self.namespace}|{prompt.image_hashes[i]}|{prompt.image_grids[i]}" for i in indices]
+        keys = [(salt, f"{self.namespace}|{prompt.image_hashes[i]}|{prompt.image_grids[i]}") for i in indices]
         found = [self.cache.get(k) for k in keys]
         missing = [j for j, f in enumerate(found) if f is None]
         if missing:

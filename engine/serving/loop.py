@@ -117,6 +117,14 @@ class EngineLoop:
             if wait:
                 self._cv.wait_for(lambda: req.status is Status.FINISHED or not self._thread.is_alive(), timeout=60)
 
+    def wait_for_salt(self, salt: str) -> None:
+        """Return once every request of ``salt`` that is queued or running now has finished
+        (requests submitted later are not waited for), or the loop has stopped. Holds the lock
+        while it checks, so it returns between steps: no step of those requests is in flight."""
+        with self._cv:
+            pending = [r for r in (*self._inbox, *self.scheduler.waiting, *self.scheduler.running) if r.salt == salt]
+            self._cv.wait_for(lambda: all(r.status is Status.FINISHED for r in pending) or not self._thread.is_alive())
+
     def stream(self, req: Request) -> Iterator[str | Completion]:
         """Yield ``req``'s text deltas, then its :class:`Completion`; raise the error it failed with.
         Closing the iterator early cancels the request."""

@@ -350,4 +350,28 @@ MUTANTS: list[Mutant] = [
         "own = None if scores is None else {name: torch.arange(span.length, 0, -1).float() for name in scores}",
         ("tests/test_selectors.py",),
     ),
+    Mutant(
+        "forget-does-not-wait",
+        "Engine.forget drops at once: a request of the salt still queued or running caches its prefix after it",
+        "engine/engine.py",
+        "            self.loop.wait_for_salt(cache_salt)\n",
+        "",
+        ("tests/test_forget.py::test_forget_waits_for_the_salts_queued_and_running_requests",),
+    ),
+    Mutant(
+        "forget-keeps-vision-features",
+        "Engine.forget leaves the salt's vision features: its next question skips the vision encoder",
+        "engine/inputs/vision_features.py",
+        "return self.cache.forget(salt), graphs",
+        "return 0, graphs",
+        ("tests/test_forget.py::test_a_forgotten_session_starts_from_scratch_and_another_keeps_its_caches",),
+    ),
+    Mutant(
+        "gradio-session-any-owner",
+        "a Gradio session id is served to any owner cookie, not only the one that opened it",
+        "app/gradio_guard.py",
+        "return hmac.compare_digest(bound, digest)",
+        "return True",
+        ("tests/test_app_security.py::test_a_gradio_session_id_reads_nothing_without_its_owners_cookie",),
+    ),
 ]
