@@ -90,7 +90,9 @@ class APIError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        # a message may echo client text: a lone surrogate in it must not make the 4xx a 500
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        body = {"error": {"message": message, "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -251,6 +253,15 @@ def _is_json(request: Request) -> bool:
     return media_type == "application/json"
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` has no lone UTF-16 surrogate (UTF-8 cannot encode one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
@@ -343,6 +354,8 @@ class OpenAIAPI:
             return
         if not isinstance(model, str):
             raise _bad("model must be a string (the id GET /v1/models lists), or left out", "model")
+        if not _is_unicode(model):
+            raise _bad("model is not valid Unicode (an unpaired UTF-16 surrogate)", "model")
         served = self.loader.model_id
         if served is not None and model != served:
             shown = model if len(model) <= 200 else model[:199] + "…"
@@ -419,6 +432,8 @@ class OpenAIAPI:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise _bad("the request body must be JSON") from None
+        except RecursionError:  # json's decoder recurses per level: ~1,000 brackets (2 KB) reach the limit
+            raise _bad("the request body nests JSON too deeply") from None
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
         return body
