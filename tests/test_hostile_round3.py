@@ -132,3 +132,78 @@ def test_fuzz_every_v1_body_for_depth(client):
         assert r.status_code < 500, (place, depth, r.status_code, r.text[:300])
 
     fuzz()
+
+
+# ------------------------------------------------------------------ item 4: clips open no other file
+def _playlists(canary) -> dict[str, bytes]:
+    """Clip bodies that ask FFmpeg to open ``canary``: a concat list, an HLS playlist, a concat
+    list naming it through the ``subfile:`` protocol, and each behind an MP4 name."""
+    return {
+        "ffconcat": f"ffconcat version 1.0\nfile '{canary}'\n".encode(),
+        "hls": f"#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1.0,\n{canary}\n#EXT-X-ENDLIST\n".encode(),
+        "subfile": f"ffconcat version 1.0\nfile 'subfile,,start,0,end,0,,:{canary}'\n".encode(),
+    }
+
+
+@pytest.fixture()
+def canary(tmp_path, media_path, monkeypatch):
+    """A real clip in the working directory (FFmpeg's concat demuxer opens relative names without
+    complaint), whose atime is set a day before its mtime, so that any read of it (relatime
+    included) moves its atime; the fixture first checks that a read does."""
+    import os
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "canary.mp4"
+    shutil.copy(media_path("pan.mp4"), path)
+
+    def age():
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_mtime_ns - 86_400 * 10**9, st.st_mtime_ns))
+        return os.stat(path).st_atime_ns
+
+    before = age()
+    path.read_bytes()
+    if os.stat(path).st_atime_ns == before:
+        pytest.fail("this filesystem does not update atimes (noatime): the canary cannot tell a read")
+    from types import SimpleNamespace
+
+    return SimpleNamespace(path=path, age=age)
+
+
+@pytest.mark.parametrize("kind", ["ffconcat", "hls", "subfile"])
+def test_a_playlist_clip_opens_no_file(kind, canary, client):
+    """Attacker: a ``video_url`` (and a direct :func:`decode_video` call, as an uploaded
+    ``clip.mp4``) whose bytes are a concat list, an HLS playlist or a ``subfile:`` reference to a
+    file on the server. Before, FFmpeg probed its demuxers, found the list and opened the file;
+    now the demuxer is chosen from the first bytes, the list is refused with a 400 and the
+    canary's atime does not move."""
+    import base64
+    import os
+
+    from engine.errors import InvalidVideoError
+    from engine.inputs.video import decode_video
+
+    data = _playlists(canary.path.name)[kind]
+    before = canary.age()
+    with pytest.raises(InvalidVideoError, match="not a video Prism can read"):
+        decode_video(data)
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    r = client.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what happens?"}]}]})
+    assert r.status_code == 400, r.text
+    assert os.stat(canary.path).st_atime_ns == before, "the server opened the file the playlist names"
+
+
+def test_video_demuxer_is_named_from_the_first_bytes(media_path):
+    """Only MP4/MOV, WebM/Matroska and GIF get a demuxer; anything else never reaches FFmpeg."""
+    from engine.errors import InvalidVideoError
+    from engine.inputs.video import video_demuxer
+
+    assert video_demuxer(media_path("pan.mp4").read_bytes()) == "mov"
+    assert video_demuxer(media_path("pan.gif").read_bytes()) == "gif"
+    assert video_demuxer(b"\x1a\x45\xdf\xa3" + b"\0" * 40) == "matroska"
+    for data in (b"ffconcat version 1.0\n", b"#EXTM3U\n", b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"RIFF....AVI ",
+                 b"\x00\x00\x01\xba", b"", b"GIF8"):
+        with pytest.raises(InvalidVideoError):
+            video_demuxer(data)

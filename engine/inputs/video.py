@@ -7,7 +7,9 @@ can act on:
 
 * the file's size (``max_bytes``), checked before reading a path;
 * the container and codec: only MP4/MOV, Matroska/WebM and GIF containers holding H.264, HEVC,
-  VP8, VP9, AV1, MPEG-4 part 2 or GIF video are opened;
+  VP8, VP9, AV1, MPEG-4 part 2 or GIF video are opened, each with its demuxer named from the
+  file's first bytes (:func:`video_demuxer`), so FFmpeg never probes the demuxers that open other
+  files (concat lists, HLS playlists, image sequences);
 * the stream's claimed frame size (``max_frame_pixels``), frame count (``max_frames``) and
   duration (``max_duration_s``), from the header, before any frame is decoded; then the decode
   work (frames up to the last sampled one x their pixels, ``max_decode_pixels``) and the sampled
@@ -41,10 +43,11 @@ import numpy as np
 from ..errors import InvalidVideoError
 
 __all__ = ["DecodedVideo", "DecodedVideos", "InvalidVideoError", "VideoOptions", "VideoSampling", "decode_video",
-           "poster_jpeg", "read_video_bytes", "sample_indices", "sniff_video"]
+           "poster_jpeg", "read_video_bytes", "sample_indices", "sniff_video", "video_demuxer"]
 
-#: FFmpeg's demuxer names for the containers we open (MP4/MOV and Matroska/WebM share a demuxer).
-_CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "gif"})
+#: FFmpeg's demuxer names for the containers we open (MP4/MOV and Matroska/WebM share a demuxer;
+#: opened by name, the container reports the name it was opened with).
+_CONTAINERS = frozenset({"mov", "matroska", "gif", "mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm"})
 #: FFmpeg's decoder names for the video codecs we decode.
 _CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "libdav1d", "mpeg4", "gif", "libvpx", "libvpx-vp9"})
 _NOT_A_VIDEO = ("The file is not a video Prism can read, or it is damaged or truncated (supported: MP4, "
@@ -206,8 +209,9 @@ def decode_video(source, sampling: VideoSampling | None = None, options: VideoOp
 
     sampling, options = sampling or VideoSampling(), options or VideoOptions()
     data = read_video_bytes(source, options)
+    demuxer = video_demuxer(data)
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        container = av.open(io.BytesIO(data), mode="r", format=demuxer, metadata_errors="ignore")
     except (av.FFmpegError, ValueError, UnicodeDecodeError) as e:
         raise InvalidVideoError(_NOT_A_VIDEO) from e
     with container:
@@ -307,6 +311,26 @@ def _decode(container, stream, indices: list[int], size: tuple[int, int], option
         raise InvalidVideoError(f"The video file ends early: its header promises frames up to {last + 1}, "
                                 f"the file holds fewer. It is truncated or damaged; upload it again.")
     return frames
+
+
+#: The FFmpeg demuxer each container we open is read with, by :func:`sniff_video`'s answer (and
+#: the GIF header). Named, never probed: FFmpeg's probe would also try the demuxers that open
+#: other files (concat lists, HLS playlists, image2 sequences), relative to the working directory.
+_DEMUXERS = {"video/mp4": "mov", "video/webm": "matroska", "image/gif": "gif"}
+
+
+def video_demuxer(data: bytes) -> str:
+    """The FFmpeg demuxer to read a video file with, from its first bytes: ``"mov"`` (MP4/MOV),
+    ``"matroska"`` (WebM/Matroska) or ``"gif"``.
+
+    Raises:
+        InvalidVideoError: any other file (a playlist, a concat list, an image, text...): it is
+            never handed to FFmpeg.
+    """
+    kind = sniff_video(data) or ("image/gif" if data.startswith((b"GIF87a", b"GIF89a")) else None)
+    if kind is None:
+        raise InvalidVideoError(_NOT_A_VIDEO)
+    return _DEMUXERS[kind]
 
 
 def sniff_video(data: bytes) -> str | None:
