@@ -207,3 +207,45 @@ def test_video_demuxer_is_named_from_the_first_bytes(media_path):
                  b"\x00\x00\x01\xba", b"", b"GIF8"):
         with pytest.raises(InvalidVideoError):
             video_demuxer(data)
+
+
+# ------------------------------------------------------------------ item 7: a truncated WebM
+def _webm(frames: int = 40, rate: int = 10) -> bytes:
+    """A VP8 WebM of ``frames`` 64x48 frames at ``rate`` fps (a bar moving right), written by PyAV."""
+    import io
+
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="webm") as out:
+        stream = out.add_stream("libvpx", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(frames):
+            rgb = np.zeros((48, 64, 3), np.uint8)
+            rgb[:, (i * 3) % 64] = 255
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def test_a_webm_truncated_at_half_is_refused(client):
+    """Attacker (or a broken upload): a 4 s WebM cut at 50% of its bytes. Before, it demuxed
+    cleanly and was answered as a 1.4 s clip; now "ends early" (the engine's error, a 400 on /v1),
+    while the whole file decodes."""
+    import base64
+
+    from engine.errors import InvalidVideoError
+    from engine.inputs.video import decode_video
+
+    whole = _webm()
+    assert decode_video(whole).total_frames == 40
+    half = whole[: len(whole) // 2]
+    with pytest.raises(InvalidVideoError, match="ends early"):
+        decode_video(half)
+    url = "data:video/webm;base64," + base64.b64encode(half).decode()
+    r = client.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what happens?"}]}]})
+    assert r.status_code == 400 and "ends early" in r.json()["error"]["message"], r.text

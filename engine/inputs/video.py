@@ -15,7 +15,9 @@ can act on:
   work (frames up to the last sampled one x their pixels, ``max_decode_pixels``) and the sampled
   frames' RGB bytes (``max_sampled_bytes``);
 * while decoding: a frame of another size than the header claims, a decoder error, a wall-clock
-  deadline (``max_decode_s``), and a file that ends before the last sampled frame (truncated).
+  deadline (``max_decode_s``), and a file that ends before the last sampled frame (truncated);
+  a file whose frames are counted (WebM, GIF) and end well before the duration its header declares
+  is refused as truncated before decoding.
 
 Sampling (the source: ``Qwen3VLVideoProcessor.sample_frames`` and ``read_video_pyav`` in
 transformers 5.24, ``transformers/models/qwen3_vl/video_processing_qwen3_vl.py`` and
@@ -253,6 +255,7 @@ def _frame_count_and_rate(container, stream, options: VideoOptions) -> tuple[int
     total = int(stream.frames or 0)
     if total == 0:
         total = _count_packets(container, stream, options)
+        _check_not_cut_short(container, total, fps)
     if total > options.max_frames or total / fps > options.max_duration_s:
         raise InvalidVideoError(f"The video is {total / fps:.1f} s long ({total:,} frames); Prism takes clips "
                                 f"of up to {options.max_duration_s:g} s and {options.max_frames:,} frames. Trim it.")
@@ -275,6 +278,19 @@ def _count_packets(container, stream, options: VideoOptions) -> int:
     except av.FFmpegError as e:
         raise InvalidVideoError("The video file is damaged or truncated. Upload it again.") from e
     return count
+
+
+def _check_not_cut_short(container, counted: int, fps: float) -> None:
+    """Refuse a file whose counted frames end well before the duration its header declares
+    (Matroska's segment duration, written before the frames): a WebM cut short still demuxes
+    cleanly, so the packet count alone cannot tell. Slack of 10% and one frame, for rounding and
+    variable frame rates."""
+    import av
+
+    declared = container.duration / av.time_base if container.duration else 0.0
+    if declared > 0 and counted / fps < 0.9 * declared - 1 / fps:
+        raise InvalidVideoError(f"The video file ends early: its header says {declared:.1f} s, the file holds "
+                                f"{counted / fps:.1f} s. It is truncated or damaged; upload it again.")
 
 
 def _check_work(indices: list[int], frame_pixels: int, options: VideoOptions) -> None:
@@ -317,10 +333,13 @@ def _decode(container, stream, indices: list[int], size: tuple[int, int], option
 #: the GIF header). Named, never probed: FFmpeg's probe would also try the demuxers that open
 #: other files (concat lists, HLS playlists, image2 sequences), relative to the working directory.
 _DEMUXERS = {"video/mp4": "mov", "video/webm": "matroska", "image/gif": "gif"}
+#: Top-level QuickTime boxes a MOV may open with instead of ``ftyp``.
+_QUICKTIME_FIRST_BOXES = frozenset({b"free", b"wide", b"skip", b"moov", b"mdat", b"pnot"})
 
 
 def video_demuxer(data: bytes) -> str:
-    """The FFmpeg demuxer to read a video file with, from its first bytes: ``"mov"`` (MP4/MOV),
+    """The FFmpeg demuxer to read a video file with, from its first bytes: ``"mov"`` (MP4/MOV: an
+    ``ftyp`` box, or a QuickTime ``free``/``wide``/``skip``/``moov``/``mdat``/``pnot`` box first),
     ``"matroska"`` (WebM/Matroska) or ``"gif"``.
 
     Raises:
@@ -328,6 +347,8 @@ def video_demuxer(data: bytes) -> str:
             never handed to FFmpeg.
     """
     kind = sniff_video(data) or ("image/gif" if data.startswith((b"GIF87a", b"GIF89a")) else None)
+    if kind is None and len(data) >= 8 and data[4:8] in _QUICKTIME_FIRST_BOXES:
+        kind = "video/mp4"  # older QuickTime writers put padding or the movie box before any ftyp
     if kind is None:
         raise InvalidVideoError(_NOT_A_VIDEO)
     return _DEMUXERS[kind]
