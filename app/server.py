@@ -53,7 +53,7 @@ from .gradio_guard import (
     UploadFolder,
     sweep_periodically,
 )
-from .guards import BodyCaps, BodySizeLimit, SameOriginGuard, SecurityHeaders
+from .guards import BodyCaps, BodyDeadline, BodySizeLimit, SameOriginGuard, SecurityHeaders
 from .metrics import Metrics
 from .model_loader import ModelLoader
 from .openai_api import APIError, OpenAIAPI
@@ -249,6 +249,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
         _mount_ui(app, settings, chat, loader)
     # added last = runs first: headers on every page, then origin, then body size
     app.add_middleware(BodySizeLimit, caps=BodyCaps.from_limits(settings.max_upload_bytes, settings.max_images))
+    app.add_middleware(BodyDeadline, seconds=settings.body_timeout_s)
     app.add_middleware(SameOriginGuard)
     app.add_middleware(SecurityHeaders)
     return app

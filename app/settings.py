@@ -51,6 +51,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _ratio(text: str) -> float:
     try:
         value = float(text)
@@ -91,6 +101,7 @@ class Settings:
     api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # never printed
     api_key_file: Path | None = None
     cors_origins: tuple[str, ...] = ()
+    body_timeout_s: float = 120.0
 
     @property
     def data_path(self) -> Path:
@@ -162,6 +173,9 @@ _OPTIONS = [
     ("--resize-pixels", "resize_pixels", _positive_int, None,
      "largest area an image is resized to before the vision encoder; more pixels mean more visual "
      "tokens and slower answers (Qwen3-VL allows up to 16777216, ~16k tokens for one photo)"),
+    ("--body-timeout-s", "body_timeout_s", _seconds, None,
+     "seconds a request's body may take to arrive after its headers (408 after that; slow headers "
+     "need a proxy in front)"),
     ("--api-key-file", "api_key_file", Path, None,
      "a file of API keys for /v1, one per line ('#' starts a comment line), besides any --api-key"),
 ]

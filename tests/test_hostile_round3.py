@@ -249,3 +249,78 @@ def test_a_webm_truncated_at_half_is_refused(client):
     r = client.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what happens?"}]}]})
     assert r.status_code == 400 and "ends early" in r.json()["error"]["message"], r.text
+
+
+# ------------------------------------------------------------------ item 7: a slow body
+@pytest.fixture(scope="module")
+def slow_body_server(tmp_path_factory, engine, live_server):
+    """The app (no UI) on a real uvicorn socket with a 1 s body deadline."""
+    data = tmp_path_factory.mktemp("round3-slow")
+    settings = Settings(data_dir=data, max_upload_mb=2, body_timeout_s=1.0)
+    store = SessionStore(data)
+    loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny-test", False, "test"), settings)
+    yield live_server(create_app(settings, store, loader, mount_ui=False))
+    store.close()
+
+
+def test_a_body_that_never_finishes_gets_408_and_others_are_served(slow_body_server):
+    """Attacker: 8 connections each declaring a 100 kB JSON body, sending 10 bytes of it and then
+    nothing. Before, uvicorn waited for the rest forever (no read timeout), each holding a
+    connection and a route. Now each gets 408 naming the deadline (the socket's own timeout only
+    keeps a broken test from hanging), and while they hang a normal request is answered."""
+    import socket
+
+    import httpx
+
+    host, port = slow_body_server.url.removeprefix("http://").split(":")
+    held = []
+    for _ in range(8):
+        s = socket.create_connection((host, int(port)), timeout=30)
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json"
+                  "\r\nContent-Length: 100000\r\n\r\n".encode() + b'{"messages"')
+        held.append(s)
+    assert httpx.get(slow_body_server.url + "/v1/models", timeout=30).status_code == 200
+    for s in held:
+        answer = b""
+        while chunk := s.recv(65536):  # the 408 closes the connection
+            answer += chunk
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"did not arrive within 1 s" in answer
+
+
+def test_the_body_deadline_leaves_finished_bodies_alone():
+    """ASGI-level: a body complete in time passes through untouched, and after it the app may
+    wait on ``receive`` (a stream watching for a disconnect) past the deadline without a 408."""
+    import asyncio
+
+    from app.guards import BodyDeadline
+
+    async def run():
+        sent, gone = [], asyncio.Event()
+        inbox = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            if inbox:
+                return inbox.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        async def app(scope, receive, send):
+            assert (await receive())["body"] == b"{}"
+            waiting = asyncio.ensure_future(receive())
+            await asyncio.sleep(0.3)  # past the 0.1 s deadline: the wait on the client must go on
+            assert not waiting.done()
+            gone.set()
+            assert (await waiting)["type"] == "http.disconnect"
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        await BodyDeadline(app, 0.1)({"type": "http", "path": "/v1/x", "headers": []}, receive, send)
+        return sent
+
+    sent = asyncio.run(run())
+    assert sent[0]["status"] == 200 and sent[1]["body"] == b"ok"
