@@ -151,7 +151,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     app = FastAPI(title="Prism", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.chat, app.state.loader, app.state.store, app.state.metrics = chat, loader, store, metrics
     api = OpenAIAPI(loader, max_image_bytes=settings.max_upload_bytes, api_keys=settings.api_keys,
-                    cors_origins=settings.cors_origins, metrics=metrics)
+                    cors_origins=settings.cors_origins, metrics=metrics, max_media=settings.media_per_request)
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD for load balancers' health checks
     def healthz():

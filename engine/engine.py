@@ -87,6 +87,7 @@ class Engine:
             processor, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
             merge_size=cfg.vision.spatial_merge_size, image_options=options.image_options(),
             min_pixels=options.min_pixels, max_pixels=options.max_pixels, pixel_dtype=model.dtype,
+            max_media=options.max_media_per_prompt, max_concurrent_decodes=options.max_concurrent_decodes,
         )
         options.check_cache_scope()
         self.compaction = options.compaction_config()

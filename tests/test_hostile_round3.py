@@ -324,3 +324,133 @@ def test_the_body_deadline_leaves_finished_bodies_alone():
 
     sent = asyncio.run(run())
     assert sent[0]["status"] == 200 and sent[1]["body"] == b"ok"
+
+
+# ------------------------------------------------------------------ item 2: what one request may cost
+def _peak_growth_mib(call):
+    """Run ``call()``; return (its result, the peak of Python allocations during it, MiB)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        result = call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return result, (peak - base) / 2**20
+
+
+def _gif_clips(n: int) -> list[bytes]:
+    """``n`` distinct 2-frame 32x32 GIF clips (Pillow)."""
+    import io
+
+    from PIL import Image
+
+    clips = []
+    for i in range(n):
+        frames = [Image.new("RGB", (32, 32), ((i * 7) % 256, j * 90, 40)) for j in range(3)]
+        out = io.BytesIO()
+        frames[0].save(out, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+        clips.append(out.getvalue())
+    return clips
+
+
+def _counting_decoders(monkeypatch):
+    """Count every image open and video decode the engine starts."""
+    from engine.inputs import processed_images, prompts, video
+
+    calls = {"image": 0, "video": 0}
+
+    def counted(module, name, kind):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[kind] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(video, "decode_video", "video")
+    counted(processed_images, "open_image", "image")
+    counted(prompts, "open_image", "image")
+    return calls
+
+
+def test_many_distinct_gif_clips_are_refused_before_any_decode(client, engine, monkeypatch):
+    """Attacker: 40 distinct GIF clips in one /v1 request (the issue's 8 large ones took 42 s and
+    +4.8 GiB before a 400). Now a 400 naming --max-media-per-request (16, the app's --max-images)
+    at once: nothing decoded, and the request's peak allocations stay far under 500 MiB."""
+    import base64
+
+    calls = _counting_decoders(monkeypatch)
+    parts = [{"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(c).decode()}}
+             for c in _gif_clips(40)]
+    body = {"max_tokens": 1, "messages": [{"role": "user", "content": parts + [{"type": "text", "text": "?"}]}]}
+    decodes = engine.prompts.decodes
+    r, peak = _peak_growth_mib(lambda: client.post("/v1/chat/completions", json=body))
+    assert r.status_code == 400 and "--max-media-per-request" in r.json()["error"]["message"], r.text
+    assert calls == {"image": 0, "video": 0} and engine.prompts.decodes == decodes
+    assert peak < 500, peak
+
+
+def test_four_hundred_small_jpegs_are_refused_before_any_decode(client, engine, monkeypatch, media_path):
+    """Attacker: 400 small JPEGs in one request (2.1 s and +1.1 GiB before). Now a 400 naming
+    the limit; no image opened, peak allocations bounded."""
+    import base64
+
+    calls = _counting_decoders(monkeypatch)
+    jpeg = "data:image/jpeg;base64," + base64.b64encode(media_path("china.jpg").read_bytes()[:2000]).decode()
+    parts = [{"type": "image_url", "image_url": {"url": jpeg}} for _ in range(400)]
+    body = {"max_tokens": 1, "messages": [{"role": "user", "content": parts}]}
+    decodes = engine.prompts.decodes
+    r, peak = _peak_growth_mib(lambda: client.post("/v1/chat/completions", json=body))
+    assert r.status_code == 400 and "at most 16 per request" in r.json()["error"]["message"], r.text
+    assert calls == {"image": 0, "video": 0} and engine.prompts.decodes == decodes
+    assert peak < 500, peak
+
+
+def test_a_million_text_parts_and_too_much_text_are_refused(client, engine):
+    """Attacker: 10^6 text parts (a 29.6 MiB body: 15 s before), and a text-only body of 2 MiB
+    (the /v1 cap lets ~1 GiB through; the README promised 1 MiB of text). Both 400s naming the
+    limit; the parse stops at the object limit, so the million parts are never all built."""
+    decodes = engine.prompts.decodes
+    many = json.dumps({"max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"} for _ in range(10**6)]}]})
+    r, peak = _peak_growth_mib(lambda: post_raw(client, many))
+    assert r.status_code == 400 and "JSON objects" in r.json()["error"]["message"], r.text
+    assert peak < 500, peak
+    parts = json.dumps({"max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"} for _ in range(2000)]}]})
+    r = post_raw(client, parts)
+    assert r.status_code == 400 and "content parts" in r.json()["error"]["message"], r.text
+    long = json.dumps({"max_tokens": 1, "messages": [{"role": "user", "content": "word " * ((2 << 20) // 5)}]})
+    r = post_raw(client, long)
+    assert r.status_code == 400 and "characters of text" in r.json()["error"]["message"], r.text
+    assert engine.prompts.decodes == decodes
+
+
+def test_the_engine_refuses_more_media_than_max_media_per_prompt(engine, monkeypatch, media_path):
+    """A library user's request of 17 images (over ``EngineOptions.max_media_per_prompt``, 16):
+    InvalidRequestError naming the option, raised before any image is opened."""
+    from engine.errors import InvalidRequestError
+
+    calls = _counting_decoders(monkeypatch)
+    assert engine.options.max_media_per_prompt == 16
+    photo = media_path("astronaut.png").read_bytes()
+    messages = [{"role": "user", "content": [{"type": "image", "image": photo}] * 17 + [{"type": "text", "text": "?"}]}]
+    with pytest.raises(InvalidRequestError, match="max_media_per_prompt"):
+        engine.submit(messages)
+    assert calls == {"image": 0, "video": 0}
+
+
+def test_media_limit_settings(monkeypatch):
+    """``--max-media-per-request`` / ``PRISM_MAX_MEDIA_PER_REQUEST`` reach the engine's option;
+    without them the app's ``--max-images`` is the limit."""
+    from app.settings import parse_settings
+
+    assert parse_settings([], {}).engine_options()["max_media_per_prompt"] == 16
+    assert parse_settings(["--max-images", "5"], {}).engine_options()["max_media_per_prompt"] == 5
+    assert parse_settings([], {"PRISM_MAX_MEDIA_PER_REQUEST": "3"}).engine_options()["max_media_per_prompt"] == 3
+    assert parse_settings(["--max-media-per-request", "7"], {}).media_per_request == 7

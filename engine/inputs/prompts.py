@@ -30,9 +30,11 @@ pixel processing are the checkpoint's own transformers processor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -260,7 +262,17 @@ class PromptBuilder:
 
     def __init__(self, processor, *, image_token_id, video_token_id, merge_size, image_options=None,
                  min_pixels=None, max_pixels=None, cache_bytes: int = 256 << 20,
-                 pixel_dtype: torch.dtype | None = None, video_options: VideoOptions | None = None):
+                 pixel_dtype: torch.dtype | None = None, video_options: VideoOptions | None = None,
+                 max_media: int = 16, max_concurrent_decodes: int = 2):
+        if not (isinstance(max_media, int) and max_media >= 1):
+            raise InvalidRequestError(f"max_media_per_prompt must be an integer >= 1, got {max_media!r}")
+        if not (isinstance(max_concurrent_decodes, int) and max_concurrent_decodes >= 1):
+            raise InvalidRequestError(f"max_concurrent_decodes must be an integer >= 1, got {max_concurrent_decodes!r}")
+        self.max_media = max_media
+        # the decode budget shared by every request of this engine: pixels held at once are bounded
+        # by max_concurrent_decodes prompts' worth, however many requests arrive together
+        self._decode_slots = threading.BoundedSemaphore(max_concurrent_decodes)
+        self.decodes = 0  # prompts whose media went to decoding (a counter for tests)
         self.processor = processor
         self.video_options = video_options or VideoOptions()
         self.video_sampling = VideoSampling.of(getattr(processor, "video_processor", None))
@@ -319,13 +331,20 @@ class PromptBuilder:
             InvalidVideoError: a video file cannot be used (see :func:`~engine.inputs.video.decode_video`).
         """
         template, raw_images, claims, raw_videos = _normalise(messages)
+        media = len(raw_images) + len(raw_videos)
+        if media > self.max_media:
+            raise InvalidRequestError(f"the prompt holds {media} images and videos; this server takes at most "
+                                      f"{self.max_media} per request (max_media_per_prompt)")
         text = self.processor.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
         _check_marker_counts(text, len(raw_images), len(raw_videos))
         sources = self.images.sources(raw_images, claims)
-        if raw_videos:
-            prompt = self._build_with_videos(text, sources, raw_videos, salt)
-        else:
-            prompt = self._build_from_cache(text, self.images.get(sources, salt))
+        with self._decode_slots if media else contextlib.nullcontext():
+            if media:
+                self.decodes += 1
+            if raw_videos:
+                prompt = self._build_with_videos(text, sources, raw_videos, salt)
+            else:
+                prompt = self._build_from_cache(text, self.images.get(sources, salt))
         prompt.image_keys = [source.key for source in sources]
         return prompt
 
