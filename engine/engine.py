@@ -105,6 +105,7 @@ class Engine:
                           model_dtype=model.dtype)
         self.pool = pool_class.sized(options.kv_budget(model.device), **pool_shape, device=model.device)
         self.max_model_len = min(options.max_model_len or t.max_position_embeddings, self.pool.capacity_tokens)
+        self.prompts.max_prompt_tokens = self.max_model_len - 1  # one token at least left to generate
         steps = options.pressure_steps()
         self.prefix_cache = PrefixCache(self.pool, steps) if options.prefix_cache else None
         reuse = None

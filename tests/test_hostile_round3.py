@@ -454,3 +454,46 @@ def test_media_limit_settings(monkeypatch):
     assert parse_settings(["--max-images", "5"], {}).engine_options()["max_media_per_prompt"] == 5
     assert parse_settings([], {"PRISM_MAX_MEDIA_PER_REQUEST": "3"}).engine_options()["max_media_per_prompt"] == 3
     assert parse_settings(["--max-media-per-request", "7"], {}).media_per_request == 7
+
+
+@pytest.fixture(scope="module")
+def short_engine(tiny_engine_factory):
+    return tiny_engine_factory(kv_cache_bytes=64 << 20, max_model_len=512)
+
+
+def _blank_png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_a_prompt_too_long_by_its_headers_is_refused_before_decoding(short_engine, monkeypatch):
+    """Attacker: 4 images of 2000x2000 pixels (small PNGs) for an engine of 512 tokens. Before,
+    all were decoded and resized, then "leaves no room". Now refused from their headers: a
+    RequestTooLargeError naming max_model_len, and no image opened."""
+    from engine.errors import RequestTooLargeError
+
+    calls = _counting_decoders(monkeypatch)
+    big = _blank_png(2000, 2000)
+    messages = [{"role": "user", "content": [{"type": "image", "image": big}] * 4 + [{"type": "text", "text": "?"}]}]
+    with pytest.raises(RequestTooLargeError, match="max_model_len"):
+        short_engine.submit(messages)
+    assert calls == {"image": 0, "video": 0}
+
+
+def test_the_header_count_is_a_lower_bound_of_the_real_one(short_engine, media_path):
+    """The floor counted from headers never exceeds the visual tokens the processor makes
+    (the oracle: the built prompt's own count), for photos of several shapes and the test clips."""
+    prompts = short_engine.prompts
+    for name in ("astronaut.png", "china.jpg", "logo.png", "page.png", "text.png"):
+        data = media_path(name).read_bytes()
+        built = prompts.build([{"role": "user", "content": [{"type": "image", "image": data}]}])
+        assert 0 < prompts.visual_tokens_floor([data], []) <= built.num_visual_tokens, name
+    for name in ("pan.mp4", "pan.gif"):
+        data = media_path(name).read_bytes()
+        built = prompts.build([{"role": "user", "content": [{"type": "video", "video": data}]}])
+        assert 0 < prompts.visual_tokens_floor([], [(data, None)]) <= built.num_visual_tokens, name
