@@ -497,3 +497,46 @@ def test_the_header_count_is_a_lower_bound_of_the_real_one(short_engine, media_p
         data = media_path(name).read_bytes()
         built = prompts.build([{"role": "user", "content": [{"type": "video", "video": data}]}])
         assert 0 < prompts.visual_tokens_floor([], [(data, None)]) <= built.num_visual_tokens, name
+
+
+def test_concurrent_requests_share_one_decode_budget(engine, monkeypatch, media_path):
+    """Attacker: 6 image requests at once. The engine decodes at most ``max_concurrent_decodes``
+    (2) prompts' media at a time, so their pixels cannot add up: the most decoders seen inside
+    ``open_image`` together is 2, though all 6 threads were started before any finished (each
+    decode waits on a barrier of 2, which only the budget's holders can reach)."""
+    import threading
+
+    from engine.inputs import processed_images
+
+    assert engine.options.max_concurrent_decodes == 2
+    real, lock, inside = processed_images.open_image, threading.Lock(), {"now": 0, "most": 0}
+    pair = threading.Barrier(2, timeout=20)
+
+    def watched(*args, **kwargs):
+        with lock:
+            inside["now"] += 1
+            inside["most"] = max(inside["most"], inside["now"])
+        try:
+            pair.wait()  # two holders meet here; a third decoder at once would also pass through
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                inside["now"] -= 1
+
+    monkeypatch.setattr(processed_images, "open_image", watched)
+    photo = media_path("astronaut.png").read_bytes()
+    errors = []
+
+    def ask(i):
+        try:
+            engine.prompts.build([{"role": "user", "content": [{"type": "image", "image": photo}]}],
+                                 salt=f"budget-{i}")
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and inside["most"] == 2, (errors, inside)
