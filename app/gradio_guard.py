@@ -365,17 +365,19 @@ class ClosedGradioRoutes:
 
 class NoRemoteFetch:
     """Answer 404 to Gradio's routes that make the server fetch a URL for the client:
-    ``/gradio_api/file=<http(s) URL>`` (Gradio fetches and streams any public URL) and
-    ``/gradio_api/proxy=...`` (for apps loaded from elsewhere, which Prism has none of). This
-    server never fetches anything a client names."""
+    ``/gradio_api/file=<URL>`` and its older form ``/gradio_api/file/<URL>`` (Gradio fetches and
+    streams any public URL) and ``/gradio_api/proxy=...`` (for apps loaded from elsewhere, which
+    Prism has none of). This server never fetches anything a client names.
 
-    PREFIXES = ("/gradio_api/proxy=", "/gradio_api/file=http:", "/gradio_api/file=https:", "/gradio_api/file=//")
+    A file route's argument is a URL here when, percent-decoded until it stops changing, it
+    starts with a scheme (``http:``, ``HTTPS:``, ``ftp:``, any case) or with two slashes
+    (``//host/x``, ``\\\\host``); the route itself is matched in any case and with repeated slashes."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path", "").lower().startswith(self.PREFIXES):
+        if scope["type"] == "http" and fetches_a_url(scope.get("path", "")):
             return await refuse(scope, send, 404, "this server does not fetch URLs")
         return await self.app(scope, receive, send)
 
@@ -456,6 +458,31 @@ class RelativeUploadPaths:
         if not isinstance(paths, list):
             return body
         return json.dumps([self.uploads.relative(p) for p in paths]).encode()
+
+
+_FETCH_ROUTE_RE = re.compile(r"/+gradio_api/+(?P<route>file=|file/|proxy=)(?P<rest>.*)", re.IGNORECASE | re.DOTALL)
+_URL_START_RE = re.compile(r"[a-z][a-z0-9+.\-]*:|[/\\]{2}", re.IGNORECASE)
+
+
+def fetches_a_url(path: str) -> bool:
+    """Whether a request path (percent-decoded once, as the ASGI scope holds it) asks one of
+    Gradio's fetching routes for a URL (see :class:`NoRemoteFetch`)."""
+    from urllib.parse import unquote
+
+    match = _FETCH_ROUTE_RE.match(path)
+    if match is None:
+        return False
+    if match["route"].lower() == "proxy=":
+        return True
+    rest = match["rest"]
+    for _ in range(8):  # each layer of percent-encoding peeled; a path stable after 8 is not an upload
+        decoded = unquote(rest)
+        if decoded == rest:
+            break
+        rest = decoded
+    else:
+        return True
+    return _URL_START_RE.match(rest.lstrip(" \t\r\n\x00")) is not None
 
 
 class MalformedUploadGuard:

@@ -3,6 +3,8 @@ or Gradio's) reads them. Each does one job:
 
 * :class:`BodySizeLimit`: a request body larger than its route accepts is answered 413 from its
   ``Content-Length`` alone, before one byte of it is read; a body of undeclared length is 411.
+* :class:`BodyDeadline`: a request body that has not fully arrived within a deadline of its
+  headers is answered 408 (uvicorn has no read timeout of its own).
 * :class:`SameOriginGuard`: a page of another origin (another site, or another port of
   ``localhost``) may neither change anything here nor read the UI's API with the user's cookie.
 * :class:`SecurityHeaders`: our HTML pages may not be framed and load only from this server.
@@ -12,6 +14,7 @@ The Gradio event payload check (file paths inside the JSON) is :mod:`app.gradio_
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -200,6 +203,57 @@ def _netloc(hostname: str, port: int | None) -> str:
 def _headers(scope) -> dict[str, str]:
     """The request's headers, names lower case, values decoded as Latin-1 (last one wins)."""
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+class BodyDeadline:
+    """Answer 408 to a request whose body has not fully arrived ``seconds`` after its headers, so
+    a client trickling a body (or declaring a length it never sends) holds a connection and the
+    route reading it for a bounded time. The route behind then sees the client gone
+    (``http.disconnect``) and whatever it sends afterwards is dropped. Once the body is complete
+    the deadline no longer applies (a streamed answer may wait on the client for as long as it
+    runs). Slow *headers* are not seen here: uvicorn hands a request over only once they are
+    complete, so bounding them needs a proxy in front.
+
+    Args:
+        app: the ASGI app behind. seconds: the deadline (positive).
+    """
+
+    def __init__(self, app, seconds: float):
+        if not seconds > 0:
+            raise ValueError(f"BodyDeadline needs a positive deadline, got {seconds!r}")
+        self.app, self.seconds = app, float(seconds)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.seconds
+        state = {"body_done": False, "started": False, "timed_out": False}
+
+        async def timed_receive():
+            if state["body_done"] or state["timed_out"]:
+                return await receive() if not state["timed_out"] else {"type": "http.disconnect"}
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                state["timed_out"] = True
+                if not state["started"]:
+                    state["started"] = True
+                    await refuse(scope, send, 408, f"the request body did not arrive within {self.seconds:g} s "
+                                                   "of its headers")
+                return {"type": "http.disconnect"}
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                state["body_done"] = True
+            return message
+
+        async def guarded_send(message):
+            if state["timed_out"]:
+                return  # the 408 is the answer: the route's own reply to the "disconnect" goes nowhere
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        return await self.app(scope, timed_receive, guarded_send)
 
 
 async def refuse(scope, send, status: int, message: str) -> None:

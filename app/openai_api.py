@@ -75,6 +75,14 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 512
 #: Longest ``prompt_cache_key`` accepted (characters).
 MAX_PROMPT_CACHE_KEY = 1024
+#: Most text one request may carry (characters over every text part and string content): the
+#: README's "plus 1 MiB of text" of the /v1 body cap, enforced on its own.
+MAX_TEXT_CHARS = 1 << 20
+#: Most content parts (text, image and video) of one request.
+MAX_PARTS = 1024
+#: Most JSON objects one body may hold (counted while parsing, which stops at the limit: a body of
+#: a million tiny parts is refused before it is all built in memory).
+MAX_JSON_OBJECTS = 4096
 _DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[^,;]*)*?),(?P<data>.*)$", re.DOTALL)
 _POLL_S = 0.01
 _DISCONNECT_CHECK_S = 0.25
@@ -90,7 +98,9 @@ class APIError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        # a message may echo client text: a lone surrogate in it must not make the 4xx a 500
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        body = {"error": {"message": message, "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -120,11 +130,41 @@ def decode_data_url(url: object, max_bytes: int, what: str = "image") -> bytes:
         raise _bad(f"a{'n' if what == 'image' else ''} {what} data: URL is not valid base64", "messages") from None
 
 
-def convert_messages(raw: object, max_image_bytes: int) -> list[dict]:
+def _check_request_size(raw: list, max_media: int) -> None:
+    """Refuse (400, naming the limit) a ``messages`` array over :data:`MAX_PARTS` parts,
+    :data:`MAX_TEXT_CHARS` characters of text, or ``max_media`` images and videos, before any part
+    is decoded."""
+    parts = media = chars = 0
+    for msg in raw:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            parts += len(content)
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image_url", "video_url"):
+                    media += 1
+                elif kind == "text" and isinstance(part.get("text"), str):
+                    chars += len(part["text"])
+    if parts > MAX_PARTS:
+        raise _bad(f"the request has {parts:,} content parts; at most {MAX_PARTS:,} are accepted", "messages")
+    if chars > MAX_TEXT_CHARS:
+        raise _bad(f"the request has {chars:,} characters of text; at most {MAX_TEXT_CHARS:,} are accepted",
+                   "messages")
+    if media > max_media:
+        raise _bad(f"the request has {media} images and videos; this server takes at most {max_media} per "
+                   "request (--max-media-per-request)", "messages")
+
+
+def convert_messages(raw: object, max_image_bytes: int, max_media: int = 16) -> list[dict]:
     """OpenAI chat messages -> engine messages (image and video parts as bytes; a video file is
-    held to the same per-file limit as an image, ``max_image_bytes``)."""
+    held to the same per-file limit as an image, ``max_image_bytes``). A request over
+    ``max_media`` images and videos, :data:`MAX_PARTS` parts or :data:`MAX_TEXT_CHARS` characters
+    of text is refused (400) before any base64 is decoded."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty array", "messages")
+    _check_request_size(raw, max_media)
     out = []
     for n, msg in enumerate(raw):
         if not isinstance(msg, dict):
@@ -251,6 +291,32 @@ def _is_json(request: Request) -> bool:
     return media_type == "application/json"
 
 
+class _TooManyObjects(Exception):
+    pass
+
+
+class _ObjectBudget:
+    """A ``json.loads`` object hook that stops the parse at the ``limit``-th object + 1."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+
+    def __call__(self, obj: dict) -> dict:
+        self.left -= 1
+        if self.left < 0:
+            raise _TooManyObjects
+        return obj
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` has no lone UTF-16 surrogate (UTF-8 cannot encode one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
@@ -262,6 +328,7 @@ class OpenAIAPI:
     Args:
         loader: where the engine comes from (None while loading).
         max_image_bytes: largest decoded image accepted.
+        max_media: most images and videos one request may hold (``--max-media-per-request``).
         api_keys: keys a client must present as ``Authorization: Bearer <key>``; none: the API
             is open, and each request is its own cache session unless it sends ``prompt_cache_key``.
         cors_origins: origins (``https://example.org``, or ``*``) a browser may call the API from;
@@ -272,9 +339,9 @@ class OpenAIAPI:
     """
 
     def __init__(self, loader, *, max_image_bytes: int, api_keys=(), cors_origins=(), secret: bytes | None = None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, max_media: int = 16):
         self.loader = loader
-        self.max_image_bytes = max_image_bytes
+        self.max_image_bytes, self.max_media = max_image_bytes, max_media
         self.metrics = metrics or Metrics(loader)
         self._keys = [_digest(k) for k in api_keys]
         self._secret = secret or secrets.token_bytes(32)
@@ -343,6 +410,8 @@ class OpenAIAPI:
             return
         if not isinstance(model, str):
             raise _bad("model must be a string (the id GET /v1/models lists), or left out", "model")
+        if not _is_unicode(model):
+            raise _bad("model is not valid Unicode (an unpaired UTF-16 surrogate)", "model")
         served = self.loader.model_id
         if served is not None and model != served:
             shown = model if len(model) <= 200 else model[:199] + "…"
@@ -368,7 +437,7 @@ class OpenAIAPI:
                                code="unsupported_media_type")
             body = await self._body(request)
             self.check_model(body)
-            messages = convert_messages(body.get("messages"), self.max_image_bytes)
+            messages = convert_messages(body.get("messages"), self.max_image_bytes, self.max_media)
             sampling = sampling_from(body)
             salt = self.salt_for(api_key, prompt_cache_key_of(body))
             stream = body.get("stream", False)
@@ -416,9 +485,13 @@ class OpenAIAPI:
         except ClientDisconnect:  # gone before its declared body came: nobody to answer, nothing to log
             raise APIError(499, "client closed the request", "server_error") from None
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, object_hook=_ObjectBudget(MAX_JSON_OBJECTS))
+        except _TooManyObjects:
+            raise _bad(f"the request body holds more than {MAX_JSON_OBJECTS:,} JSON objects") from None
         except (ValueError, UnicodeDecodeError):
             raise _bad("the request body must be JSON") from None
+        except RecursionError:  # json's decoder recurses per level: ~1,000 brackets (2 KB) reach the limit
+            raise _bad("the request body nests JSON too deeply") from None
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
         return body

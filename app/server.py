@@ -58,7 +58,7 @@ from .gradio_guard import (
     UploadsNotServed,
     sweep_periodically,
 )
-from .guards import BodyCaps, BodySizeLimit, SameOriginGuard, SecurityHeaders
+from .guards import BodyCaps, BodyDeadline, BodySizeLimit, SameOriginGuard, SecurityHeaders
 from .metrics import Metrics
 from .model_loader import ModelLoader
 from .openai_api import APIError, OpenAIAPI
@@ -164,7 +164,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     app = FastAPI(title="Prism", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.chat, app.state.loader, app.state.store, app.state.metrics = chat, loader, store, metrics
     api = OpenAIAPI(loader, max_image_bytes=settings.max_upload_bytes, api_keys=settings.api_keys,
-                    cors_origins=settings.cors_origins, metrics=metrics)
+                    cors_origins=settings.cors_origins, metrics=metrics, max_media=settings.media_per_request)
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD for load balancers' health checks
     def healthz():
@@ -262,6 +262,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
         _mount_ui(app, settings, chat, loader)
     # added last = runs first: headers on every page, then origin, then body size
     app.add_middleware(BodySizeLimit, caps=BodyCaps.from_limits(settings.max_upload_bytes, settings.max_images))
+    app.add_middleware(BodyDeadline, seconds=settings.body_timeout_s)
     app.add_middleware(SameOriginGuard)
     app.add_middleware(SecurityHeaders)
     return app

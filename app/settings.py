@@ -51,6 +51,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _ratio(text: str) -> float:
     try:
         value = float(text)
@@ -91,6 +101,13 @@ class Settings:
     api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # never printed
     api_key_file: Path | None = None
     cors_origins: tuple[str, ...] = ()
+    body_timeout_s: float = 120.0
+    max_media_per_request: int | None = None
+
+    @property
+    def media_per_request(self) -> int:
+        """Most images and videos one request may hold: ``max_media_per_request``, else ``max_images``."""
+        return self.max_media_per_request or self.max_images
 
     @property
     def data_path(self) -> Path:
@@ -118,6 +135,7 @@ class Settings:
             "max_image_pixels": self.max_image_pixels,
             "max_image_bytes": self.max_upload_bytes,
             "max_pixels": self.resize_pixels,
+            "max_media_per_prompt": self.media_per_request,
         }
         if self.kv_cache_bytes is not None:
             options["kv_cache_bytes"] = self.kv_cache_bytes
@@ -161,9 +179,14 @@ _OPTIONS = [
      "refuse images whose width x height is larger (decompression-bomb guard)"),
     ("--max-upload-mb", "max_upload_mb", _positive_int, None, "refuse image files larger than this many MiB"),
     ("--max-images", "max_images", _positive_int, None, "most images one chat session may hold"),
+    ("--max-media-per-request", "max_media_per_request", _positive_int, None,
+     "most images and videos one request (a question, a /v1 call) may hold (default: --max-images)"),
     ("--resize-pixels", "resize_pixels", _positive_int, None,
      "largest area an image is resized to before the vision encoder; more pixels mean more visual "
      "tokens and slower answers (Qwen3-VL allows up to 16777216, ~16k tokens for one photo)"),
+    ("--body-timeout-s", "body_timeout_s", _seconds, None,
+     "seconds a request's body may take to arrive after its headers (408 after that; slow headers "
+     "need a proxy in front)"),
     ("--api-key-file", "api_key_file", Path, None,
      "a file of API keys for /v1, one per line ('#' starts a comment line), besides any --api-key"),
 ]

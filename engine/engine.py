@@ -114,6 +114,7 @@ class Engine:
             processor, image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
             merge_size=cfg.vision.spatial_merge_size, image_options=options.image_options(),
             min_pixels=options.min_pixels, max_pixels=options.max_pixels, pixel_dtype=model.dtype,
+            max_media=options.max_media_per_prompt, max_concurrent_decodes=options.max_concurrent_decodes,
         )
         options.check_cache_scope()
         self.compaction = options.compaction_config()
@@ -131,6 +132,7 @@ class Engine:
                           model_dtype=model.dtype)
         self.pool = pool_class.sized(options.kv_budget(model.device), **pool_shape, device=model.device)
         self.max_model_len = min(options.max_model_len or t.max_position_embeddings, self.pool.capacity_tokens)
+        self.prompts.max_prompt_tokens = self.max_model_len - 1  # one token at least left to generate
         steps = options.pressure_steps()
         self.prefix_cache = PrefixCache(self.pool, steps) if options.prefix_cache else None
         reuse = None

@@ -77,6 +77,10 @@ class EngineOptions:
             measured on rank 0's GPU), so the pool holds ``N`` times the tokens of one GPU's.
         tensor_parallel_timeout_s: under tensor parallelism, how long (seconds) a collective or a
             worker's answer may take before the group is declared failed.
+        max_media_per_prompt: most images and videos (together) one prompt may hold; more is an
+            InvalidRequestError naming this limit, raised before any of them is decoded.
+        max_concurrent_decodes: most prompts whose images and videos are decoded at once (the
+            others wait their turn), so that many large requests at once cannot add up in memory.
     """
 
     min_pixels: int | None = None
@@ -109,6 +113,8 @@ class EngineOptions:
     prefill_graphs: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    max_media_per_prompt: int = 16
+    max_concurrent_decodes: int = 2
 
     def image_options(self) -> ImageOptions:
         return ImageOptions(

@@ -401,6 +401,36 @@ def test_deleting_a_chat_makes_the_engine_forget_it_and_revoking_a_share_too(env
     assert env.store.resolve_share(token) is None
 
 
+def test_no_form_of_a_url_reaches_gradios_fetcher(env):
+    """Attacker: the URL-fetch routes in every spelling: Gradio's older ``/gradio_api/file/<url>``
+    (which passed the old check, and the server resolved the host), schemes in any case,
+    percent-encoded once or twice, doubled slashes, protocol-relative ``//host``, other schemes.
+    Each is a 404 "this server does not fetch URLs" and the host is never looked up; an upload's
+    own path through the same routes is not taken for a URL."""
+    from app.gradio_guard import fetches_a_url
+
+    attacker = Browser(env)
+    host = "prism-attack-2.example"
+    forms = [f"/gradio_api/file/http://{host}/x", f"/gradio_api/file/HtTpS://{host}/x",
+             f"/gradio_api/file=hTTp://{host}/x", f"/gradio_api/file=%68ttp://{host}/x",
+             f"/gradio_api/file=%2568ttp%253A//{host}/x", f"/gradio_api/file=http%3A%2F%2F{host}/x",
+             f"/gradio_api/file/%68ttps%3a//{host}/x",
+             f"/gradio_api//file/http://{host}/x", f"/GRADIO_API/FILE=http://{host}/x",
+             f"/gradio_api/file=//{host}/x", f"/gradio_api/file///{host}/x", f"/gradio_api/file=%2F%2F{host}/x",
+             f"/gradio_api/file=ftp://{host}/x", f"/gradio_api/file=%20http://{host}/x",
+             f"/gradio_api/file=\\\\{host}/x", f"/gradio_api/PROXY=http://{host}/"]
+    with watching(hosts=[host]) as looked_up:
+        for path in forms:
+            r = attacker.http.get(path)
+            assert r.status_code == 404 and r.json()["detail"] == "this server does not fetch URLs", path
+    assert looked_up == []
+    # paths an HTTP client would rewrite (a leading "//" is a host to it), as the ASGI scope holds them
+    assert all(fetches_a_url(p) for p in (f"//gradio_api//file=http://{host}/x", "//gradio_api/file/http:x"))
+    upload = f"{env.uploads}/{'0' * 64}/photo.png"
+    for path in (f"/gradio_api/file={upload}", f"/gradio_api/file/{upload}", f"/gradio_api/file/{upload[1:]}"):
+        assert not fetches_a_url(path), path
+
+
 # ---------------------------------------------------------------------------------- 7: leftovers
 def test_uploads_leave_nothing_behind_in_the_upload_folder(env, media_path):
     """A user uploads a photo and a text file, then adds both: the photo is stored, the text file

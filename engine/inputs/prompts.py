@@ -30,19 +30,22 @@ pixel processing are the checkpoint's own transformers processor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, RequestTooLargeError
 from ..model.rope import VisualSpan, find_visual_spans, mrope_positions
+from .images import _FORMATS as _IMAGE_FORMATS
 from .images import ImageOptions, image_sha256, open_image
 from .processed_images import BYTE_SOURCES, ProcessedImage, ProcessedImages, Source
-from .video import DecodedVideo, DecodedVideos, VideoOptions, VideoSampling
+from .video import DecodedVideo, DecodedVideos, VideoOptions, VideoSampling, sample_indices, video_demuxer
 
 ROLES = ("system", "user", "assistant")
 _HEX64 = re.compile("[0-9a-fA-F]{64}")
@@ -234,6 +237,45 @@ def _normalise(messages) -> tuple[list[dict], list, list[str | None], list[tuple
 
 
 
+def _image_header_size(source) -> tuple[int, int] | None:
+    """(width, height) from an image's header (Pillow opens lazily: no pixel is decoded), None
+    when it cannot be read that way."""
+    import io
+
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        return source.size
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        return None
+    try:
+        with Image.open(io.BytesIO(source), formats=_IMAGE_FORMATS) as im:
+            return im.size
+    except Exception:  # any unreadable header: the decode that follows explains it
+        return None
+
+
+def _video_header(source) -> tuple[int, float, int, int] | None:
+    """(frames, fps, width, height) from a video file's container header (0 frames where the
+    container does not record them), None when it cannot be read; no frame is decoded."""
+    import io
+
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        return None
+    try:
+        import av
+
+        with av.open(io.BytesIO(bytes(source)), format=video_demuxer(bytes(source[:64]))) as container:
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if not rate or width < 1 or height < 1:
+                return None
+            return int(stream.frames or 0), float(rate), width, height
+    except Exception:  # damaged or not a video: decode_video refuses it with its own reason
+        return None
+
+
 class PromptBuilder:
     """Applies the checkpoint's processor to chat messages.
 
@@ -260,7 +302,20 @@ class PromptBuilder:
 
     def __init__(self, processor, *, image_token_id, video_token_id, merge_size, image_options=None,
                  min_pixels=None, max_pixels=None, cache_bytes: int = 256 << 20,
-                 pixel_dtype: torch.dtype | None = None, video_options: VideoOptions | None = None):
+                 pixel_dtype: torch.dtype | None = None, video_options: VideoOptions | None = None,
+                 max_media: int = 16, max_concurrent_decodes: int = 2):
+        if not (isinstance(max_media, int) and max_media >= 1):
+            raise InvalidRequestError(f"max_media_per_prompt must be an integer >= 1, got {max_media!r}")
+        if not (isinstance(max_concurrent_decodes, int) and max_concurrent_decodes >= 1):
+            raise InvalidRequestError(f"max_concurrent_decodes must be an integer >= 1, got {max_concurrent_decodes!r}")
+        self.max_media = max_media
+        # the decode budget shared by every request of this engine: pixels held at once are bounded
+        # by max_concurrent_decodes prompts' worth, however many requests arrive together
+        self._decode_slots = threading.BoundedSemaphore(max_concurrent_decodes)
+        self.decodes = 0  # prompts whose media went to decoding (a counter for tests)
+        #: Longest prompt the engine can take (tokens; set by the engine): a prompt whose visual
+        #: tokens, counted from the files' headers, already pass it is refused before decoding.
+        self.max_prompt_tokens: int | None = None
         self.processor = processor
         self.video_options = video_options or VideoOptions()
         self.video_sampling = VideoSampling.of(getattr(processor, "video_processor", None))
@@ -323,13 +378,26 @@ class PromptBuilder:
             InvalidVideoError: a video file cannot be used (see :func:`~engine.inputs.video.decode_video`).
         """
         template, raw_images, claims, raw_videos = _normalise(messages)
+        media = len(raw_images) + len(raw_videos)
+        if media > self.max_media:
+            raise InvalidRequestError(f"the prompt holds {media} images and videos; this server takes at most "
+                                      f"{self.max_media} per request (max_media_per_prompt)")
+        if media and self.max_prompt_tokens is not None:
+            floor = self.visual_tokens_floor(raw_images, raw_videos)
+            if floor > self.max_prompt_tokens:
+                raise RequestTooLargeError(
+                    f"the prompt's images and videos alone come to at least {floor:,} visual tokens (from their "
+                    f"headers); the engine takes prompts of up to {self.max_prompt_tokens:,} tokens (max_model_len)")
         text = self.processor.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
         _check_marker_counts(text, len(raw_images), len(raw_videos))
         sources = self.images.sources(raw_images, claims)
-        if raw_videos:
-            prompt = self._build_with_videos(text, sources, raw_videos, salt)
-        else:
-            prompt = self._build_from_cache(text, self.images.get(sources, salt))
+        with self._decode_slots if media else contextlib.nullcontext():
+            if media:
+                self.decodes += 1
+            if raw_videos:
+                prompt = self._build_with_videos(text, sources, raw_videos, salt)
+            else:
+                prompt = self._build_from_cache(text, self.images.get(sources, salt))
         prompt.image_keys = [source.key for source in sources]
         return prompt
 
@@ -339,6 +407,42 @@ class PromptBuilder:
 
 
 
+
+    def visual_tokens_floor(self, raw_images, raw_videos) -> int:
+        """A lower bound of the visual tokens of these images and video files, read from their
+        headers (image size by Pillow's lazy open, a clip's frame count and rate by its demuxer),
+        decoding no pixel. A file whose header cannot be read counts 0 here (decoding refuses it).
+
+        Each image's area is clamped to the resize bounds; rounding each side to the patch grid
+        keeps at least a quarter of it (a side rounds to no less than half), hence the ``// 4``."""
+        ip = self.processor.image_processor
+        factor = int(getattr(ip, "patch_size", 16) or 16) * self.merge_size
+        temporal = int(getattr(ip, "temporal_patch_size", 2) or 2)
+
+        def tokens(width: int, height: int, size: dict) -> int:
+            area = width * height
+            low, high = size.get("shortest_edge"), size.get("longest_edge")
+            area = max(area, int(low)) if low else area
+            area = min(area, int(high)) if high else area
+            return max(1, area // (factor * factor) // 4)
+
+        total = 0
+        for source in raw_images:
+            wh = _image_header_size(source)
+            if wh is not None:
+                total += tokens(*wh, self.size)
+        video_size = dict(getattr(getattr(self.processor, "video_processor", None), "size", None) or {})
+        for source, fps in raw_videos:
+            if fps is not None:  # frame lists are counted by their length alone
+                total += -(-len(source) // temporal)
+                continue
+            header = _video_header(source)
+            if header is None:
+                continue
+            frames, rate, width, height = header
+            n = len(sample_indices(frames, rate, self.video_sampling)) if frames else self.video_sampling.min_frames
+            total += -(-n // temporal) * tokens(width, height, video_size)
+        return total
 
     def _build_from_cache(self, text: str, images: list[ProcessedImage]) -> Prompt:
         """The processor's token expansion (each image pad repeated once per merged patch), without

@@ -7,13 +7,17 @@ can act on:
 
 * the file's size (``max_bytes``), checked before reading a path;
 * the container and codec: only MP4/MOV, Matroska/WebM and GIF containers holding H.264, HEVC,
-  VP8, VP9, AV1, MPEG-4 part 2 or GIF video are opened;
+  VP8, VP9, AV1, MPEG-4 part 2 or GIF video are opened, each with its demuxer named from the
+  file's first bytes (:func:`video_demuxer`), so FFmpeg never probes the demuxers that open other
+  files (concat lists, HLS playlists, image sequences);
 * the stream's claimed frame size (``max_frame_pixels``), frame count (``max_frames``) and
   duration (``max_duration_s``), from the header, before any frame is decoded; then the decode
   work (frames up to the last sampled one x their pixels, ``max_decode_pixels``) and the sampled
   frames' RGB bytes (``max_sampled_bytes``);
 * while decoding: a frame of another size than the header claims, a decoder error, a wall-clock
-  deadline (``max_decode_s``), and a file that ends before the last sampled frame (truncated).
+  deadline (``max_decode_s``), and a file that ends before the last sampled frame (truncated);
+  a file whose frames are counted (WebM, GIF) and end well before the duration its header declares
+  is refused as truncated before decoding.
 
 Sampling (the source: ``Qwen3VLVideoProcessor.sample_frames`` and ``read_video_pyav`` in
 transformers 5.24, ``transformers/models/qwen3_vl/video_processing_qwen3_vl.py`` and
@@ -41,10 +45,11 @@ import numpy as np
 from ..errors import InvalidVideoError
 
 __all__ = ["DecodedVideo", "DecodedVideos", "InvalidVideoError", "VideoOptions", "VideoSampling", "decode_video",
-           "poster_jpeg", "read_video_bytes", "sample_indices", "sniff_video"]
+           "poster_jpeg", "read_video_bytes", "sample_indices", "sniff_video", "video_demuxer"]
 
-#: FFmpeg's demuxer names for the containers we open (MP4/MOV and Matroska/WebM share a demuxer).
-_CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "gif"})
+#: FFmpeg's demuxer names for the containers we open (MP4/MOV and Matroska/WebM share a demuxer;
+#: opened by name, the container reports the name it was opened with).
+_CONTAINERS = frozenset({"mov", "matroska", "gif", "mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm"})
 #: FFmpeg's decoder names for the video codecs we decode.
 _CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "libdav1d", "mpeg4", "gif", "libvpx", "libvpx-vp9"})
 _NOT_A_VIDEO = ("The file is not a video Prism can read, or it is damaged or truncated (supported: MP4, "
@@ -206,8 +211,9 @@ def decode_video(source, sampling: VideoSampling | None = None, options: VideoOp
 
     sampling, options = sampling or VideoSampling(), options or VideoOptions()
     data = read_video_bytes(source, options)
+    demuxer = video_demuxer(data)
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        container = av.open(io.BytesIO(data), mode="r", format=demuxer, metadata_errors="ignore")
     except (av.FFmpegError, ValueError, UnicodeDecodeError) as e:
         raise InvalidVideoError(_NOT_A_VIDEO) from e
     with container:
@@ -249,6 +255,7 @@ def _frame_count_and_rate(container, stream, options: VideoOptions) -> tuple[int
     total = int(stream.frames or 0)
     if total == 0:
         total = _count_packets(container, stream, options)
+        _check_not_cut_short(container, total, fps)
     if total > options.max_frames or total / fps > options.max_duration_s:
         raise InvalidVideoError(f"The video is {total / fps:.1f} s long ({total:,} frames); Prism takes clips "
                                 f"of up to {options.max_duration_s:g} s and {options.max_frames:,} frames. Trim it.")
@@ -271,6 +278,19 @@ def _count_packets(container, stream, options: VideoOptions) -> int:
     except av.FFmpegError as e:
         raise InvalidVideoError("The video file is damaged or truncated. Upload it again.") from e
     return count
+
+
+def _check_not_cut_short(container, counted: int, fps: float) -> None:
+    """Refuse a file whose counted frames end well before the duration its header declares
+    (Matroska's segment duration, written before the frames): a WebM cut short still demuxes
+    cleanly, so the packet count alone cannot tell. Slack of 10% and one frame, for rounding and
+    variable frame rates."""
+    import av
+
+    declared = container.duration / av.time_base if container.duration else 0.0
+    if declared > 0 and counted / fps < 0.9 * declared - 1 / fps:
+        raise InvalidVideoError(f"The video file ends early: its header says {declared:.1f} s, the file holds "
+                                f"{counted / fps:.1f} s. It is truncated or damaged; upload it again.")
 
 
 def _check_work(indices: list[int], frame_pixels: int, options: VideoOptions) -> None:
@@ -307,6 +327,31 @@ def _decode(container, stream, indices: list[int], size: tuple[int, int], option
         raise InvalidVideoError(f"The video file ends early: its header promises frames up to {last + 1}, "
                                 f"the file holds fewer. It is truncated or damaged; upload it again.")
     return frames
+
+
+#: The FFmpeg demuxer each container we open is read with, by :func:`sniff_video`'s answer (and
+#: the GIF header). Named, never probed: FFmpeg's probe would also try the demuxers that open
+#: other files (concat lists, HLS playlists, image2 sequences), relative to the working directory.
+_DEMUXERS = {"video/mp4": "mov", "video/webm": "matroska", "image/gif": "gif"}
+#: Top-level QuickTime boxes a MOV may open with instead of ``ftyp``.
+_QUICKTIME_FIRST_BOXES = frozenset({b"free", b"wide", b"skip", b"moov", b"mdat", b"pnot"})
+
+
+def video_demuxer(data: bytes) -> str:
+    """The FFmpeg demuxer to read a video file with, from its first bytes: ``"mov"`` (MP4/MOV: an
+    ``ftyp`` box, or a QuickTime ``free``/``wide``/``skip``/``moov``/``mdat``/``pnot`` box first),
+    ``"matroska"`` (WebM/Matroska) or ``"gif"``.
+
+    Raises:
+        InvalidVideoError: any other file (a playlist, a concat list, an image, text...): it is
+            never handed to FFmpeg.
+    """
+    kind = sniff_video(data) or ("image/gif" if data.startswith((b"GIF87a", b"GIF89a")) else None)
+    if kind is None and len(data) >= 8 and data[4:8] in _QUICKTIME_FIRST_BOXES:
+        kind = "video/mp4"  # older QuickTime writers put padding or the movie box before any ftyp
+    if kind is None:
+        raise InvalidVideoError(_NOT_A_VIDEO)
+    return _DEMUXERS[kind]
 
 
 def sniff_video(data: bytes) -> str | None:
