@@ -216,6 +216,13 @@ def _checked_question(question) -> str:
     return question
 
 
+def title_from(question: str) -> str:
+    """A new chat's title: its first question, whitespace collapsed, shortened to
+    :data:`TITLE_FROM_QUESTION_CHARS` characters (an ellipsis marks a cut)."""
+    title = " ".join(question.split())
+    return title if len(title) <= TITLE_FROM_QUESTION_CHARS else title[: TITLE_FROM_QUESTION_CHARS - 1] + "…"
+
+
 def copy_title(title: str) -> str:
     """The title of a continued copy of a chat titled ``title``: ``"Copy of <title>"``, shortened
     to fit the store's title limit; a copy of a copy is not marked twice."""
@@ -494,9 +501,7 @@ class ChatService:
         images = [{"video": self.store.image_path(sha)} if kinds.get(sha) == "video"
                   else {"image": self.store.image_path(sha), "sha256": sha} for sha in session.image_shas]
         if session.title == DEFAULT_TITLE and not self.store.list_turns(session.id):
-            title = " ".join(question.split())
-            title = title if len(title) <= TITLE_FROM_QUESTION_CHARS else title[: TITLE_FROM_QUESTION_CHARS - 1] + "…"
-            session = self.store.rename_session(session.id, owner, title)
+            session = self.store.rename_session(session.id, owner, title_from(question))
         turn = self.store.add_turn(session.id, question)
         with self._lock:
             self._active_turns.add(turn.id)
@@ -536,6 +541,10 @@ class ChatService:
             replaced = self.store.delete_turns_from(session.id, owner, turn.id)
         except NotFound:  # another tab got there first
             raise ChatError(_GONE) from None
+        first = not self.store.list_turns(session.id)  # nothing before the edited turn
+        if first and session.title == title_from(turn.question) and question != turn.question:
+            # the title was the first question's (not one the owner chose): it follows the edit
+            self.store.rename_session(session.id, owner, title_from(question))
         active = self.ask(session.id, owner, question, options)
         active.replaced = len(replaced)
         return active
