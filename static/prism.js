@@ -160,9 +160,12 @@
     var img = element("img", "prism-viewer-img", frame);
     var grid = element("div", "prism-kept-grid", frame);
     grid.hidden = true;
+    var badge = element("div", "prism-preview-badge", frame);
+    badge.textContent = "Preview: if memory runs short";
+    badge.hidden = true;
     var status = element("div", "prism-viewer-status", panel);
     status.setAttribute("role", "status");
-    viewer = { root: root, title: title, toggle: toggle, close: close, img: img, grid: grid, status: status,
+    viewer = { root: root, title: title, toggle: toggle, close: close, img: img, grid: grid, badge: badge, status: status,
                url: null, number: null, sha: null, asked: 0, opener: null };
     img.addEventListener("load", fitImage);
     window.addEventListener("resize", fitImage);
@@ -216,7 +219,7 @@
 
   function showKept() {
     var v = viewer;
-    v.grid.hidden = true;
+    v.grid.hidden = v.badge.hidden = true;
     v.status.textContent = "";
     if (!v.toggle.checked || !v.url) return;
     var asked = ++v.asked;
@@ -237,11 +240,15 @@
       });
   }
 
+  // A dense prefix (compaction on pressure, while memory lasts) keeps everything: the engine then
+  // reports what the first compaction step would keep, marked as a preview (item.preview).
   function drawKept(item) {
     var v = viewer;
     v.status.textContent = item.summary;
     v.grid.textContent = "";
+    v.grid.classList.toggle("prism-kept-preview", !!(item.cached && item.preview));
     if (!item.cached) return;
+    v.badge.hidden = !item.preview;
     v.grid.style.gridTemplateColumns = "repeat(" + item.cols + ", 1fr)";
     v.grid.style.gridTemplateRows = "repeat(" + item.rows + ", 1fr)";
     var cells = document.createDocumentFragment();
