@@ -102,19 +102,24 @@ def banner(status: dict) -> str:
     """Notice at the top of the page: loading, failed, or demo model; empty when all is well."""
     state = status.get("status")
     if state == "loading":
-        return ('<div class="prism-banner prism-banner-info"><b>Loading the model…</b> '
-                f"{_e(status.get('stage', ''))}. Progress is shown in the terminal; you can already "
-                "upload images.</div>")
+        return _banner("info", "Loading the model…", f"{_e(status.get('stage', ''))}. Progress is shown in the "
+                       "terminal; you can already upload images.")
     if state == "error":
-        return (f'<div class="prism-banner prism-banner-error"><b>The model is not available.</b> '
-                f"{_e(status.get('error', ''))}</div>")
+        return _banner("error", "Model not available", _e(status.get("error", "")), open_=True)
     if status.get("demo_model"):
-        return ('<div class="prism-banner prism-banner-warn"><b>Demo mode:</b> this is a tiny model with '
-                "random weights, so its answers are random text. Everything else (sessions, the prefix "
-                "cache, telemetry, sharing) is real. For real answers start Prism with the real weights: "
-                "<code>python launch.py --model Qwen/Qwen3-VL-2B-Instruct</code> on a machine with network "
-                "access (downloads about 4 GB once), or <code>--model /path/to/checkpoint</code>.</div>")
+        return _banner("warn", "Demo model: random answers", "<b>Demo mode:</b> this is a tiny model with "
+                       "random weights, so its answers are random text. Everything else (sessions, the prefix "
+                       "cache, telemetry, sharing) is real. For real answers start Prism with the real weights: "
+                       "<code>python launch.py --model Qwen/Qwen3-VL-2B-Instruct</code> on a machine with network "
+                       "access (downloads about 4 GB once), or <code>--model /path/to/checkpoint</code>.")
     return ""
+
+
+def _banner(kind: str, label: str, details_html: str, open_: bool = False) -> str:
+    """A one-line chip for the title bar (its height never changes the page's layout); the
+    details (already escaped HTML) open below it, over the page."""
+    return (f'<details class="prism-banner prism-banner-{kind}"{" open" if open_ else ""}><summary>{_e(label)}'
+            f'</summary><div class="prism-banner-more" role="note">{details_html}</div></details>')
 
 
 # ---------------------------------------------------------------------------------- sessions
