@@ -162,14 +162,14 @@ def image_card(r, n: int, editable: bool, url: Callable[[str], str]) -> str:
     remove = _remove_button(r, f"image {n}", editable)
     name = r.filename or f"image {n}"
     size = f"{int(r.width)}×{int(r.height)}"
-    # the remove button sits in the caption, beside the name: over the photo it hid part of it
+    # the open and remove buttons sit in the caption, beside the name: over the photo they hid part of it
     return (
         f'<figure class="prism-image" data-number="{n}" data-sha="{_e(r.sha256)}">'
         f'<img src="{_e(url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
-        f'<button type="button" class="prism-open" data-open-image="{n}" title="Open image {n}: the whole '
-        f'image and what the model keeps of it" aria-label="Open image {n}">{_OPEN_ICON}</button>'
         f'<figcaption><span class="prism-image-label" title="Image {n} · {size}"><b>Image {n}</b> · {size}</span>'
-        f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>{remove}'
+        f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>'
+        f'<button type="button" class="prism-open" data-open-image="{n}" title="Open image {n}: the whole '
+        f'image and what the model keeps of it" aria-label="Open image {n}">{_OPEN_ICON}</button>{remove}'
         f"</span></figcaption></figure>"
     )
 
@@ -405,6 +405,9 @@ def share_page(session, records, turns: list[TurnView], *, mode: str, token: str
         "Continue this chat</button> <span>You get your own copy with the same images; the original "
         "stays unchanged.</span></form>"
     ) if mode == "continue" else ""
+    # at the top too: on a long chat the only button was below its end
+    top_action = (f'<form method="post" action="/s/{_e(token)}/fork" class="prism-fork-top"><button type="submit">'
+                  "Continue this chat</button></form>") if mode == "continue" else ""
     note = ('<div class="prism-banner prism-banner-warn">Answered by a tiny demo model with random weights: '
             "the answers are random text.</div>") if demo else ""
     return f"""<!doctype html>
@@ -417,7 +420,7 @@ def share_page(session, records, turns: list[TurnView], *, mode: str, token: str
 </head><body class="prism-share-body">
 <main class="prism-share">
 <header><a class="prism-brand" href="/">Prism</a><span class="prism-share-badge">shared ·
-{"read-only" if mode == "read" else "can continue"}</span></header>
+{"read-only" if mode == "read" else "can continue"}</span>{top_action}</header>
 <h1>{_e(session.title)}</h1>{note}
 {images_strip(records, editable=False, url=lambda sha: shared_image_url(token, sha),
               prefix=shared_prefix_url(token))}
