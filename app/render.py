@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from .chat import TurnView
 
-STATIC_VERSION = "7"  # bump to make browsers refetch static/prism.css and prism.js
+STATIC_VERSION = "8"  # bump to make browsers refetch static/prism.css and prism.js
 
 #: A text-only chat's thumbnail: a speech bubble drawn inline (an emoji needs an emoji font, which
 #: many machines lack, and then shows as an empty box).
@@ -184,9 +184,9 @@ def duration_text(seconds: float | None) -> str:
 
 
 def video_card(r, n: int, editable: bool, url: Callable[[str], str]) -> str:
-    """One video clip's card: its poster frame (a JPEG the store made at upload, inline), the clip
-    itself behind the browser's player (loaded only when played), its duration, and when editable
-    a remove button."""
+    """One video clip's card: its poster frame (a JPEG the store made at upload, inline), a play
+    button with its duration (the clip, loaded only then, plays large in the page's viewer: the
+    browser's own controls did not fit the card), and when editable a remove button."""
     import base64
 
     remove = _remove_button(r, f"video {n}", editable)
@@ -195,9 +195,10 @@ def video_card(r, n: int, editable: bool, url: Callable[[str], str]) -> str:
     poster = f"data:image/jpeg;base64,{base64.b64encode(r.poster).decode()}" if r.poster else ""
     return (
         f'<figure class="prism-image prism-video" data-video-number="{n}" data-sha="{_e(r.sha256)}">'
-        f'<video src="{_e(url(r.sha256))}" poster="{_e(poster)}" preload="none" controls muted playsinline '
+        f'<video src="{_e(url(r.sha256))}" poster="{_e(poster)}" preload="none" muted playsinline '
         f'aria-label="{_e(name)}"></video>'
-        f'<span class="prism-duration" aria-hidden="true">▶ {length}</span>'
+        f'<button type="button" class="prism-duration prism-play" data-play-video="{n}" '
+        f'title="Play video {n} ({length})" aria-label="Play video {n}, {length}">▶ {length}</button>'
         f'<figcaption><span class="prism-image-label" title="Video {n} · {length} · {int(r.width)}×{int(r.height)}">'
         f"<b>Video {n}</b> · {length}</span>"
         f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>{remove}'

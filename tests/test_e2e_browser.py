@@ -255,6 +255,20 @@ def test_browser_video_clip_miss_then_hit(sync_playwright, server):
                 const im = new Image(); im.onload = () => done([im.naturalWidth, im.naturalHeight]);
                 im.onerror = () => done(null); im.src = document.querySelector('.prism-video video').poster; })""")
             assert poster_size == [96, 64], poster_size
+            # the card holds no squeezed native controls: its play button (or the picture) plays the
+            # clip large in the viewer, with the browser's controls
+            assert not page.eval_on_selector("#prism-images .prism-video video", "(v) => v.controls")
+            assert page.get_attribute("#prism-images .prism-play", "aria-label") == "Play video 1, 0:08"
+            for opener in ("#prism-images .prism-play", "#prism-images .prism-video video"):
+                page.click(opener)
+                page.wait_for_selector(".prism-viewer:not([hidden]) .prism-viewer-video", state="visible")
+                played = page.eval_on_selector(".prism-viewer-video", """(v) => ({controls: v.controls,
+                    src: v.src, width: v.getBoundingClientRect().width})""")
+                assert played["controls"] and played["src"].endswith(
+                    page.get_attribute("#prism-images .prism-video video", "src")) and played["width"] >= 400, played
+                page.screenshot(path=str(ARTIFACTS / "video-playing.png"))
+                page.keyboard.press("Escape")
+                page.wait_for_selector(".prism-viewer", state="hidden")
             assert page.query_selector(".prism-notice-error") is None, page.inner_text("#prism-notice")
 
             for n, question in enumerate(("What moves in this clip?", "Which way does it pan?"), 1):
