@@ -156,10 +156,16 @@ NOT_LOADED = "Not cached: the model is not loaded yet"
 def kept_summary(item: dict) -> str:
     """The image viewer's line for a cached image of :meth:`ChatService.prefix_view`, e.g.
     ``kept 118 of 196 visual tokens · selector: uniform (keep ratio 0.6)`` or ``all kept: 196 of
-    196 visual tokens · dense prefix (no compaction)``."""
+    196 visual tokens · dense prefix (no compaction)``; for a preview (``item["preview"]``)
+    it says so, with the compaction step (1-based) it shows (the first: later ones are not
+    previewed, see :meth:`ChatService.prefix_view`)."""
     kept, total, selector = int(item["kept_count"]), int(item["rows"]) * int(item["cols"]), item.get("selector")
     how = (f"selector: {selector} (keep ratio {float(item['keep_ratio']):g})" if selector
            else "dense prefix (no compaction)")
+    if item.get("preview"):
+        step, steps = int(item["step"]) + 1, int(item["steps"])
+        return (f"Preview (all {total:,} are kept now, the prefix is dense): when KV memory runs short, compaction "
+                f"step {step} of {steps} would keep {kept:,} of {total:,} visual tokens · {how}")
     if kept == total:
         return f"all kept: {kept:,} of {total:,} visual tokens · {how}"
     return f"kept {kept:,} of {total:,} visual tokens · {how}"
@@ -214,6 +220,13 @@ def _checked_question(question) -> str:
         raise ChatError("The question contains a broken character (an unpaired UTF-16 surrogate, as left by "
                         "a bad copy and paste); remove it and send the question again.")
     return question
+
+
+def title_from(question: str) -> str:
+    """A new chat's title: its first question, whitespace collapsed, shortened to
+    :data:`TITLE_FROM_QUESTION_CHARS` characters (an ellipsis marks a cut)."""
+    title = " ".join(question.split())
+    return title if len(title) <= TITLE_FROM_QUESTION_CHARS else title[: TITLE_FROM_QUESTION_CHARS - 1] + "…"
 
 
 def copy_title(title: str) -> str:
@@ -531,9 +544,7 @@ class ChatService:
         images = [{"video": self.store.image_path(sha)} if kinds.get(sha) == "video"
                   else {"image": self.store.image_path(sha), "sha256": sha} for sha in session.image_shas]
         if session.title == DEFAULT_TITLE and not self.store.list_turns(session.id):
-            title = " ".join(question.split())
-            title = title if len(title) <= TITLE_FROM_QUESTION_CHARS else title[: TITLE_FROM_QUESTION_CHARS - 1] + "…"
-            session = self.store.rename_session(session.id, owner, title)
+            session = self.store.rename_session(session.id, owner, title_from(question))
         turn = self.store.add_turn(session.id, question)
         with self._lock:
             self._active_turns.add(turn.id)
@@ -573,6 +584,10 @@ class ChatService:
             replaced = self.store.delete_turns_from(session.id, owner, turn.id)
         except NotFound:  # another tab got there first
             raise ChatError(_GONE) from None
+        first = not self.store.list_turns(session.id)  # nothing before the edited turn
+        if first and session.title == title_from(turn.question) and question != turn.question:
+            # the title was the first question's (not one the owner chose): it follows the edit
+            self.store.rename_session(session.id, owner, title_from(question))
         active = self.ask(session.id, owner, question, options)
         active.replaced = len(replaced)
         return active
@@ -650,8 +665,12 @@ class ChatService:
         Returns ``{"images": [...]}``, one item per image in prompt order: ``number`` (1-based),
         ``sha256``, ``cached`` (bool) and ``summary`` (the viewer's line, :func:`kept_summary`);
         when cached also ``rows``, ``cols``, ``kept`` (``rows`` lists of ``cols`` bools),
-        ``kept_count``, ``selector`` and ``keep_ratio`` as :meth:`engine.Engine.prefix_info`
-        reports them (the browser draws them, it computes nothing).
+        ``kept_count``, ``selector``, ``keep_ratio``, ``preview``, ``step`` and ``steps`` as
+        :meth:`engine.Engine.prefix_info` reports them with ``preview=True`` (the browser draws
+        them, it computes nothing). Under ``compaction_mode="on_pressure"`` a cached prefix is
+        dense until KV memory runs short, so "all kept" showed nothing: for a dense prefix the
+        viewer shows, marked as a preview, what the first compaction step on pressure would keep;
+        a prefix compacted already shows what it keeps.
         """
         videos = {r.sha256 for r in self.store.list_images(session.id) if r.is_video}
         shas = [sha for sha in session.image_shas if sha not in videos]  # clips have no viewer
@@ -660,7 +679,10 @@ class ChatService:
             reason = NOT_LOADED
         elif shas:
             try:  # only a prefix of exactly these images: the one the next question would attach
-                info = engine.prefix_info(session.cache_salt, shas)
+                info = engine.prefix_info(session.cache_salt, shas, preview=True)
+                if info and info[0].get("preview") and info[0].get("step"):
+                    # compacted already: what it keeps now is real, and that is what is shown
+                    info = engine.prefix_info(session.cache_salt, shas)
             except PrismError:  # closed during shutdown
                 info = None
         reported = {item["image"]: item for item in info or []}
@@ -670,6 +692,7 @@ class ChatService:
             if item["cached"]:
                 got = reported[n]
                 item.update({k: got[k] for k in ("rows", "cols", "kept", "kept_count", "selector", "keep_ratio")})
+                item.update(preview=bool(got.get("preview")), step=got.get("step"), steps=int(got.get("steps") or 0))
                 item["summary"] = kept_summary(item)
             images.append(item)
         return {"images": images}

@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from .chat import TurnView
 
-STATIC_VERSION = "6"  # bump to make browsers refetch static/prism.css and prism.js
+STATIC_VERSION = "8"  # bump to make browsers refetch static/prism.css and prism.js
 
 #: A text-only chat's thumbnail: a speech bubble drawn inline (an emoji needs an emoji font, which
 #: many machines lack, and then shows as an empty box).
@@ -102,19 +102,24 @@ def banner(status: dict) -> str:
     """Notice at the top of the page: loading, failed, or demo model; empty when all is well."""
     state = status.get("status")
     if state == "loading":
-        return ('<div class="prism-banner prism-banner-info"><b>Loading the model…</b> '
-                f"{_e(status.get('stage', ''))}. Progress is shown in the terminal; you can already "
-                "upload images.</div>")
+        return _banner("info", "Loading the model…", f"{_e(status.get('stage', ''))}. Progress is shown in the "
+                       "terminal; you can already upload images.")
     if state == "error":
-        return (f'<div class="prism-banner prism-banner-error"><b>The model is not available.</b> '
-                f"{_e(status.get('error', ''))}</div>")
+        return _banner("error", "Model not available", _e(status.get("error", "")), open_=True)
     if status.get("demo_model"):
-        return ('<div class="prism-banner prism-banner-warn"><b>Demo mode:</b> this is a tiny model with '
-                "random weights, so its answers are random text. Everything else (sessions, the prefix "
-                "cache, telemetry, sharing) is real. For real answers start Prism with the real weights: "
-                "<code>python launch.py --model Qwen/Qwen3-VL-2B-Instruct</code> on a machine with network "
-                "access (downloads about 4 GB once), or <code>--model /path/to/checkpoint</code>.</div>")
+        return _banner("warn", "Demo model: random answers", "<b>Demo mode:</b> this is a tiny model with "
+                       "random weights, so its answers are random text. Everything else (sessions, the prefix "
+                       "cache, telemetry, sharing) is real. For real answers start Prism with the real weights: "
+                       "<code>python launch.py --model Qwen/Qwen3-VL-2B-Instruct</code> on a machine with network "
+                       "access (downloads about 4 GB once), or <code>--model /path/to/checkpoint</code>.")
     return ""
+
+
+def _banner(kind: str, label: str, details_html: str, open_: bool = False) -> str:
+    """A one-line chip for the title bar (its height never changes the page's layout); the
+    details (already escaped HTML) open below it, over the page."""
+    return (f'<details class="prism-banner prism-banner-{kind}"{" open" if open_ else ""}><summary>{_e(label)}'
+            f'</summary><div class="prism-banner-more" role="note">{details_html}</div></details>')
 
 
 # ---------------------------------------------------------------------------------- sessions
@@ -157,14 +162,14 @@ def image_card(r, n: int, editable: bool, url: Callable[[str], str]) -> str:
     remove = _remove_button(r, f"image {n}", editable)
     name = r.filename or f"image {n}"
     size = f"{int(r.width)}×{int(r.height)}"
-    # the remove button sits in the caption, beside the name: over the photo it hid part of it
+    # the open and remove buttons sit in the caption, beside the name: over the photo they hid part of it
     return (
         f'<figure class="prism-image" data-number="{n}" data-sha="{_e(r.sha256)}">'
         f'<img src="{_e(url(r.sha256))}" alt="{_e(name)}" loading="lazy">'
-        f'<button type="button" class="prism-open" data-open-image="{n}" title="Open image {n}: the whole '
-        f'image and what the model keeps of it" aria-label="Open image {n}">{_OPEN_ICON}</button>'
         f'<figcaption><span class="prism-image-label" title="Image {n} · {size}"><b>Image {n}</b> · {size}</span>'
-        f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>{remove}'
+        f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>'
+        f'<button type="button" class="prism-open" data-open-image="{n}" title="Open image {n}: the whole '
+        f'image and what the model keeps of it" aria-label="Open image {n}">{_OPEN_ICON}</button>{remove}'
         f"</span></figcaption></figure>"
     )
 
@@ -179,9 +184,9 @@ def duration_text(seconds: float | None) -> str:
 
 
 def video_card(r, n: int, editable: bool, url: Callable[[str], str]) -> str:
-    """One video clip's card: its poster frame (a JPEG the store made at upload, inline), the clip
-    itself behind the browser's player (loaded only when played), its duration, and when editable
-    a remove button."""
+    """One video clip's card: its poster frame (a JPEG the store made at upload, inline), a play
+    button with its duration (the clip, loaded only then, plays large in the page's viewer: the
+    browser's own controls did not fit the card), and when editable a remove button."""
     import base64
 
     remove = _remove_button(r, f"video {n}", editable)
@@ -190,9 +195,10 @@ def video_card(r, n: int, editable: bool, url: Callable[[str], str]) -> str:
     poster = f"data:image/jpeg;base64,{base64.b64encode(r.poster).decode()}" if r.poster else ""
     return (
         f'<figure class="prism-image prism-video" data-video-number="{n}" data-sha="{_e(r.sha256)}">'
-        f'<video src="{_e(url(r.sha256))}" poster="{_e(poster)}" preload="none" controls muted playsinline '
+        f'<video src="{_e(url(r.sha256))}" poster="{_e(poster)}" preload="none" muted playsinline '
         f'aria-label="{_e(name)}"></video>'
-        f'<span class="prism-duration" aria-hidden="true">▶ {length}</span>'
+        f'<button type="button" class="prism-duration prism-play" data-play-video="{n}" '
+        f'title="Play video {n} ({length})" aria-label="Play video {n}, {length}">▶ {length}</button>'
         f'<figcaption><span class="prism-image-label" title="Video {n} · {length} · {int(r.width)}×{int(r.height)}">'
         f"<b>Video {n}</b> · {length}</span>"
         f'<span class="prism-image-row"><span class="prism-image-name" title="{_e(name)}">{_e(name)}</span>{remove}'
@@ -400,6 +406,9 @@ def share_page(session, records, turns: list[TurnView], *, mode: str, token: str
         "Continue this chat</button> <span>You get your own copy with the same images; the original "
         "stays unchanged.</span></form>"
     ) if mode == "continue" else ""
+    # at the top too: on a long chat the only button was below its end
+    top_action = (f'<form method="post" action="/s/{_e(token)}/fork" class="prism-fork-top"><button type="submit">'
+                  "Continue this chat</button></form>") if mode == "continue" else ""
     note = ('<div class="prism-banner prism-banner-warn">Answered by a tiny demo model with random weights: '
             "the answers are random text.</div>") if demo else ""
     return f"""<!doctype html>
@@ -412,7 +421,7 @@ def share_page(session, records, turns: list[TurnView], *, mode: str, token: str
 </head><body class="prism-share-body">
 <main class="prism-share">
 <header><a class="prism-brand" href="/">Prism</a><span class="prism-share-badge">shared ·
-{"read-only" if mode == "read" else "can continue"}</span></header>
+{"read-only" if mode == "read" else "can continue"}</span>{top_action}</header>
 <h1>{_e(session.title)}</h1>{note}
 {images_strip(records, editable=False, url=lambda sha: shared_image_url(token, sha),
               prefix=shared_prefix_url(token))}

@@ -341,9 +341,8 @@ class PrismUI:
         with gr.Blocks(title="Prism", fill_width=True, analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
             c = types.SimpleNamespace(session=gr.State(None))
             self._sidebar_components(c)
-            c.banner = gr.HTML("", elem_id="prism-banner")
-            with gr.Row(equal_height=False):
-                with gr.Column(scale=3, min_width=480):
+            with gr.Row(equal_height=False, elem_id="prism-page"):
+                with gr.Column(scale=3, min_width=480, elem_id="prism-main"):
                     self._chat_components(c)
                 with gr.Column(scale=1, min_width=300, elem_id="prism-panels"):
                     self._panel_components(c)
@@ -365,12 +364,16 @@ class PrismUI:
         with gr.Row(elem_id="prism-titlebar"):
             c.title = gr.Textbox(label="Chat title", show_label=False, placeholder="New chat", scale=6,
                                  elem_id="prism-title", container=False, max_length=200)
+            # in the title bar, whose height it never changes: shown after the page loads, it pushed
+            # the whole page down (a one-line chip; its details open over the page)
+            c.banner = gr.HTML("", elem_id="prism-banner")
             c.share = gr.Button("Share", scale=0, min_width=90, elem_id="prism-share-btn")
             c.delete = gr.Button("Delete", scale=0, min_width=90, variant="stop", elem_id="prism-delete")
-        c.images = gr.HTML(render.images_strip([]), elem_id="prism-images",
-                           js_on_load=_CLICK_JS % {"attr": "remove", "key": "remove"})
-        c.upload = gr.File(file_count="multiple", file_types=["image", ".mp4", ".webm"], type="filepath", height=76,
-                           show_label=False, label="Add images or clips", elem_id="prism-upload")
+        with gr.Row(elem_id="prism-media"):  # the images, then the drop zone as the strip's last tile
+            c.images = gr.HTML(render.images_strip([]), elem_id="prism-images",
+                               js_on_load=_CLICK_JS % {"attr": "remove", "key": "remove"})
+            c.upload = gr.File(file_count="multiple", file_types=["image", ".mp4", ".webm"], type="filepath",
+                               height=76, show_label=False, label="Add images or clips", elem_id="prism-upload")
         c.notice = gr.HTML("", elem_id="prism-notice")
         c.chat = gr.Chatbot(elem_id="prism-chat", height=440, show_label=False, buttons=[], editable="user",
                             placeholder="Ask anything about your images. Answers stream here, each with its "

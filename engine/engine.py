@@ -326,7 +326,8 @@ class Engine:
             return {**self.pool.counters(), **self.loop.counters(), **cache, **self.prompts.counters(),
                     **self.vision.counters(), **forgotten}
 
-    def prefix_info(self, cache_salt: str | None, images: list[str | None] | None = None) -> list[dict] | None:
+    def prefix_info(self, cache_salt: str | None, images: list[str | None] | None = None, *,
+                    preview: bool = False) -> list[dict] | None:
         """What the compact prefix the session's next question would attach kept of each image:
         the latest prefix cached under ``cache_salt`` (created or hit last), restricted to one
         built from exactly ``images`` when given (each image's content key as its message part
@@ -345,7 +346,17 @@ class Engine:
             applied), ``kept`` (``rows`` lists of ``cols`` bools, row-major: whether that visual
             token's KV is kept), ``kept_count`` (int, tokens), ``selector`` (str, a key of
             :data:`engine.cache.compaction.SELECTORS`, or None for a dense prefix) and
-            ``keep_ratio`` (float, 1.0 when dense).
+            ``keep_ratio`` (float, 1.0 when dense); and ``preview`` (bool), ``step`` (int or
+            None) and ``steps`` (int, how many compaction steps on pressure the engine has).
+
+            With ``preview`` (the viewer's "what a compaction would keep"): when the prefix has a
+            compaction step on pressure still ahead (``compaction_mode="on_pressure"``, see
+            :meth:`~engine.cache.prefix_cache.PrefixCache.next_step`), ``kept``, ``kept_count``,
+            ``selector`` and ``keep_ratio`` describe what that step would keep, ``preview`` is
+            True and ``step`` is its index in the steps (0: the first); nothing is compacted by
+            asking, and a compaction at that step keeps exactly these tokens. Without a step
+            ahead (compacted when cached, or every step done) it reports what is kept now, with
+            ``preview`` False, as without ``preview``.
 
         Raises:
             PrismError: the engine is closed.
@@ -354,7 +365,7 @@ class Engine:
             reuse = self.prefix_reuse  # read once: close() drops it
             if self.loop.closed:
                 raise PrismError("engine is closed")
-            return None if reuse is None else reuse.prefix_info(self.options.salt(cache_salt), images)
+            return None if reuse is None else reuse.prefix_info(self.options.salt(cache_salt), images, preview=preview)
 
     def forget(self, cache_salt: str) -> Forgotten:
         """Drop everything the engine keeps of one session (cache salt), at once: its prefix-cache

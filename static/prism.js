@@ -158,11 +158,19 @@
     var stage = element("div", "prism-viewer-stage", panel);
     var frame = element("div", "prism-viewer-frame", stage);
     var img = element("img", "prism-viewer-img", frame);
+    var video = element("video", "prism-viewer-video", stage);
+    video.controls = true;
+    video.playsInline = true;
+    video.hidden = true;
     var grid = element("div", "prism-kept-grid", frame);
     grid.hidden = true;
+    var badge = element("div", "prism-preview-badge", frame);
+    badge.textContent = "Preview: if memory runs short";
+    badge.hidden = true;
     var status = element("div", "prism-viewer-status", panel);
     status.setAttribute("role", "status");
-    viewer = { root: root, title: title, toggle: toggle, close: close, img: img, grid: grid, status: status,
+    viewer = { root: root, title: title, toggle: toggle, close: close, img: img, video: video, grid: grid,
+               badge: badge, status: status,
                url: null, number: null, sha: null, asked: 0, opener: null };
     img.addEventListener("load", fitImage);
     window.addEventListener("resize", fitImage);
@@ -206,17 +214,42 @@
     img.style.height = Math.max(1, Math.floor(img.naturalHeight * scale)) + "px";
   }
 
+  // A clip's card: the clip plays large in the viewer, with the browser's controls.
+  function openClip(card) {
+    var v = viewer || buildViewer();
+    var clip = card.querySelector("video");
+    var label = card.querySelector(".prism-image-label");
+    v.opener = document.activeElement;
+    v.title.textContent = (label ? label.innerText : "Video") + (clip ? " · " + clip.getAttribute("aria-label") : "");
+    v.root.setAttribute("aria-label", v.title.textContent);
+    v.toggle.parentElement.hidden = true;
+    v.img.parentElement.hidden = true;
+    v.grid.hidden = v.badge.hidden = true;
+    v.status.textContent = "";
+    v.video.hidden = false;
+    v.video.poster = clip ? clip.poster : "";
+    v.video.src = clip ? clip.currentSrc || clip.src : "";
+    v.root.hidden = false;
+    v.close.focus();
+    var playing = v.video.play();
+    if (playing && playing.catch) playing.catch(function () { /* the controls are there to start it */ });
+  }
+
   function closeViewer() {
     if (!viewer || viewer.root.hidden) return;
     viewer.asked += 1;  // a reply still on its way is dropped
     viewer.root.hidden = true;
     viewer.img.removeAttribute("src");
+    viewer.video.pause();
+    viewer.video.removeAttribute("src");
+    viewer.video.hidden = true;
+    viewer.img.parentElement.hidden = false;
     if (viewer.opener && viewer.opener.focus) viewer.opener.focus();
   }
 
   function showKept() {
     var v = viewer;
-    v.grid.hidden = true;
+    v.grid.hidden = v.badge.hidden = true;
     v.status.textContent = "";
     if (!v.toggle.checked || !v.url) return;
     var asked = ++v.asked;
@@ -237,11 +270,15 @@
       });
   }
 
+  // A dense prefix (compaction on pressure, while memory lasts) keeps everything: the engine then
+  // reports what the first compaction step would keep, marked as a preview (item.preview).
   function drawKept(item) {
     var v = viewer;
     v.status.textContent = item.summary;
     v.grid.textContent = "";
+    v.grid.classList.toggle("prism-kept-preview", !!(item.cached && item.preview));
     if (!item.cached) return;
+    v.badge.hidden = !item.preview;
     v.grid.style.gridTemplateColumns = "repeat(" + item.cols + ", 1fr)";
     v.grid.style.gridTemplateRows = "repeat(" + item.rows + ", 1fr)";
     var cells = document.createDocumentFragment();
@@ -255,6 +292,13 @@
   }
 
   document.addEventListener("click", function (event) {
+    var play = event.target.closest(".prism-play, .prism-video > video");
+    var clip = play && play.closest(".prism-video[data-video-number]");
+    if (clip) {
+      event.preventDefault();
+      openClip(clip);
+      return;
+    }
     var open = event.target.closest(".prism-open, .prism-image > img");
     var card = open && open.closest(".prism-image[data-number]");
     if (!card) return;

@@ -663,6 +663,23 @@ def test_editing_a_past_question_asks_again_from_there_and_reuses_what_matches(c
     assert after[0].turn_id == turns[0].turn_id and after[0].answer == turns[0].answer  # turn 1 untouched
 
 
+def test_editing_the_first_question_retitles_the_chat_unless_the_owner_named_it(chat, pictures, store):
+    """A chat is titled by its first question; editing that question changes the title with it
+    (it kept the old question before). Editing a later question, regenerating, or editing the
+    first question of a chat the owner renamed leaves the title alone."""
+    session, turns = three_turns(chat, pictures)
+    assert store.get_session(session.id).title == "One?"
+    run(chat.edit(session.id, OWNER, turns[1].turn_id, "Two, edited?", FAST))  # not the first: kept
+    assert store.get_session(session.id).title == "One?"
+    run(chat.edit(session.id, OWNER, chat.turns(session.id)[0].turn_id, "  One,\n  edited? ", FAST))
+    assert store.get_session(session.id).title == "One, edited?"
+    run(chat.regenerate(session.id, OWNER, FAST, turn_id=chat.turns(session.id)[0].turn_id))
+    assert store.get_session(session.id).title == "One, edited?"
+    chat.rename(session.id, OWNER, "My coffee chat")
+    run(chat.edit(session.id, OWNER, chat.turns(session.id)[0].turn_id, "One again?", FAST))
+    assert store.get_session(session.id).title == "My coffee chat"
+
+
 def test_regenerating_an_older_answer_drops_the_later_turns(chat, pictures):
     """Regenerate works on any answer, not only the last: asking question 1 of 3 again replaces
     its answer and drops turns 2 and 3; without history the image prefix is still a hit."""

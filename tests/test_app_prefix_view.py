@@ -178,8 +178,8 @@ def test_the_chat_asks_for_its_own_salt_and_images_and_a_dense_prefix_reads_all_
              "keep_ratio": 1.0}
 
     class Engine:
-        def prefix_info(self, salt, images):
-            calls.append((salt, images))
+        def prefix_info(self, salt, images, preview=False):
+            calls.append((salt, images, preview))
             return [dense]
 
     store = SessionStore(tmp_path / "data")
@@ -188,11 +188,42 @@ def test_the_chat_asks_for_its_own_salt_and_images_and_a_dense_prefix_reads_all_
         owner = SessionStore.new_owner_key()
         session, _ = chat.add_images(None, owner, [("a.png", png(7))])
         [item] = chat.prefix_view(session)["images"]
-        assert calls == [(session.cache_salt, session.image_shas)]
+        assert calls == [(session.cache_salt, session.image_shas, True)]
         assert item["kept"] == dense["kept"] and item["cached"] and item["selector"] is None
         assert item["summary"] == "all kept: 6 of 6 visual tokens · dense prefix (no compaction)"
     finally:
         store.close()
+
+
+def test_a_dense_prefix_shows_what_a_compaction_on_pressure_would_keep(tmp_path, tiny_engine_factory):
+    """Under the default ``on_pressure`` a cached prefix is dense, and the viewer said "all kept"
+    (nothing to see). The owner's JSON now carries, marked as a preview, the engine's report of
+    what the first compaction step would keep, with its step and keep ratio in the summary; once
+    memory ran short and the prefix was compacted, the real kept set is shown, not a preview."""
+    env = make_app(tmp_path / "data", tiny_engine_factory(kv_cache_bytes=32 << 20, compaction_mode="on_pressure"))
+    try:
+        client, owner = browser(env)
+        session, _ = env.chat.add_images(None, owner, [("a.png", png(1)), ("b.png", png(2, (256, 384)))])
+        answer(env, session.id, owner)
+        salt = env.store.get_session(session.id).cache_salt
+        assert all(i["kept_count"] == i["rows"] * i["cols"] for i in env.engine.prefix_info(salt))  # dense
+        got = client.get(f"/sessions/{session.id}/prefix").json()["images"]
+        for item, engine_item in zip(got, env.engine.prefix_info(salt, preview=True), strict=True):
+            total = item["rows"] * item["cols"]
+            assert item["cached"] and item["preview"] and item["step"] == 0 and item["steps"] == 1
+            assert item["kept"] == engine_item["kept"] and item["kept_count"] == engine_item["kept_count"] < total
+            assert item["summary"] == (f"Preview (all {total} are kept now, the prefix is dense): when KV memory "
+                                       f"runs short, compaction step 1 of 1 would keep {item['kept_count']} of "
+                                       f"{total} visual tokens · selector: uniform (keep ratio 0.6)")
+        cache = env.engine.prefix_cache
+        with env.engine.loop.paused():
+            while not cache.stats.pressure_compactions:  # memory runs short
+                assert cache.make_room(env.engine.pool.num_free + 1)
+        after = client.get(f"/sessions/{session.id}/prefix").json()["images"]
+        assert [(i["kept"], i["preview"]) for i in after] == [(i["kept"], False) for i in got]
+        assert after[0]["summary"].startswith(f"kept {got[0]['kept_count']} of ")
+    finally:
+        env.store.close()
 
 
 def test_the_pages_panel_says_a_dense_prefix_was_not_compacted():

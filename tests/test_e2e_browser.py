@@ -4,7 +4,9 @@ through Debian's Chromium.
 Uploads two sample photos, asks two questions, and checks that the first answer's telemetry says
 MISS (the vision encoder ran) and the second HIT (no encoder, the cached prefix reused, only the
 question computed), that Send turns into Stop while an answer streams, that the image cards keep
-their remove button off the photo and their labels on one line, that "+ New chat" gets darker
+their open and remove buttons off the photo and their labels on one line, that the conversation
+has the window's height at three sizes (one scroll container, the question and the last answer in
+view), that "+ New chat" gets darker
 (not lighter, which looked disabled) under the mouse, that the page shows no error and loads
 nothing from outside, then opens a read-only share link in a second browser context, continues a
 "continue" link there (its first question hits the warm prefix, the copy is titled as a copy),
@@ -56,11 +58,32 @@ WATCH_STOP = """() => { window.prismSawStop = false;
 # per image card: does the remove button overlap the photo, and does the "Image N · WxH" label wrap?
 CARD_LAYOUT = """() => Array.from(document.querySelectorAll('#prism-images .prism-image')).map((card) => {
   const img = card.querySelector('img').getBoundingClientRect();
-  const x = card.querySelector('.prism-remove').getBoundingClientRect();
+  const on = (sel) => { const x = card.querySelector(sel).getBoundingClientRect();
+    return x.left < img.right && x.right > img.left && x.top < img.bottom && x.bottom > img.top; };
   const label = card.querySelector('.prism-image-label');
-  const overlap = x.left < img.right && x.right > img.left && x.top < img.bottom && x.bottom > img.top;
   const lines = label.getBoundingClientRect().height / parseFloat(getComputedStyle(label).lineHeight);
-  return {overlap, lines, text: label.innerText}; })"""
+  return {overlap: on('.prism-remove') || on('.prism-open'), lines, text: label.innerText}; })"""
+# The page's layout: the chat's box, the question row's, the last telemetry chip's, and every element
+# that scrolls vertically (content taller than its box, with overflow auto or scroll, or the page).
+LAYOUT = """() => {
+  const box = (el) => { const r = el.getBoundingClientRect();
+    return {top: r.top, bottom: r.bottom, height: r.height}; };
+  const chips = document.querySelectorAll('#prism-chat .prism-tel');
+  const scrollers = [document.scrollingElement, ...document.querySelectorAll('body *')].filter((el) => {
+    const y = getComputedStyle(el).overflowY;
+    return el.scrollHeight > el.clientHeight + 1 && (el === document.scrollingElement ? y !== 'hidden'
+      && getComputedStyle(document.body).overflowY !== 'hidden' : /auto|scroll/.test(y));
+  });
+  return {vh: innerHeight, chat: box(document.querySelector('#prism-chat')),
+          input: box(document.querySelector('#prism-inputrow')), last: box(chips[chips.length - 1]),
+          titlebar: box(document.querySelector('#prism-titlebar')),
+          scrollers: scrollers.map((el) => el === document.scrollingElement ? 'the page'
+            : el.closest('#prism-chat') ? 'the chat' : (el.id || el.className || el.tagName).toString())};
+}"""
+# the chat's own scroller has reached its end (Gradio scrolls it to the newest message)
+CHAT_AT_END = """() => { const el = Array.from(document.querySelectorAll('#prism-chat *'))
+  .find((e) => /auto|scroll/.test(getComputedStyle(e).overflowY) && e.scrollHeight > e.clientHeight);
+  return !el || el.scrollTop + el.clientHeight >= el.scrollHeight - 2; }"""
 LUMINANCE = """(sel) => { const [r, g, b] = getComputedStyle(document.querySelector(sel)).backgroundColor
   .match(/[\\d.]+/g).map(Number); return 0.2126 * r + 0.7152 * g + 0.0722 * b; }"""
 
@@ -154,6 +177,53 @@ def local_only(outside: list[str]):
     return route
 
 
+def _check_layout(page, ctx, url: str) -> None:
+    """Issue 31.4 and 31.7 at 1440x1000, 1280x800 and 390x844, on the chat of two answers: the
+    conversation has the room (at least 450 px of chat on a laptop's 1280x800), the question row
+    and the last answer's telemetry are in the window without scrolling, the chat is the one
+    element that scrolls (the page did too), the banner sits in the title bar without growing it;
+    the edit pencil is a dark, 32 px button; the ⤢ and remove buttons are reached by the keyboard
+    and ⤢ opens the viewer from it."""
+    for width, height in ((1440, 1000), (1280, 800), (390, 844)):
+        fresh = ctx.new_page()  # the same browser (cookie): the same chat, opened at this size
+        try:
+            fresh.set_viewport_size({"width": width, "height": height})
+            fresh.goto(url)
+            fresh.wait_for_function(ANSWERED, arg=2)
+            fresh.wait_for_function(IMAGES_LOADED)
+            fresh.wait_for_function(CHAT_AT_END)
+            layout = fresh.evaluate(LAYOUT)
+            fresh.screenshot(path=str(ARTIFACTS / f"layout-{width}x{height}.png"))
+        finally:
+            fresh.close()
+        chat, vh, last = layout["chat"], layout["vh"], layout["last"]
+        assert 0 <= layout["input"]["top"] and layout["input"]["bottom"] <= vh, layout
+        assert chat["top"] <= last["top"] and last["bottom"] <= min(chat["bottom"], layout["input"]["top"]), layout
+        if width < 768:
+            continue  # a phone: the panels follow below the first screen, the page scrolls to them
+        assert min(chat["bottom"], vh) - max(chat["top"], 0) >= 450, layout
+        # nothing but the chat scrolls (the page did, beside the chat); the chat does once it is full
+        assert set(layout["scrollers"]) <= {"the chat"} and len(layout["scrollers"]) <= 1, layout
+        assert layout["titlebar"]["height"] < 60, layout  # the demo banner did not add a row
+    assert page.locator("#prism-titlebar .prism-banner-warn").is_visible()
+
+    pencil = page.locator("#prism-chat button[aria-label=Edit] >> nth=0")
+    box = pencil.bounding_box()
+    assert box["width"] >= 32 and box["height"] >= 32, box
+    rgb = [float(v) for v in re.findall(r"[\d.]+", pencil.evaluate("(b) => getComputedStyle(b).color"))[:3]]
+    assert 0.2126 * rgb[0] + 0.7152 * rgb[1] + 0.0722 * rgb[2] < 90, rgb  # dark on white, not light grey
+
+    page.focus("#prism-images .prism-image >> nth=0 >> .prism-open")
+    page.keyboard.press("Tab")  # on to the card's remove button
+    assert page.evaluate("document.activeElement.getAttribute('aria-label')") == "Remove image 1"
+    page.keyboard.press("Shift+Tab")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".prism-viewer:not([hidden])")
+    assert page.evaluate("document.activeElement.classList.contains('prism-viewer-close')")
+    page.keyboard.press("Escape")
+    page.wait_for_selector(".prism-viewer", state="hidden")
+
+
 def test_browser_video_clip_miss_then_hit(sync_playwright, server):
     """A clip uploaded beside nothing else: a video card with its duration and poster frame, then
     two questions, the first a prefix MISS (the vision encoder ran over the sampled frames) and the
@@ -185,6 +255,20 @@ def test_browser_video_clip_miss_then_hit(sync_playwright, server):
                 const im = new Image(); im.onload = () => done([im.naturalWidth, im.naturalHeight]);
                 im.onerror = () => done(null); im.src = document.querySelector('.prism-video video').poster; })""")
             assert poster_size == [96, 64], poster_size
+            # the card holds no squeezed native controls: its play button (or the picture) plays the
+            # clip large in the viewer, with the browser's controls
+            assert not page.eval_on_selector("#prism-images .prism-video video", "(v) => v.controls")
+            assert page.get_attribute("#prism-images .prism-play", "aria-label") == "Play video 1, 0:08"
+            for opener in ("#prism-images .prism-play", "#prism-images .prism-video video"):
+                page.click(opener)
+                page.wait_for_selector(".prism-viewer:not([hidden]) .prism-viewer-video", state="visible")
+                played = page.eval_on_selector(".prism-viewer-video", """(v) => ({controls: v.controls,
+                    src: v.src, width: v.getBoundingClientRect().width})""")
+                assert played["controls"] and played["src"].endswith(
+                    page.get_attribute("#prism-images .prism-video video", "src")) and played["width"] >= 400, played
+                page.screenshot(path=str(ARTIFACTS / "video-playing.png"))
+                page.keyboard.press("Escape")
+                page.wait_for_selector(".prism-viewer", state="hidden")
             assert page.query_selector(".prism-notice-error") is None, page.inner_text("#prism-notice")
 
             for n, question in enumerate(("What moves in this clip?", "Which way does it pan?"), 1):
@@ -270,6 +354,7 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             page.evaluate("window.scrollTo(0, 0)")
             page.wait_for_function(IMAGES_LOADED)
             page.screenshot(path=str(ARTIFACTS / "chat.png"))
+            _check_layout(page, ctx, url)
 
             # our copy button copies an answer's text without its telemetry chip
             page.hover("#prism-chat .message.bot >> nth=1")
@@ -316,7 +401,11 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
 
             # a "continue" link gives the visitor their own copy, whose first question hits the warm prefix
             viewer.goto(continue_link)
-            viewer.click(".prism-fork button")
+            # offered at the top of the page too, not only below the end of the chat
+            top = viewer.locator(".prism-fork-top button")
+            assert top.is_visible() and top.bounding_box()["y"] < 200, top.bounding_box()
+            assert viewer.locator(".prism-fork button").count() == 1
+            top.click()
             viewer.wait_for_url(re.compile(r".*/\?session=.+"))
             viewer.wait_for_function(ANSWERED, arg=2)
             assert viewer.locator("#prism-images .prism-image").count() == 2

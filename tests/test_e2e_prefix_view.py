@@ -45,7 +45,9 @@ OVERLAY = """() => {
     return {left: r.left, top: r.top, right: r.right, bottom: r.bottom, width: r.width, height: r.height}; };
   const cells = Array.from(grid.children).map((c) => ({...box(c), dimmed: c.classList.contains('prism-dropped-cell'),
     shade: getComputedStyle(c).backgroundColor}));
+  const badge = v.querySelector('.prism-preview-badge');
   return {shown: !v.hidden && !grid.hidden && grid.offsetParent !== null, cells, grid: box(grid), img: box(img),
+          preview: grid.classList.contains('prism-kept-preview') && !badge.hidden && badge.offsetParent !== null,
           natural: [img.naturalWidth, img.naturalHeight], status: v.querySelector('.prism-viewer-status').innerText};
 }"""
 
@@ -65,7 +67,7 @@ def sideways_photo() -> bytes:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_engine_factory, live_server):
     data = tmp_path_factory.mktemp("prefix-view-data")
-    engine = tiny_engine_factory(kv_cache_bytes=64 << 20)
+    engine = tiny_engine_factory(kv_cache_bytes=64 << 20, compaction_mode="on_pressure")  # the app's default
     settings = Settings(data_dir=data, max_upload_mb=2)
     store = SessionStore(data, image_options=settings.image_options())
     loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny-test", False, "test"), settings)
@@ -105,7 +107,10 @@ def _check_overlay(overlay: dict, item: dict) -> None:
     # the grid's shape (smart_resize rounds each side to a multiple of 32 px: 400×600 -> 384×608)
     assert overlay["natural"] == [400, 600], overlay["natural"]
     assert abs(overlay["img"]["width"] / overlay["img"]["height"] - cols / rows) < 0.1 * cols / rows
-    assert f"kept {item['kept_count']} of {rows * cols} visual tokens" in overlay["status"], overlay["status"]
+    # a dense prefix (on_pressure, memory to spare) shows the first compaction step's choice, marked
+    verb = "would keep" if item["preview"] else "kept"
+    assert overlay["preview"] == item["preview"] and overlay["status"].startswith("Preview") == item["preview"]
+    assert f"{verb} {item['kept_count']} of {rows * cols} visual tokens" in overlay["status"], overlay["status"]
     assert "selector: uniform" in overlay["status"], overlay["status"]
 
 
@@ -146,9 +151,11 @@ def test_the_viewer_draws_the_engines_kept_tokens_over_the_whole_image(sync_play
             page.wait_for_function("() => { const c = document.querySelectorAll('#prism-chat .prism-tel');"
                                    " return c.length === 1 && !c[0].classList.contains('prism-tel-streaming'); }",
                                    timeout=120_000)
-            info = engine.prefix_info(store.get_session(session.id).cache_salt)
+            salt = store.get_session(session.id).cache_salt
+            info = engine.prefix_info(salt, preview=True)
             assert info is not None and len(info) == 1
             item = info[0]
+            assert item["preview"] and engine.prefix_info(salt)[0]["kept_count"] == 19 * 12  # dense
             assert (item["rows"], item["cols"]) == (19, 12)  # 608 × 384 px as processed, 32 px per token
 
             _open_viewer(page)  # the toggle stays on: the grid is fetched as the viewer opens
@@ -156,6 +163,17 @@ def test_the_viewer_draws_the_engines_kept_tokens_over_the_whole_image(sync_play
             overlay = page.evaluate(OVERLAY)
             _check_overlay(overlay, item)
             page.screenshot(path=str(ARTIFACTS / "prefix-viewer.png"))
+
+            # memory runs short: the prefix is compacted as previewed, and the viewer shows it as kept
+            with engine.loop.paused():
+                while not engine.prefix_cache.stats.pressure_compactions:
+                    assert engine.prefix_cache.make_room(engine.pool.num_free + 1)
+            compacted = engine.prefix_info(salt)[0]
+            assert not compacted["preview"] and compacted["kept"] == item["kept"]
+            page.uncheck(".prism-viewer-toggle input")
+            _toggle_on(page)
+            _check_overlay(page.evaluate(OVERLAY), compacted)
+            page.screenshot(path=str(ARTIFACTS / "prefix-viewer-compacted.png"))
 
             # fetched afresh, not remembered by the page: evicted, it says so at once
             page.uncheck(".prism-viewer-toggle input")
@@ -180,7 +198,7 @@ def test_the_viewer_draws_the_engines_kept_tokens_over_the_whole_image(sync_play
             _open_viewer(viewer)
             _toggle_on(viewer)
             viewer.wait_for_selector(".prism-kept-grid .prism-kept-cell")
-            _check_overlay(viewer.evaluate(OVERLAY), engine.prefix_info(store.get_session(session.id).cache_salt)[0])
+            _check_overlay(viewer.evaluate(OVERLAY), engine.prefix_info(salt, preview=True)[0])
             viewer.screenshot(path=str(ARTIFACTS / "prefix-viewer-shared.png"))
             viewer_ctx.close()
         finally:

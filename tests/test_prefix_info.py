@@ -158,7 +158,7 @@ def test_prefix_info_holds_the_loop_lock(tiny_engine_factory):
     reuse, seen = engine.prefix_reuse, []
     real = reuse.prefix_info
 
-    def reading(*args):
+    def reading(*args, **kwargs):
         entered = threading.Event()
 
         def try_pause():
@@ -168,7 +168,7 @@ def test_prefix_info_holds_the_loop_lock(tiny_engine_factory):
         other = threading.Thread(target=try_pause, daemon=True)
         other.start()
         seen.append(entered.wait(0.5))  # False: the lock is held by this reader
-        return real(*args)
+        return real(*args, **kwargs)
 
     reuse.prefix_info = reading
     assert engine.prefix_info("s") is not None
@@ -190,3 +190,61 @@ def test_a_later_recompaction_updates_the_report(tiny_engine_factory):
     [item] = engine.prefix_info("s")
     assert item["kept_count"] == entry.visual_kept == 24 and item["keep_ratio"] == 0.25
     assert [c for row in item["kept"] for c in row] == [i % 4 == 0 for i in range(span.length)]
+
+
+def _compact_on_pressure(engine) -> None:
+    """Memory runs short once: the cache's own pressure path (idle turns evicted first, then one
+    compaction step of an idle prefix) frees pages until one compaction step was made."""
+    cache = engine.prefix_cache
+    before = cache.stats.pressure_compactions
+    with engine.loop.paused():
+        for _ in range(8):  # each call frees at least a page; the turns kept for reuse go first
+            if cache.stats.pressure_compactions > before:
+                break
+            assert cache.make_room(engine.pool.num_free + 1)
+    assert cache.stats.pressure_compactions == before + 1
+
+
+@pytest.mark.parametrize("selector", ["uniform", "attention"])
+def test_the_preview_is_what_the_next_pressure_step_then_keeps(tiny_engine_factory, selector):
+    """Under ``on_pressure`` a cached prefix is dense, so "what the model keeps" was all kept.
+    ``prefix_info(preview=True)`` reports what the next compaction step on pressure would keep:
+    for the first step, exactly the selector's own choice at that step's keep ratio; asking
+    compacts nothing; and when memory then runs short, the compaction keeps exactly the previewed
+    tokens (for the second step too). With every step done there is nothing to preview."""
+    engine = tiny_engine_factory(kv_cache_bytes=32 << 20, compaction=selector, keep_ratio=KEEP_RATIO,
+                                 min_keep=MIN_KEEP, compaction_mode="on_pressure",
+                                 pressure_keep_ratios=(KEEP_RATIO, 0.2))
+    ask(engine, A, B)
+    entry = engine.prefix_cache.latest_prefix("s")
+    dense = engine.prefix_info("s")
+    assert all(all(map(all, item["kept"])) and not item["preview"] and item["step"] is None for item in dense)
+    preview = engine.prefix_info("s", preview=True)
+    spans = [s for s in entry.spans if s.kind == "image"]
+    for item, span in zip(preview, spans, strict=True):
+        assert item["preview"] and item["step"] == 0 and item["steps"] == 2
+        assert item["selector"] == selector and item["keep_ratio"] == KEEP_RATIO
+        assert item["kept"] == expected_grid(span, selector, entry.scores)
+        assert item["kept_count"] == sum(map(sum, item["kept"])) < span.length
+    assert engine.prefix_info("s") == dense and entry.kv_len == entry.prefix_len  # asking changed nothing
+
+    for step in (0, 1):
+        preview = engine.prefix_info("s", preview=True)
+        assert all(item["preview"] and item["step"] == step for item in preview)
+        _compact_on_pressure(engine)
+        kept = engine.prefix_info("s")
+        assert [(i["kept"], i["kept_count"], i["keep_ratio"]) for i in kept] == [
+            (i["kept"], i["kept_count"], i["keep_ratio"]) for i in preview]
+        assert sum(i["kept_count"] for i in kept) == entry.visual_kept
+    assert engine.prefix_info("s", preview=True) == engine.prefix_info("s")  # every step done: no preview
+    assert not engine.prefix_info("s", preview=True)[0]["preview"]
+
+
+def test_no_preview_when_prefixes_are_compacted_as_cached(tiny_engine_factory):
+    """``compaction_mode="always"`` has no pressure steps: the preview is what is kept now."""
+    engine = tiny_engine_factory(kv_cache_bytes=32 << 20, compaction="uniform", keep_ratio=KEEP_RATIO,
+                                 min_keep=MIN_KEEP)
+    ask(engine, A)
+    [item] = engine.prefix_info("s", preview=True)
+    assert not item["preview"] and item["steps"] == 0 and item["kept_count"] < 96
+    assert [item] == engine.prefix_info("s")

@@ -355,9 +355,17 @@ class PrefixCache:
         """The logical positions (int64, increasing) step ``step`` keeps of ``entry``, chosen among
         those it keeps now, with the entry's stored selector scores; None when the step would
         free no page."""
-        kept = self.pressure_steps[step].kept_positions(entry.prefix_len, list(entry.spans), scores=entry.scores,
-                                                        within=entry.kept.positions)
+        kept = self.step_keeps(entry, step)
         return kept if -(-len(kept) // self.pool.page_size) < len(entry.pages) else None
+
+    def step_keeps(self, entry: PrefixEntry, step: int) -> torch.Tensor:
+        """The logical positions (int64 ``[k]``, increasing) step ``step`` of
+        :attr:`pressure_steps` would keep of prefix ``entry``, chosen among those it keeps now
+        (``entry.kept``, which must be recorded), whether or not the step frees a page. Nothing
+        is changed: :meth:`plan` and the viewer's preview (``Engine.prefix_info(preview=True)``)
+        both read it."""
+        return self.pressure_steps[step].kept_positions(entry.prefix_len, list(entry.spans), scores=entry.scores,
+                                                        within=entry.kept.positions)
 
     def _compact_one(self) -> bool:
         """Compact the first entry of :meth:`compactable` whose step frees a page; whether one was."""

@@ -260,13 +260,21 @@ class PrefixReuse:
         return prefix_scores(names, n, spans, media_hashes(prompt), features, offsets)
 
     # ------------------------------------------------------------------ for a caller
-    def prefix_info(self, salt: str, images: list[str | None] | None = None) -> list[dict] | None:
-        """What the salt's cached prefix kept of each image: see :meth:`engine.Engine.prefix_info`
-        (``salt`` already settled by the engine's cache scope). None when nothing is cached."""
+    def prefix_info(self, salt: str, images: list[str | None] | None = None, *,
+                    preview: bool = False) -> list[dict] | None:
+        """What the salt's cached prefix kept of each image, or with ``preview`` what its next
+        compaction step on pressure would keep: see :meth:`engine.Engine.prefix_info` (``salt``
+        already settled by the engine's cache scope). None when nothing is cached."""
         entry = self.cache.latest_prefix(salt, images)
         if entry is None or entry.kept is None:
             return None
-        return kept_by_image(entry)
+        steps = self.cache.pressure_steps
+        step = self.cache.next_step(entry) if preview else None
+        if step is None:
+            return [{**item, "preview": False, "step": None, "steps": len(steps)} for item in kept_by_image(entry)]
+        cfg = steps[step]
+        kept = KeptTokens(self.cache.step_keeps(entry, step), cfg.method, cfg.keep_ratio)
+        return [{**item, "preview": True, "step": step, "steps": len(steps)} for item in kept_by_image(entry, kept)]
 
     # ------------------------------------------------------------------ finish
     def keep_conversation(self, req: CachingRequest) -> None:
@@ -283,12 +291,13 @@ class PrefixReuse:
         return -(-num_tokens // self.pool.page_size)
 
 
-def kept_by_image(entry: PrefixEntry) -> list[dict]:
-    """One dict per image span of a prefix entry, from :attr:`PrefixEntry.kept` alone (plain
-    Python values, copied out): ``image`` (its index among the prompt's images), ``rows`` ×
-    ``cols`` (its merged-token grid), ``kept`` (``rows`` lists of ``cols`` booleans, row-major as
-    the span's tokens), ``kept_count``, ``selector`` and ``keep_ratio``. Video frames are left out."""
-    kept = entry.kept
+def kept_by_image(entry: PrefixEntry, kept: KeptTokens | None = None) -> list[dict]:
+    """One dict per image span of a prefix entry, from ``kept`` (default: what the entry holds,
+    :attr:`PrefixEntry.kept`) alone (plain Python values, copied out): ``image`` (its index among
+    the prompt's images), ``rows`` × ``cols`` (its merged-token grid), ``kept`` (``rows`` lists
+    of ``cols`` booleans, row-major as the span's tokens), ``kept_count``, ``selector`` and
+    ``keep_ratio``. Video frames are left out."""
+    kept = entry.kept if kept is None else kept
     mask = kept.mask(entry.prefix_len)
     out = []
     for span in entry.spans:
