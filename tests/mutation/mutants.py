@@ -68,6 +68,17 @@ MUTANTS: list[Mutant] = [
         (PREFIX + "test_hit_and_miss_telemetry_and_stats",),
     ),
     Mutant(
+        "kept-count-one-more",
+        "compaction keeps one visual token more per span than round(keep_ratio * n)",
+        "engine/cache/compaction.py",
+        "return min(n, max(min_keep, round(keep_ratio * n)))",
+        "return min(n, max(min_keep, round(keep_ratio * n) + 1))",
+        ("tests/test_selectors.py::test_kept_positions_keep_the_count_per_span_and_drop_the_rest",
+         "tests/test_selectors.py::test_kept_positions_follow_each_spans_own_stored_scores",
+         "tests/test_selectors.py::test_compaction_really_drops_tokens_and_pages",
+         "tests/test_prefix_info.py::test_reported_bitmap_is_the_selectors_output"),
+    ),
+    Mutant(
         "hit-runs-vision-encoder",
         "a prefix hit still feeds every image of the prompt through the vision path (no skip)",
         "engine/serving/runner.py",
