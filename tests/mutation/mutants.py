@@ -79,6 +79,14 @@ MUTANTS: list[Mutant] = [
          "tests/test_prefix_info.py::test_reported_bitmap_is_the_selectors_output"),
     ),
     Mutant(
+        "evict-most-recent-on-tie",
+        "among prefix entries of equal value the most recently used is evicted first (not the least)",
+        "engine/cache/prefix_cache.py",
+        "return sorted(leaves, key=lambda e: (e.value(), e.last_used))",
+        "return sorted(leaves, key=lambda e: (e.value(), -e.last_used))",
+        (PREFIX + "test_prefixes_of_equal_value_are_evicted_least_recently_used_first",),
+    ),
+    Mutant(
         "hit-runs-vision-encoder",
         "a prefix hit still feeds every image of the prompt through the vision path (no skip)",
         "engine/serving/runner.py",
