@@ -310,6 +310,15 @@ MUTANTS: list[Mutant] = [
         {"PRISM_CI": "1"},
     ),
     Mutant(
+        "module-skip-under-ci",
+        "under .ci/run (PRISM_CI=1) a test module that skips as a whole at import (Triton missing) fails the run",
+        "tests/test_linear.py",
+        'pytest.importorskip("triton")',
+        'pytest.importorskip("triton_is_not_installed")',
+        ("tests/test_linear.py",),
+        {"PRISM_CI": "1"},
+    ),
+    Mutant(
         "on-pressure-compacts-when-cached",
         "compaction_mode='on_pressure' still compacts a prefix as soon as it is computed",
         "engine/cache/prefix_reuse.py",
