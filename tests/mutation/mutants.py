@@ -217,6 +217,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_app_routes.py::test_image_route_refuses_paths_of_stored_files",),
     ),
     Mutant(
+        "api-reports-prompt-as-cached",
+        "the OpenAI usage reports every prompt token as cached (prompt_tokens, not the reused prefix)",
+        "app/openai_api.py",
+        '"prompt_tokens_details": {"cached_tokens": tel.cached_tokens}}',
+        '"prompt_tokens_details": {"cached_tokens": prompt if tel.cached_tokens else 0}}',
+        ("tests/test_app_openai.py::test_completion_with_an_image",),
+    ),
+    Mutant(
         "api-abort-looks-finished",
         "an API answer cut short (shutdown, cancel) ends with finish_reason \"stop\", like a finished one",
         "app/openai_api.py",
