@@ -18,6 +18,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 import types
 import uuid
@@ -80,6 +81,40 @@ def watching(*paths, hosts=()):
 
 
 # ---------------------------------------------------------------------------------- the app
+class RequestProbe:
+    """A transparent ASGI wrapper that lets a test wait for the server's side of a request: for
+    the path put in :attr:`watch` (path -> :class:`Probe`), it notes when the app has received
+    the body's first bytes, when the app's call has returned, and what escaped it."""
+
+    class Probe:
+        def __init__(self):
+            self.got_body, self.finished = threading.Event(), threading.Event()
+            self.escaped: BaseException | None = None
+
+    def __init__(self, app):
+        self.app = app
+        self.watch: dict[str, RequestProbe.Probe] = {}
+
+    async def __call__(self, scope, receive, send):
+        probe = self.watch.pop(scope["path"], None) if scope["type"] == "http" else None
+        if probe is None:
+            return await self.app(scope, receive, send)
+
+        async def noting_receive():
+            message = await receive()
+            if message["type"] == "http.request" and message.get("body"):
+                probe.got_body.set()
+            return message
+
+        try:
+            await self.app(scope, noting_receive, send)
+        except BaseException as exc:
+            probe.escaped = exc
+            raise
+        finally:
+            probe.finished.set()
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_engine_factory, live_server):
     """The whole app on the tiny test model, served on a local port, with Gradio's upload folder in
@@ -94,10 +129,12 @@ def env(tmp_path_factory, tiny_engine_factory, live_server):
         store = SessionStore(data, image_options=settings.image_options(), max_images_per_session=4)
         loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny-test", False, "test"), settings)
         chat = ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
-        server = live_server(create_app(settings, store, loader, chat))
+        probe = RequestProbe(create_app(settings, store, loader, chat))
+        server = live_server(probe)
         config = httpx.get(server.url + "/config", timeout=TIMEOUT_S).json()
         events = {d["api_name"]: d["id"] for d in config["dependencies"]}
-        yield types.SimpleNamespace(url=server.url, store=store, data=data, uploads=uploads, events=events)
+        yield types.SimpleNamespace(url=server.url, store=store, data=data, uploads=uploads, events=events,
+                                    probe=probe)
     finally:
         if previous is None:
             os.environ.pop("GRADIO_TEMP_DIR", None)
@@ -411,11 +448,13 @@ def test_a_client_gone_mid_body_leaves_no_error_in_the_log(env):
     log.addHandler(errors)
     try:
         host, port = env.url.removeprefix("http://").split(":")
+        probe = env.probe.watch["/v1/chat/completions"] = RequestProbe.Probe()
         with socket.create_connection((host, int(port)), timeout=15) as s:
             s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
                       "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode() + b'{"data"')
-            time.sleep(0.3)  # the server is reading the body when the client goes
-        time.sleep(0.5)
+            assert probe.got_body.wait(TIMEOUT_S), "the server never read the body's first bytes"
+        assert probe.finished.wait(TIMEOUT_S), "the request did not end after its client went away"
+        assert probe.escaped is None, f"{probe.escaped!r} escaped the app (uvicorn logs it as an error)"
         r = httpx.get(f"{env.url}/v1/models", timeout=TIMEOUT_S)
         assert r.status_code == 200
     finally:
