@@ -9,6 +9,7 @@ audit hook (``sys.addaudithook``, event ``open``), so "never opened" is observed
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -460,6 +461,42 @@ def test_a_client_gone_mid_body_leaves_no_error_in_the_log(env):
     finally:
         log.removeHandler(errors)
     assert [rec.getMessage() for rec in errors.records] == []
+
+
+#: The body caps of the env's app (--max-upload-mb 1, --max-images 4), worked out by hand: the API's
+#: 4 base64 images (4 x ceil(1 MiB / 3) x 4 = 5,592,416) and 1 MiB of text; the upload's 4 MiB of
+#: images and 1 MiB of multipart framing; every other route 1 MiB of text.
+BODY_CAPS = [("/v1/chat/completions", "application/json", 5_592_416 + 1_048_576),
+             ("/gradio_api/upload", "multipart/form-data; boundary=b", 4_194_304 + 1_048_576),
+             ("/gradio_api/queue/join", "application/json", 1_048_576)]
+
+
+@pytest.mark.parametrize("path,content_type,cap", BODY_CAPS, ids=[p for p, _, _ in BODY_CAPS])
+def test_a_body_of_exactly_the_cap_is_read_and_one_byte_more_is_refused(env, path, content_type, cap):
+    """The cap is the largest body accepted: exactly ``cap`` bytes pass the size guards (and get
+    the route's own 4xx for a body of spaces), ``cap + 1`` get 413 naming the cap."""
+    headers = {"Content-Type": content_type}
+    exact = httpx.post(env.url + path, content=b" " * cap, headers=headers, timeout=TIMEOUT_S)
+    assert 400 <= exact.status_code < 500 and exact.status_code != 413, (exact.status_code, exact.text[:300])
+    over = httpx.post(env.url + path, content=b" " * (cap + 1), headers=headers, timeout=TIMEOUT_S)
+    assert over.status_code == 413 and f"at most {cap:,}" in over.text, over.text[:300]
+
+
+def test_the_gradio_guard_reads_a_body_of_exactly_its_limit():
+    """What the Gradio guard reads itself (behind the Content-Length check): a body of exactly the
+    limit, in chunks, comes back whole; one byte more is None."""
+    from app.gradio_guard import _read_body
+
+    def chunks(total: int):
+        sent = [b"x" * 3, b"x" * 4, b"x" * (total - 7)]
+        messages = iter([{"type": "http.request", "body": c, "more_body": i < 2} for i, c in enumerate(sent)])
+
+        async def receive():
+            return next(messages)
+        return receive
+
+    assert asyncio.run(_read_body(chunks(10), 10)) == b"x" * 10
+    assert asyncio.run(_read_body(chunks(11), 10)) is None
 
 
 def test_a_gradio_event_of_two_mebibytes_is_refused_413(env):

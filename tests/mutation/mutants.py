@@ -225,6 +225,22 @@ MUTANTS: list[Mutant] = [
         ("tests/test_app_openai.py::test_completion_with_an_image",),
     ),
     Mutant(
+        "body-of-exactly-the-cap-refused",
+        "a request body of exactly its route's cap is refused 413 (the cap is treated as exclusive)",
+        "app/guards.py",
+        "        if size > cap:",
+        "        if size >= cap:",
+        ("tests/test_app_security.py::test_a_body_of_exactly_the_cap_is_read_and_one_byte_more_is_refused",),
+    ),
+    Mutant(
+        "gradio-guard-refuses-exactly-its-limit",
+        "the Gradio guard gives up on a body of exactly its limit (reads it as one byte too many)",
+        "app/gradio_guard.py",
+        "        if size > limit:",
+        "        if size >= limit:",
+        ("tests/test_app_security.py::test_the_gradio_guard_reads_a_body_of_exactly_its_limit",),
+    ),
+    Mutant(
         "api-abort-looks-finished",
         "an API answer cut short (shutdown, cancel) ends with finish_reason \"stop\", like a finished one",
         "app/openai_api.py",
