@@ -343,6 +343,16 @@ MUTANTS: list[Mutant] = [
         {"PRISM_CI": "1"},
     ),
     Mutant(
+        "resume-resamples-last-token",
+        "a preempted request drops its last generated token and samples it again on resuming: the ids "
+        "come out right, but that token's text is streamed twice",
+        "engine/serving/scheduler.py",
+        "        req.num_computed = 0\n        req.status = Status.WAITING\n",
+        "        req.num_computed = 0\n        if len(req.tokens) > req.num_prompt:\n"
+        "            req.tokens.pop()\n        req.status = Status.WAITING\n",
+        ("tests/test_scheduler.py::test_a_preempted_stream_sends_each_token_once",),
+    ),
+    Mutant(
         "on-pressure-compacts-when-cached",
         "compaction_mode='on_pressure' still compacts a prefix as soon as it is computed",
         "engine/cache/prefix_reuse.py",
