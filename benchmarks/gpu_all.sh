@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session: kernel tests, correctness smoke, benchmarks. Run on the GPU machine from the repo root;
 # results go to $OUT (or ./gpu-results). Carry .whl (dashscope, platformdirs wheels) along.
-# Steps (STEPS="..."): tests (every engine test with its engines on CUDA; the web app's tests need
-# gradio & co. and are left out; skip counts and reasons go to tests_skips.txt and tests.txt), kernels,
+# Steps (STEPS="..."): tests (every engine test with its engines on CUDA but tests/test_pdl.py; the web app's
+# tests need gradio & co. and are left out; skip counts and reasons go to tests_skips.txt and tests.txt), pdl
+# (tests/test_pdl.py alone, after the parallel run: its producer kernels spin, bounded, while the next kernel
+# runs, which other processes on the GPU only slow down; pdl.txt): the GPU suite is
+# STEPS="tests pdl", kernels,
 # fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving, workingset (benchmarks/bench_working_set.py
 # at the 8B shape; WS_ARGS replaces its arguments but --out; default: the pressure workset, the four variants
 # issue 19 compares (compact_fp8, on_pressure, on_pressure_steps, dense_fp8), 200 requests each, ~6-7 min, no
@@ -26,12 +29,13 @@ for step in ${STEPS:-kernels smoke bench}; do
     # tests_skips.txt (also appended to tests.txt): counts, every skip reason with its tests, tests run per
     # module, from the JUnit XML: the record that the GPU-only tests ran here, and why anything skipped
     tests) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PRISM_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests -q -p no:cacheprovider \
-             -n ${TEST_WORKERS:-6} --dist load --ignore-glob='tests/test_app_*.py' --ignore-glob='tests/test_e2e_*.py' --ignore=tests/test_sessions.py --ignore=tests/test_video_app.py \
+             -n ${TEST_WORKERS:-6} --dist load --ignore-glob='tests/test_app_*.py' --ignore-glob='tests/test_e2e_*.py' --ignore=tests/test_sessions.py --ignore=tests/test_video_app.py --ignore=tests/test_pdl.py \
              --junitxml="$OUT/tests_junit.xml" -o console_output_style=count 2>&1 | tee "$OUT/tests_full.txt" \
              | tail -40 | tee "$OUT/tests.txt"
            python3 benchmarks/junit_summary.py "$OUT/tests_junit.xml" > "$OUT/tests_skips.txt" 2>&1
            { echo "--- skips and tests run (benchmarks/junit_summary.py)"; cat "$OUT/tests_skips.txt"; } | tee -a "$OUT/tests.txt" \
              | head -60 ;;
+    pdl) timeout 300 python3 -m pytest tests/test_pdl.py -q -p no:cacheprovider -rs 2>&1 | tail -15 | tee "$OUT/pdl.txt" ;;
     gemv) timeout 400 python3 benchmarks/sweep_gemv.py 2>&1 | grep -v Warning | tee "$OUT/sweep_gemv.txt" | grep -v "^  " ;;
     sdpa) timeout 200 python3 benchmarks/sweep_sdpa.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/sweep_sdpa.txt" ;;
     sweep) timeout 300 python3 benchmarks/sweep_decode.py 8x16384 1x1700 2>&1 | grep -v Warning | tail -20 | tee "$OUT/sweep.txt" ;;

@@ -80,10 +80,21 @@ def media_dir() -> pathlib.Path:
 _skips: list[tuple[str, str]] = []  # (test id, reason) of every skipped test, for the CI check
 
 
-def pytest_runtest_logreport(report):
+def _record_skip(report) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         _skips.append((report.nodeid, reason))
+
+
+def pytest_runtest_logreport(report):
+    _record_skip(report)
+
+
+def pytest_collectreport(report):
+    """A module that skips as a whole (``pytest.importorskip`` or ``pytest.skip(allow_module_level=
+    True)`` at import) is a collection report, not a test's: without this, a missing Triton would
+    skip test_triton_kernels.py and test_linear.py under ``PRISM_CI=1`` without a word."""
+    _record_skip(report)
 
 
 def _stray_skips() -> list[tuple[str, str]]:

@@ -43,6 +43,10 @@ def astronaut_url(media_path):
     return "data:image/png;base64," + base64.b64encode(media_path("astronaut.png").read_bytes()).decode()
 
 
+#: The media-first prefix of one astronaut.png: 3 + 1 + 256 + 1 tokens (see its use).
+ASTRONAUT_PREFIX_TOKENS = 261
+
+
 def image_message(url, text="What is this?"):
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": text}]}]
@@ -74,7 +78,10 @@ def test_completion_with_an_image(client, astronaut_url, engine):
     assert client.post("/v1/chat/completions", json=keyed).json()["prism"]["telemetry"]["prefix_cache"] == "miss"
     again = client.post("/v1/chat/completions", json={**keyed, "messages": image_message(astronaut_url, "Colours?")})
     assert again.json()["prism"]["telemetry"]["prefix_cache"] == "hit"
-    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # the reused prefix, not the whole prompt: <|im_start|>user\n (3 tokens), <|vision_start|>, the
+    # photo's 256 tokens (512 x 512 px at 32 px a token), <|vision_end|>; the question is computed
+    usage = again.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == ASTRONAUT_PREFIX_TOKENS < usage["prompt_tokens"]
     # another prompt_cache_key has its own salt: no sharing across clients
     other = client.post("/v1/chat/completions", json={**keyed, "prompt_cache_key": "someone-else"})
     assert other.json()["prism"]["telemetry"]["prefix_cache"] == "miss"
@@ -391,7 +398,14 @@ def test_completion_with_a_video_clip_hits_the_prefix_cache_like_images(client, 
     assert first.json()["prism"]["telemetry"]["prefix_cache"] == "miss"
     again = client.post("/v1/chat/completions", json={**body, "messages": video_message(_clip_url(data), "Colours?")})
     assert again.json()["prism"]["telemetry"]["prefix_cache"] == "hit"
-    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # reused: the tokens the two prompts share, the clip's prefix and what follows it before the
+    # questions differ (the conversation reuse of the first request's KV)
+    second = engine.prompts.build([{"role": "user", "content": [{"type": "video", "video": data},
+                                                                {"type": "text", "text": "Colours?"}]}])
+    shared = next(i for i, (a, b) in enumerate(zip(want.input_ids, second.input_ids, strict=False)) if a != b)
+    usage = again.json()["usage"]
+    assert want.prefix_len <= shared < len(second.input_ids) == usage["prompt_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == shared
 
 
 @pytest.mark.parametrize("url,needle", [

@@ -9,6 +9,7 @@ audit hook (``sys.addaudithook``, event ``open``), so "never opened" is observed
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 import types
 import uuid
@@ -80,6 +82,40 @@ def watching(*paths, hosts=()):
 
 
 # ---------------------------------------------------------------------------------- the app
+class RequestProbe:
+    """A transparent ASGI wrapper that lets a test wait for the server's side of a request: for
+    the path put in :attr:`watch` (path -> :class:`Probe`), it notes when the app has received
+    the body's first bytes, when the app's call has returned, and what escaped it."""
+
+    class Probe:
+        def __init__(self):
+            self.got_body, self.finished = threading.Event(), threading.Event()
+            self.escaped: BaseException | None = None
+
+    def __init__(self, app):
+        self.app = app
+        self.watch: dict[str, RequestProbe.Probe] = {}
+
+    async def __call__(self, scope, receive, send):
+        probe = self.watch.pop(scope["path"], None) if scope["type"] == "http" else None
+        if probe is None:
+            return await self.app(scope, receive, send)
+
+        async def noting_receive():
+            message = await receive()
+            if message["type"] == "http.request" and message.get("body"):
+                probe.got_body.set()
+            return message
+
+        try:
+            await self.app(scope, noting_receive, send)
+        except BaseException as exc:
+            probe.escaped = exc
+            raise
+        finally:
+            probe.finished.set()
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_engine_factory, live_server):
     """The whole app on the tiny test model, served on a local port, with Gradio's upload folder in
@@ -94,11 +130,12 @@ def env(tmp_path_factory, tiny_engine_factory, live_server):
         store = SessionStore(data, image_options=settings.image_options(), max_images_per_session=4)
         loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny-test", False, "test"), settings)
         chat = ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
-        server = live_server(create_app(settings, store, loader, chat))
+        probe = RequestProbe(create_app(settings, store, loader, chat))
+        server = live_server(probe)
         config = httpx.get(server.url + "/config", timeout=TIMEOUT_S).json()
         events = {d["api_name"]: d["id"] for d in config["dependencies"]}
         yield types.SimpleNamespace(url=server.url, store=store, data=data, uploads=uploads, events=events,
-                                    engine=engine, chat=chat)
+                                    engine=engine, chat=chat, probe=probe)
     finally:
         if previous is None:
             os.environ.pop("GRADIO_TEMP_DIR", None)
@@ -600,16 +637,54 @@ def test_a_client_gone_mid_body_leaves_no_error_in_the_log(env):
     log.addHandler(errors)
     try:
         host, port = env.url.removeprefix("http://").split(":")
+        probe = env.probe.watch["/v1/chat/completions"] = RequestProbe.Probe()
         with socket.create_connection((host, int(port)), timeout=15) as s:
             s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
                       "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode() + b'{"data"')
-            time.sleep(0.3)  # the server is reading the body when the client goes
-        time.sleep(0.5)
+            assert probe.got_body.wait(TIMEOUT_S), "the server never read the body's first bytes"
+        assert probe.finished.wait(TIMEOUT_S), "the request did not end after its client went away"
+        assert probe.escaped is None, f"{probe.escaped!r} escaped the app (uvicorn logs it as an error)"
         r = httpx.get(f"{env.url}/v1/models", timeout=TIMEOUT_S)
         assert r.status_code == 200
     finally:
         log.removeHandler(errors)
     assert [rec.getMessage() for rec in errors.records] == []
+
+
+#: The body caps of the env's app (--max-upload-mb 1, --max-images 4), worked out by hand: the API's
+#: 4 base64 images (4 x ceil(1 MiB / 3) x 4 = 5,592,416) and 1 MiB of text; the upload's 4 MiB of
+#: images and 1 MiB of multipart framing; every other route 1 MiB of text.
+BODY_CAPS = [("/v1/chat/completions", "application/json", 5_592_416 + 1_048_576),
+             ("/gradio_api/upload", "multipart/form-data; boundary=b", 4_194_304 + 1_048_576),
+             ("/gradio_api/queue/join", "application/json", 1_048_576)]
+
+
+@pytest.mark.parametrize("path,content_type,cap", BODY_CAPS, ids=[p for p, _, _ in BODY_CAPS])
+def test_a_body_of_exactly_the_cap_is_read_and_one_byte_more_is_refused(env, path, content_type, cap):
+    """The cap is the largest body accepted: exactly ``cap`` bytes pass the size guards (and get
+    the route's own 4xx for a body of spaces), ``cap + 1`` get 413 naming the cap."""
+    headers = {"Content-Type": content_type}
+    exact = httpx.post(env.url + path, content=b" " * cap, headers=headers, timeout=TIMEOUT_S)
+    assert 400 <= exact.status_code < 500 and exact.status_code != 413, (exact.status_code, exact.text[:300])
+    over = httpx.post(env.url + path, content=b" " * (cap + 1), headers=headers, timeout=TIMEOUT_S)
+    assert over.status_code == 413 and f"at most {cap:,}" in over.text, over.text[:300]
+
+
+def test_the_gradio_guard_reads_a_body_of_exactly_its_limit():
+    """What the Gradio guard reads itself (behind the Content-Length check): a body of exactly the
+    limit, in chunks, comes back whole; one byte more is None."""
+    from app.gradio_guard import _read_body
+
+    def chunks(total: int):
+        sent = [b"x" * 3, b"x" * 4, b"x" * (total - 7)]
+        messages = iter([{"type": "http.request", "body": c, "more_body": i < 2} for i, c in enumerate(sent)])
+
+        async def receive():
+            return next(messages)
+        return receive
+
+    assert asyncio.run(_read_body(chunks(10), 10)) == b"x" * 10
+    assert asyncio.run(_read_body(chunks(11), 10)) is None
 
 
 def test_a_gradio_event_of_two_mebibytes_is_refused_413(env):

@@ -42,69 +42,114 @@ if HOPPER:
                                          pack=1)
 
     @triton.jit
-    def _late_ones(out_ptr, n, delay_ns, BLOCK: tl.constexpr):
-        """Lets the next kernel launch at once, then writes ones after ``delay_ns``."""
-        pdl.pdl_launch_dependents(True)
+    def _ones_once_released(out_ptr, flag_ptr, status_ptr, n, limit_ns, BLOCK: tl.constexpr):
+        """The producer: waits for the kernels before it (the zeroing), lets the next kernel launch,
+        then spins until ``flag_ptr`` holds a nonzero value or ``limit_ns`` has passed, stores the
+        value it saw in ``status_ptr`` (0: it gave up) and only then writes ones into ``out_ptr``."""
+        pdl.pdl_sync(True)
         start = _global_ns()
         now = start
-        while now - start < delay_ns:
+        seen = tl.load(flag_ptr, volatile=True)
+        while (seen == 0) & (now - start < limit_ns):
+            seen = tl.load(flag_ptr, volatile=True)
             now = _global_ns()
+        tl.store(status_ptr, seen)
         offs = tl.arange(0, BLOCK)
         tl.store(out_ptr + offs, tl.full([BLOCK], 1.0, tl.float32).to(out_ptr.dtype.element_ty), mask=offs < n)
 
     @triton.jit
-    def _copy_without_waiting(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        """The control: a PDL kernel that does not wait, so it reads what is there when it starts."""
+    def _copy_then_release(x_ptr, y_ptr, flag_ptr, n, BLOCK: tl.constexpr):
+        """The control: a PDL kernel that does not wait. It copies what ``x_ptr`` holds when it runs,
+        then releases the producer (flag = 1 + the nonzero values it read). The flag's value is
+        computed from every value read, so it is written only once the reads have returned; the
+        volatile loads bypass L1, so they see memory as it is, not an earlier kernel's cache lines."""
         offs = tl.arange(0, BLOCK)
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+        v = tl.load(x_ptr + offs, mask=offs < n, other=0.0, volatile=True)
+        tl.store(y_ptr + offs, v, mask=offs < n)
+        nonzero = tl.sum((v != 0).to(tl.int32), axis=0)
+        tl.atomic_xchg(flag_ptr, nonzero + 1, sem="release")
 
 
-def _after_slow_producer(x, consumer):
-    """``x`` zeroed, then a producer that writes ones into it after 2 ms, then ``consumer(x)``
-    launched with PDL right behind it."""
+#: How long the producer waits for the control before giving up. A working PDL releases it within
+#: microseconds of the control's launch (the host's launch gap included); this bound only keeps a
+#: broken PDL (the control scheduled after the producer ends) from hanging the test.
+RELEASE_LIMIT_NS = 10_000_000_000
+#: How long the producer holds back its ones before the kernel that waits (no one releases it).
+HOLD_NS = 2_000_000
+
+
+def _producer(x, flag, status, limit_ns):
+    """Zero ``x`` and ``flag``, then launch the producer (it writes ones into ``x`` once released
+    through ``flag`` or after ``limit_ns``)."""
     x.zero_()
+    flag.zero_()
     n = x.shape[1]
-    _late_ones[(1,)](x, n, 2_000_000, BLOCK=triton.next_power_of_2(n), launch_pdl=True)
-    return consumer(x)
+    _ones_once_released[(1,)](x, flag, status, n, limit_ns, BLOCK=triton.next_power_of_2(n), num_warps=1,
+                              launch_pdl=True)
 
 
-def _copy_early(x):
+def _copy_early(x, flag, status):
+    """The producer, then the control launched with PDL right behind it: returns its copy of ``x``."""
+    _producer(x, flag, status, RELEASE_LIMIT_NS)
     seen = torch.empty_like(x)
-    _copy_without_waiting[(1,)](x, seen, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), launch_pdl=True)
+    _copy_then_release[(1,)](x, seen, flag, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=1,
+                             launch_pdl=True)
     return seen
 
 
 @needs_hopper
 def test_a_pdl_kernel_starts_early_and_still_reads_its_input(monkeypatch):
-    """With PDL the kernel after a slow producer starts before the producer ends: the control,
-    which does not wait, reads the zeros from before the producer's ones. ``add_rms_norm``, which
-    waits, reads the ones. Each race runs alone (the control breaks the chain's rule that every
-    kernel waits), eagerly and replayed from a CUDA graph, so capture keeps the early launch too."""
+    """With PDL the kernel after a producer starts before the producer ends, by construction: the
+    producer writes its ones only once the control (a PDL kernel that does not wait) has run and
+    released it, so the control reads the zeros from before, and the producer records that it was
+    released. Without an early start the producer gives up after ``RELEASE_LIMIT_NS`` and the test
+    says so. ``add_rms_norm``, which waits, reads the producer's ones (held back ``HOLD_NS``, which
+    only makes a kernel that did not wait read zeros: a correct one reads ones however long the
+    hold). Each race runs alone (the control breaks the chain's rule that every kernel waits),
+    eagerly and replayed from a CUDA graph, so capture keeps the early launch too."""
     from ops.fused import add_rms_norm
 
     monkeypatch.delenv("PRISM_PDL", raising=False)
     x = torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.full((256,), 2.0, device="cuda", dtype=torch.bfloat16)
+    flag = torch.zeros(1, device="cuda", dtype=torch.int32)
+    status = torch.zeros(1, device="cuda", dtype=torch.int32)
     zeros, twos = torch.zeros_like(x), torch.full_like(x, 2.0)
+    gave_up = (f"the PDL launch did not start before its predecessor ended: the producer waited "
+               f"{RELEASE_LIMIT_NS / 1e9:.0f} s for it and gave up")
 
-    def norm(v):
+    def norm(v, flag, status):
+        _producer(v, flag, status, HOLD_NS)
         return add_rms_norm(v, None, w, 1e-6)[0]
 
-    for consumer, expected, why in ((_copy_early, zeros, "the PDL launch did not start before its predecessor ended"),
-                                    (norm, twos, "the kernel read its input before the producer wrote it")):
-        _after_slow_producer(x, consumer)  # compiles the kernels: a compile between the launches takes longer than 2 ms
+    # compile each kernel on its own first (a compile between the two launches would be in the race)
+    flag.fill_(1)
+    _ones_once_released[(1,)](x, flag, status, 256, RELEASE_LIMIT_NS, BLOCK=256, num_warps=1, launch_pdl=True)
+    _copy_then_release[(1,)](x, torch.empty_like(x), flag, 256, BLOCK=256, num_warps=1, launch_pdl=True)
+    norm(x, flag, status)
+    torch.cuda.synchronize()
+
+    def check(out, released: bool, where: str):
         torch.cuda.synchronize()
-        out = _after_slow_producer(x, consumer)
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected), why
+        if released:
+            assert int(status) != 0, where + gave_up
+            assert int(status) == int(flag) == 1, f"{where}the control read {int(flag) - 1} nonzero values"
+            assert torch.equal(out, zeros), where + "the control read values the producer had not yet written"
+        else:
+            assert torch.equal(out, twos), where + "the kernel read its input before the producer wrote it"
+        assert torch.equal(x, torch.ones_like(x)), where + "the producer did not write its ones"
+
+    for consumer, released in ((_copy_early, True), (norm, False)):
+        status.fill_(-1)
+        check(consumer(x, flag, status), released, "")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = _after_slow_producer(x, consumer)
+            out = consumer(x, flag, status)
         for _ in range(2):
             out.fill_(-1.0)
+            status.fill_(-1)
             graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, expected), f"replayed: {why}"
+            check(out, released, "replayed: ")
 
 
 @needs_hopper

@@ -379,8 +379,9 @@ def _pool_bytes(engine_pages: int) -> int:
 
 def test_eviction_round_robin_three_sessions(make):
     """A pool for about two cached prefixes and three sessions asked in turn, two questions a visit:
-    entries are evicted, evicted prefixes report a miss, kept ones a hit, every answer equals a
-    cold run, and the page accounting (cache entries included) holds after every step."""
+    each visit's first question misses (the two other sessions' visits since evicted its prefix),
+    its second hits (the prefix the first cached); every answer equals a cold run, and the page
+    accounting (cache entries included) holds after every step."""
     # each prompt: 74-token prefix (64 visual) -> 48 kept tokens = 3 pages; a request runs in 5 pages
     engine = make(**{**EXACT, "kv_cache_bytes": _pool_bytes(9)})
     reference = make(**EXACT, conversation_reuse=False)
@@ -389,12 +390,8 @@ def test_eviction_round_robin_three_sessions(make):
     seen = {"hit": 0, "miss": 0}
     for visit, questions in enumerate(((Q1, Q2), (Q3, LONG_Q))):
         for salt, img in images.items():
-            for question in questions:
+            for question, expected in zip(questions, ("miss", "hit"), strict=True):
                 messages = media_first_messages([img], question)
-                prompt = engine.prompts.build(messages)
-                key = prefix_key(engine.namespace, salt, prompt.image_hashes, engine.compaction.namespace(),
-                                 prompt.input_ids[: prompt.prefix_len])
-                expected = "hit" if key in engine.prefix_cache.prefixes else "miss"
                 got = gen(engine, messages, salt)
                 assert got.telemetry.prefix_cache == expected, (visit, salt, question)
                 seen[expected] += 1
@@ -403,6 +400,26 @@ def test_eviction_round_robin_three_sessions(make):
     assert stats["cache_evictions"] > 0 and seen["miss"] >= 6 and seen["hit"] >= 6
     assert stats["cache_misses"] == seen["miss"] and stats["cache_hits"] == seen["hit"]
     assert stats["pages_used"] == stats["cache_pages"] <= 9
+
+
+def test_prefixes_of_equal_value_are_evicted_least_recently_used_first(make):
+    """The documented tie-break: among entries of equal value (no hits yet, same saved tokens and
+    pages) the least recently used goes first. Room for two 3-page prefixes beside a request (9
+    pages, a request runs in 5): a, b, c miss, c's evicting a (older than b); then b hits, and a
+    misses, evicting c (no hit, below b's one). Evicting the most recent first would evict b for c,
+    so b would miss and a hit."""
+    engine = make(**{**EXACT, "kv_cache_bytes": _pool_bytes(9)}, conversation_reuse=False)
+    reference = make(**EXACT, conversation_reuse=False)
+    images = {"a": solid("red"), "b": solid("green"), "c": solid("blue")}
+    order = ["a", "b", "c", "b", "a"]
+    want = [("miss", 0), ("miss", 0), ("miss", 1), ("hit", 1), ("miss", 2)]  # (prefix cache, evictions so far)
+    got = []
+    for salt in order:
+        messages = media_first_messages([images[salt]], Q1)
+        done = gen(engine, messages, salt)
+        got.append((done.telemetry.prefix_cache, engine.stats()["cache_evictions"]))
+        assert done.token_ids == gen(reference, messages, f"ref-{len(got)}").token_ids, salt
+    assert got == want
 
 
 def test_hit_that_needs_room_never_evicts_its_own_prefix(make):

@@ -284,6 +284,42 @@ def pressure_cases(photos) -> list[list[dict]]:
     return texts[:4] + images[:2] + texts[4:8] + images[2:] + texts[8:]  # 16 requests, images in between
 
 
+def _small_pool_engine(engine, tiny_engine_factory, cases, max_tokens: int):
+    """An engine (K/V float32) whose pool holds ~3-4 of ``cases`` at once, each run to ``max_tokens``."""
+    need = [math.ceil((len(engine.prompts.build(m).input_ids) + max_tokens) / 16) for m in cases]
+    pages = round(3.5 * sum(need) / len(need))
+    assert max(need) <= pages < sum(need) / 4
+    cfg = engine.config.text
+    per_page = PagePool.bytes_per_page(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                                       head_dim=cfg.head_dim, page_size=16, kv_cache_dtype="auto",
+                                       model_dtype=torch.float32)
+    return tiny_engine_factory(**BASE, kv_cache_bytes=pages * per_page, debug_checks=True)
+
+
+def test_a_preempted_stream_sends_each_token_once(pressure_cases, engine, tiny_engine_factory):
+    """A request preempted and recomputed goes on from the token after its last one: its joined
+    stream equals its final text and the stream of the same request run without preemption
+    (a resume that sampled its last token again would stream that token's text twice, with the
+    right token ids)."""
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True)
+    small = _small_pool_engine(engine, tiny_engine_factory, pressure_cases, 48)
+
+    def streamed(eng, messages):
+        items = list(eng.stream(messages, sampling))
+        return "".join(items[:-1]), items[-1]
+
+    reference = run_threads([lambda m=m: streamed(engine, m) for m in pressure_cases])
+    pressured = run_threads([lambda m=m: streamed(small, m) for m in pressure_cases], timeout=120)
+    for n, (ref, got) in enumerate(zip(reference, pressured, strict=True)):
+        assert isinstance(ref, tuple) and isinstance(got, tuple), (ref, got)
+        (ref_text, ref_done), (text, done) = ref, got
+        assert ref_done.telemetry.preempted == 0 and ref_text == ref_done.text
+        assert done.token_ids == ref_done.token_ids, n
+        assert text == done.text == ref_text, (n, done.telemetry.preempted)
+    assert sum(done.telemetry.preempted for _, done in pressured) > 0, "the pool was never short: no preemption"
+    assert_pool_idle(small)
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_preemption_under_a_small_pool_keeps_every_answer(pressure_cases, engine, tiny_engine_factory, kv):
     """Also with FP8 pages: a recomputed (or differently chunked) prompt's first chunk attends to its

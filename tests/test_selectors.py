@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from engine import SamplingParams, media_first_messages
-from engine.cache.compaction import SELECTOR_SCORES, SELECTORS, CompactionConfig, keep_count
+from engine.cache.compaction import SELECTOR_SCORES, SELECTORS, CompactionConfig
 from engine.cache.token_scores import SCORE_NAMES, content_random, max_min_order, prefix_scores
 from engine.model.rope import VisualSpan
 from engine.model.vision import VisionAttention, VisionFeatures
@@ -26,6 +26,22 @@ from engine.model.vision import VisionAttention, VisionFeatures
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 GRIDS = [(1, 1), (2, 3), (4, 4), (8, 8), (9, 23), (16, 16)]
 RATIOS = [0.05, 0.25, 0.4, 0.6, 0.8, 1.0]
+#: Visual tokens each GRIDS span (1, 6, 16, 64, 207, 256 tokens) keeps at a ratio (min_keep 1),
+#: worked out by hand: round(ratio * n) with ties to even, at least 1, at most n. The ratios are
+#: RATIOS and their halves (the candidates' step). Ties: 6 * 0.25 = 1.5 -> 2, 207 * 0.5 = 103.5 -> 104.
+KEPT = {
+    0.05: [1, 1, 1, 3, 10, 13],  # 0.05 0.3 0.8 3.2 10.35 12.8
+    0.025: [1, 1, 1, 2, 5, 6],  # 0.025 0.15 0.4 1.6 5.175 6.4
+    0.25: [1, 2, 4, 16, 52, 64],  # 0.25 1.5 4 16 51.75 64
+    0.125: [1, 1, 2, 8, 26, 32],  # 0.125 0.75 2 8 25.875 32
+    0.4: [1, 2, 6, 26, 83, 102],  # 0.4 2.4 6.4 25.6 82.8 102.4
+    0.2: [1, 1, 3, 13, 41, 51],  # 0.2 1.2 3.2 12.8 41.4 51.2
+    0.6: [1, 4, 10, 38, 124, 154],  # 0.6 3.6 9.6 38.4 124.2 153.6
+    0.3: [1, 2, 5, 19, 62, 77],  # 0.3 1.8 4.8 19.2 62.1 76.8
+    0.8: [1, 5, 13, 51, 166, 205],  # 0.8 4.8 12.8 51.2 165.6 204.8
+    1.0: [1, 6, 16, 64, 207, 256],
+    0.5: [1, 3, 8, 32, 104, 128],  # 0.5 3 8 32 103.5 128
+}
 
 
 def spans_and_features(grids, start: int = 5, seed: int = 0):
@@ -60,15 +76,14 @@ def test_every_selector_keeps_exactly_the_requested_count(selector, ratio):
     scores = all_scores(spans, feats, hashes, n)
     select = SELECTORS[selector]
     gen = torch.Generator().manual_seed(1)
-    for span in spans:
+    assert [s.length for s in spans] == [1, 6, 16, 64, 207, 256]
+    for span, k, half in zip(spans, KEPT[ratio], KEPT[ratio / 2], strict=True):
         own = {name: t[span.start : span.end] for name, t in scores.items()}
-        k = keep_count(span.length, ratio, 1)
         kept = select(span, k, own, None)
         assert len(kept) == k and kept.dtype == torch.long
         assert torch.equal(kept, kept.unique()) and (kept >= 0).all() and (kept < span.length).all()
         candidates = torch.randperm(span.length, generator=gen)[: max(1, span.length * 2 // 3)].sort().values
-        k2 = keep_count(span.length, ratio / 2, 1)
-        k2 = min(k2, len(candidates))
+        k2 = min(half, len(candidates))
         chosen = select(span, k2, own, candidates)
         assert len(chosen) == k2 and torch.equal(chosen, chosen.unique())
         assert set(chosen.tolist()) <= set(candidates.tolist())
@@ -86,9 +101,9 @@ def test_kept_positions_keep_the_count_per_span_and_drop_the_rest(selector):
     keep = torch.zeros(n, dtype=torch.bool)
     keep[kept] = True
     visual = torch.zeros(n, dtype=torch.bool)
-    for s in spans:
+    for s, k in zip(spans, KEPT[0.4], strict=True):
         visual[s.start : s.end] = True
-        assert int(keep[s.start : s.end].sum()) == keep_count(s.length, 0.4, 1)
+        assert int(keep[s.start : s.end].sum()) == k
     assert keep[~visual].all()
     assert len(kept) < n
 
@@ -250,7 +265,8 @@ def test_compaction_really_drops_tokens_and_pages(tiny_engine_factory, selector)
     cold, entry = ask(engine, "s", "What is in these pictures?")
     hit, _ = ask(engine, "s", "Describe the second picture.")
     prompt = engine.prompts.build(media_first_messages([{"image": A}, {"image": B}], "x"), "s")
-    want = sum(keep_count(s.length, 0.4, 1) for s in prompt.spans)
+    assert [(s.grid_h, s.grid_w) for s in prompt.spans] == [(10, 8), (8, 10)]  # 256 x 320 and 320 x 256 px
+    want = 32 + 32  # 0.4 * 80 tokens per image
     assert hit.telemetry.prefix_cache == "hit"
     for done in (cold, hit):
         assert done.telemetry.visual_tokens_kept == want < done.telemetry.visual_tokens == prompt.num_visual_tokens
@@ -293,9 +309,9 @@ def test_kept_positions_follow_each_spans_own_stored_scores(method):
         scores = {name: torch.rand(prefix_len, generator=gen) for name in cfg.score_names}
         kept = cfg.kept_positions(prefix_len, spans, scores=scores)
         expected = torch.ones(prefix_len, dtype=torch.bool)
-        for s in spans:
+        for s, k in zip(spans, (8, 4), strict=True):  # half of 16 and of 8 tokens
             expected[s.start : s.end] = False
-            top = torch.topk(scores[cfg.score_names[0]][s.start : s.end], keep_count(s.length, 0.5, 1)).indices
+            top = torch.topk(scores[cfg.score_names[0]][s.start : s.end], k).indices
             expected[s.start + top] = True
         assert kept.tolist() == expected.nonzero().flatten().tolist()
 
@@ -321,8 +337,7 @@ def test_staggered_keeps_no_whole_column_out_where_uniform_does():
     every row keeps the same 12 columns and 8 columns vanish (vertical stripes); staggered keeps
     12 tokens in every row and at least one token in every column."""
     span = VisualSpan(start=0, grid_h=16, grid_w=20, kind="image", item=0)
-    k = keep_count(span.length, 0.6, 1)
-    assert k == 192
+    k = 192  # 0.6 x 320 tokens
     uniform = SELECTORS["uniform"](span, k)
     assert len(set((uniform % 20).tolist())) == 12
     kept = SELECTORS["staggered"](span, k)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import sqlite3
 import struct
 import threading
@@ -94,7 +95,7 @@ def test_create_list_get_rename_delete(store, alice):
     assert first.title == "New chat"
     assert first.owner_hash == hashlib.sha256(alice.encode()).hexdigest()  # the key itself is never stored
     assert first.image_shas == [] and first.forked_from is None
-    assert len(first.cache_salt) == 32 and int(first.cache_salt, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{32}", first.cache_salt)  # 128 random bits, hex
     assert first.created_at == first.updated_at
     second = store.create_session(alice, "Holiday photos")
     assert second.id != first.id and second.cache_salt != first.cache_salt
