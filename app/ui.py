@@ -169,14 +169,19 @@ class PrismUI:
         session = self.chat.rename(session.id, owner, title)
         return render.sessions_list(self.chat.sessions(owner), session.id), session.title
 
-    def delete(self, session_id: str | None, request: gr.Request):
-        """Delete the open session (the browser asked for confirmation; None means "cancelled")."""
+    def delete(self, session_id: str | None, confirmed, request: gr.Request):
+        """Delete the open session when ``confirmed`` is True (the browser's confirm() answer, sent
+        through a hidden checkbox: the session id is a ``gr.State`` kept on the server, so the
+        confirm's answer cannot travel in its place). Returns (*view, notice)."""
         owner = owner_of(request)
-        if self.chat.session(session_id, owner) is None:
-            return tuple(gr.skip() for _ in range(7))
-        self.chat.delete(session_id, owner)
+        if confirmed is not True or self.chat.session(session_id, owner) is None:
+            return (*(gr.skip() for _ in range(7)), gr.skip())
+        try:
+            self.chat.delete(session_id, owner)
+        except ChatError as exc:
+            return (*(gr.skip() for _ in range(7)), _notice(str(exc), "info"))
         sessions = self.chat.sessions(owner)
-        return self.session_outputs(sessions[0].id if sessions else None, owner)
+        return (*self.session_outputs(sessions[0].id if sessions else None, owner), "")
 
     # ------------------------------------------------------------------ images
     def add_images(self, session_id: str | None, files, request: gr.Request):
@@ -366,6 +371,7 @@ class PrismUI:
                                  elem_id="prism-title", container=False, max_length=200)
             c.share = gr.Button("Share", scale=0, min_width=90, elem_id="prism-share-btn")
             c.delete = gr.Button("Delete", scale=0, min_width=90, variant="stop", elem_id="prism-delete")
+            c.delete_ok = gr.Checkbox(False, visible=False, elem_id="prism-delete-ok")
         c.images = gr.HTML(render.images_strip([]), elem_id="prism-images",
                            js_on_load=_CLICK_JS % {"attr": "remove", "key": "remove"})
         c.upload = gr.File(file_count="multiple", file_types=["image", ".mp4", ".webm"], type="filepath", height=76,
@@ -427,8 +433,8 @@ class PrismUI:
         c.new.click(self.new_session, None, [*view, c.notice], **quiet)
         for event in (c.title.submit, c.title.blur):
             event(self.rename, [c.session, c.title], [c.sessions, c.title], **quiet)
-        c.delete.click(self.delete, [c.session], view, **quiet,
-                       js="(sid) => confirm('Delete this chat, its images and its share links?') ? sid : null")
+        c.delete.click(self.delete, [c.session, c.delete_ok], [*view, c.notice], **quiet,
+                       js="(sid, ok) => [sid, confirm('Delete this chat, its images and its share links?')]")
         # preprocess=False: the handler gets the uploads' FileData as sent (after app.gradio_guard checked
         # them); gr.File's own preprocess left an empty temporary file behind per upload, and refused
         # a file by its name's extension before our handler could explain it and delete it.
