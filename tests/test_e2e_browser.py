@@ -154,6 +154,52 @@ def local_only(outside: list[str]):
     return route
 
 
+# each answer's text as the chat shows it, without its telemetry chip and action buttons
+ANSWER_TEXTS = """() => Array.from(document.querySelectorAll('#prism-chat .message.bot')).map((m) => {
+  const c = m.cloneNode(true); c.querySelectorAll('.prism-tel, button').forEach((e) => e.remove());
+  return c.textContent.trim(); })"""
+QUESTION_TEXTS = """() => Array.from(document.querySelectorAll('#prism-chat .message.user'))
+  .map((m) => m.textContent.trim())"""
+
+
+def _cancelled_delete_and_guarded_stream(page) -> None:
+    """Issue 31.1 and 31.2 in the clip test's browser (one browser session for both): Delete then
+    Cancel keeps the chat; while an answer streams, Regenerate and Enter do nothing, and after it
+    ends and a reload the chat shows exactly the answers that streamed."""
+    questions, answers = page.evaluate(QUESTION_TEXTS), page.evaluate(ANSWER_TEXTS)
+    assert len(questions) == 2 and len(answers) == 2 and all(answers), answers
+    page.once("dialog", lambda dialog: dialog.dismiss())
+    page.click("#prism-delete")
+    page.reload()
+    page.wait_for_function(ANSWERED_EXACTLY, arg=2, timeout=120_000)
+    assert page.evaluate(QUESTION_TEXTS) == questions and page.evaluate(ANSWER_TEXTS) == answers
+    assert page.locator("#prism-sessions [data-session]").count() == 1
+
+    # the longest answer the slider allows: it is still streaming when the clicks below come
+    _short_answers(page, 2048)
+    page.fill("#prism-question textarea", "Tell me a long story.")
+    page.press("#prism-question textarea", "Enter")
+    page.wait_for_selector("#prism-stop", state="visible")
+    page.wait_for_selector("#prism-chat .prism-tel-streaming")
+    page.click("#prism-regenerate")
+    page.fill("#prism-question textarea", "A question typed while it streams")
+    page.press("#prism-question textarea", "Enter")
+    assert page.is_visible("#prism-stop") and page.evaluate("document.body.classList.contains('prism-busy')")
+    assert page.input_value("#prism-question textarea") == "A question typed while it streams"
+    page.click("#prism-stop")
+    page.wait_for_selector("#prism-send", state="visible")
+    page.wait_for_function(ANSWERED_EXACTLY, arg=3, timeout=120_000)
+    streamed = page.evaluate(ANSWER_TEXTS)
+    assert page.evaluate(QUESTION_TEXTS) == [*questions, "Tell me a long story."]
+    assert streamed[:2] == answers and streamed[2], streamed
+    page.reload()
+    page.wait_for_function(ANSWERED_EXACTLY, arg=3, timeout=120_000)
+    assert page.evaluate(QUESTION_TEXTS) == [*questions, "Tell me a long story."]
+    assert page.evaluate(ANSWER_TEXTS) == streamed
+    assert page.query_selector("#prism-chat .prism-tel-streaming") is None
+
+
+
 def test_browser_video_clip_miss_then_hit(sync_playwright, server):
     """A clip uploaded beside nothing else: a video card with its duration and poster frame, then
     two questions, the first a prefix MISS (the vision encoder ran over the sampled frames) and the
@@ -198,6 +244,7 @@ def test_browser_video_clip_miss_then_hit(sync_playwright, server):
             assert page.query_selector(".prism-tel-error") is None
             page.evaluate("window.scrollTo(0, 0)")
             page.screenshot(path=str(ARTIFACTS / "video.png"))
+            _cancelled_delete_and_guarded_stream(page)
             assert not outside, f"the page asked for outside resources: {outside}"
         finally:
             browser.close()
