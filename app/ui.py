@@ -22,6 +22,8 @@ import types
 
 import gradio as gr
 
+from sessions import MAX_SHARE_NAME_LENGTH
+
 from . import render
 from .chat import ChatError, ChatOptions, ChatService, TurnView
 from .gradio_guard import UploadFolder
@@ -319,14 +321,20 @@ class PrismUI:
             return gr.update(visible=True), note, ""
         return gr.update(visible=True), render.shares_list(self.chat.store.list_shares(session_id, owner)), ""
 
-    def create_share(self, session_id: str | None, mode: str, request: gr.Request):
+    def create_share(self, session_id: str | None, mode: str, name, request: gr.Request):
+        """Create a link named ``name`` (optional; refused with a notice when not text, too long or
+        holding control characters). Returns (share list, notice, name box)."""
         owner = owner_of(request)
         if self.chat.session(session_id, owner) is None:
-            return render.shares_list([]), _notice("There is no chat to share yet.", "info")
+            return render.shares_list([]), _notice("There is no chat to share yet.", "info"), gr.skip()
         mode = "continue" if mode == "continue" else "read"
-        token, _ = self.chat.store.create_share(session_id, owner, mode)
+        try:
+            token, _ = self.chat.store.create_share(session_id, owner, mode, "" if name is None else name)
+        except ValueError as exc:
+            shares = self.chat.store.list_shares(session_id, owner)
+            return render.shares_list(shares), _notice(f"Not created: {exc}.", "error"), gr.skip()
         shares = self.chat.store.list_shares(session_id, owner)
-        return render.shares_list(shares, new_link=f"/s/{token}", new_mode=mode), ""
+        return render.shares_list(shares, new_link=f"/s/{token}", new_mode=mode), "", ""
 
     def revoke_share(self, session_id: str | None, evt: gr.EventData, request: gr.Request):
         owner = owner_of(request)
@@ -417,6 +425,9 @@ class PrismUI:
                     "“Can continue” gives them their own copy to ask more.</div>")
             c.share_mode = gr.Radio([("Read-only", "read"), ("Can continue", "continue")], value="read",
                                     show_label=False, elem_id="prism-share-mode")
+            c.share_name = gr.Textbox(label="Link name (optional, only you see it)", max_lines=1,
+                                      max_length=MAX_SHARE_NAME_LENGTH, elem_id="prism-share-name",
+                                      placeholder="e.g. for Alice")
             with gr.Row():
                 c.create_share = gr.Button("Create link", variant="primary", elem_id="prism-create-share")
                 c.close_share = gr.Button("Close", elem_id="prism-close-share")
@@ -456,7 +467,8 @@ class PrismUI:
 
         c.share.click(self.open_share, [c.session], [c.dialog, c.shares, c.notice], **quiet)
         c.close_share.click(lambda: gr.update(visible=False), None, c.dialog, queue=False, **quiet)
-        c.create_share.click(self.create_share, [c.session, c.share_mode], [c.shares, c.notice], **quiet)
+        c.create_share.click(self.create_share, [c.session, c.share_mode, c.share_name],
+                             [c.shares, c.notice, c.share_name], **quiet)
         c.shares.click(self.revoke_share, [c.session], c.shares, **quiet)
 
 
