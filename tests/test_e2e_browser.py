@@ -338,11 +338,18 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             assert re.fullmatch(re.escape(url.rstrip("/")) + r"/s/[A-Za-z0-9_-]{20,}", link), link
             page.screenshot(path=str(ARTIFACTS / "share-dialog.png"))
             page.get_by_label("Can continue").check()
+            page.fill("#prism-share-name input, #prism-share-name textarea", "for Alice")
             page.click("#prism-create-share")
             page.wait_for_function("(old) => { const i = document.querySelector('input.prism-link');"
                                    " return i && i.value !== old; }", arg=link)
             continue_link = page.input_value("input.prism-link")
             assert page.locator(".prism-shares li").count() == 2
+            # each row says which link it is: its name, creation time and share id (issue 31.6)
+            rows = [r.inner_text() for r in page.query_selector_all(".prism-shares li")]
+            assert "for Alice" not in rows[0] and "for Alice" in rows[1], rows
+            assert all(re.search(r"created \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", r) for r in rows), rows
+            ids = [e.inner_text() for e in page.query_selector_all(".prism-shares li .prism-share-id")]
+            assert len(ids) == 2 and len(set(ids)) == 2 and all(re.fullmatch(r"id \S{8,}", i) for i in ids), ids
             page.click("#prism-close-share")
             page.wait_for_selector("#prism-share-dialog", state="hidden")
 
