@@ -162,6 +162,14 @@ QUESTION_TEXTS = """() => Array.from(document.querySelectorAll('#prism-chat .mes
   .map((m) => m.textContent.trim())"""
 
 
+def _lookups(page) -> tuple[int, int]:
+    """The engine panel's prefix-cache (hits, misses) so far."""
+    text = page.evaluate("() => document.querySelector('#prism-engine').textContent")
+    found = re.search(r"(\d+) hit / (\d+) miss", text)
+    assert found, text
+    return int(found.group(1)), int(found.group(2))
+
+
 def _cancelled_delete_and_guarded_stream(page) -> None:
     """Issue 31.1 and 31.2 in the clip test's browser (one browser session for both): Delete then
     Cancel keeps the chat; while an answer streams, Regenerate and Enter do nothing, and after it
@@ -269,6 +277,11 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             page.goto(url)
             page.wait_for_selector("#prism-upload input[type=file]", state="attached")
             page.wait_for_selector(".prism-banner-warn")  # the tiny model is flagged as random text
+            page.get_by_role("tab", name="Engine").click()
+            page.wait_for_function("() => /\\d+ hit \\/ \\d+ miss/.test("
+                                   "document.querySelector('#prism-engine').textContent)")
+            # the server is shared with the test above: count this chat's lookups from here
+            lookups_before = _lookups(page)
 
             _short_answers(page)
 
@@ -326,7 +339,8 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
 
             page.get_by_role("tab", name="Engine").click()
             page.wait_for_selector(".prism-engine")
-            assert "hit rate 50%" in page.inner_text("#prism-engine")
+            hits, misses = _lookups(page)
+            assert (hits - lookups_before[0], misses - lookups_before[1]) == (1, 1), page.inner_text("#prism-engine")
             page.screenshot(path=str(ARTIFACTS / "engine-panel.png"))
 
             # share read-only, open the link in a fresh browser context
