@@ -204,6 +204,9 @@ def build_messages(images: list, question: str, history: list[tuple[str, str]] |
     return messages
 
 
+#: The refusal of a change to a chat while one of its answers is being written (any tab).
+BUSY = "An answer of this chat is being written: wait for it or press Stop, then try again."
+NOTHING_TO_REGENERATE = "There is nothing to regenerate yet: ask a question first."
 _GONE = "That question is no longer part of this chat (it was edited or deleted, maybe in another tab)."
 
 
@@ -324,6 +327,9 @@ class ChatService:
         self.metrics = None
         self._active: dict[str, list] = {}
         self._active_turns: set[int] = set()
+        # sessions whose answer is being started (claimed before its turn is stored): with _active,
+        # what makes a chat busy, so two tabs cannot start or change answers of one chat at once
+        self._starting: set[str] = set()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ engine
@@ -386,16 +392,16 @@ class ChatService:
         return self.store.rename_session(session.id, owner, copy_title(session.title))
 
     def delete(self, session_id: str, owner: str) -> None:
-        """Delete the owner's session: its answers in progress are stopped, the store drops it
-        (its images' files go with their last session), and the engine forgets its salt
+        """Delete the owner's session: refused while an answer of it is being written, the store
+        drops it (its images' files go with their last session), and the engine forgets its salt
         (:meth:`forget`). Copies of a "can continue" share keep the salt: they compute their
         prefix again.
 
         Raises:
-            ChatError: the session is not the owner's.
+            ChatError: the session is not the owner's, or busy (:data:`BUSY`).
         """
         session = self._owned(session_id, owner)
-        self.stop(session.id, owner)
+        self._refuse_if_busy(session.id)
         self.store.delete_session(session.id, owner)
         self.forget(session.cache_salt)
 
@@ -450,6 +456,8 @@ class ChatService:
         stored and the others are. When every file of a first upload is refused, no session is
         left behind and the session returned is None."""
         existing = self.session(session_id, owner)
+        if existing is not None:
+            self._refuse_if_busy(existing.id)
         session = existing or self.ensure_session(None, owner)
         problems, stored = [], 0
         for name, source in uploads:
@@ -513,7 +521,9 @@ class ChatService:
         return data
 
     def remove_image(self, session_id: str, owner: str, sha: str) -> Session:
+        """Remove image ``sha`` from the session. Raises ChatError: not theirs, or busy."""
         session = self._owned(session_id, owner)
+        self._refuse_if_busy(session.id)
         try:
             self.store.remove_image(session.id, owner, sha)
         except NotFound:
@@ -526,7 +536,8 @@ class ChatService:
         """Start answering ``question`` in the session (created when None). Iterate the result.
 
         Raises:
-            ChatError: empty question, model not loaded yet, or no usable owner key. Engine
+            ChatError: empty question, model not loaded yet, no usable owner key, or an answer
+                of the chat is being started or written (:data:`BUSY`, any tab). Engine
                 errors (a request too long, a bad image) do not raise: the turn records them and
                 the returned :class:`ActiveTurn` shows them beside that answer.
         """
@@ -534,6 +545,18 @@ class ChatService:
         options = options or ChatOptions()
         engine = self._engine()
         session = self.ensure_session(session_id, owner)
+        with self._lock:
+            if session.id in self._starting or self._active.get(session.id):
+                raise ChatError(BUSY)
+            self._starting.add(session.id)
+        try:
+            return self._start(engine, session, owner, question, options)
+        finally:
+            with self._lock:
+                self._starting.discard(session.id)
+
+    def _start(self, engine, session: Session, owner: str, question: str, options: ChatOptions) -> ActiveTurn:
+        """:meth:`ask`'s work once the session is claimed."""
         history = None
         if options.history:
             history = [(t.question, t.answer) for t in self.store.list_turns(session.id)
@@ -573,13 +596,14 @@ class ChatService:
         Raises:
             ChatError: the chat is not the owner's, ``turn_id`` is not one of its turns (another
                 chat's, gone, negative, huge, not a number), the question is empty or broken, or
-                the model is not loaded. Nothing is deleted then.
+                the model is not loaded, or an answer of the chat is being written (:data:`BUSY`:
+                edits never race a stream, whichever tab sent them). Nothing is deleted then.
         """
         session = self._owned(session_id, owner)
         question = _checked_question(question)
         self._engine()  # a loading model refuses before anything is deleted
         turn = self._turn_of(session, turn_id)
-        self.stop(session.id, owner)
+        self._refuse_if_busy(session.id)
         try:
             replaced = self.store.delete_turns_from(session.id, owner, turn.id)
         except NotFound:  # another tab got there first
@@ -595,12 +619,15 @@ class ChatService:
     def regenerate(self, session_id: str | None, owner: str, options: ChatOptions | None = None, *,
                    turn_id=None) -> ActiveTurn:
         """Ask turn ``turn_id``'s question again (default: the last turn's); its old answer and
-        every later turn are deleted. Refusals as :meth:`edit`."""
+        every later turn are deleted. Refusals as :meth:`edit`; a chat with no question (a new,
+        empty one, ``session_id`` None) has :data:`NOTHING_TO_REGENERATE`."""
+        if self.session(session_id, owner) is None and not session_id:
+            raise ChatError(NOTHING_TO_REGENERATE)
         session = self._owned(session_id, owner)
         if turn_id is None:
             turns = self.store.list_turns(session.id)
             if not turns:
-                raise ChatError("There is no question to ask again yet.")
+                raise ChatError(NOTHING_TO_REGENERATE)
             turn = turns[-1]
         else:
             turn = self._turn_of(session, turn_id)
@@ -632,6 +659,12 @@ class ChatService:
             if engine is not None:
                 engine.cancel(req, wait=False)
         return bool(requests)
+
+    def _refuse_if_busy(self, session_id: str) -> None:
+        """Raise ChatError(:data:`BUSY`) while an answer of the session is started or streaming."""
+        with self._lock:
+            if session_id in self._starting or self._active.get(session_id):
+                raise ChatError(BUSY)
 
     def answering(self, session_id: str | None) -> bool:
         """Whether an answer of the session is in progress (no ownership check)."""

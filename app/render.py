@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from .chat import TurnView
 
-STATIC_VERSION = "8"  # bump to make browsers refetch static/prism.css and prism.js
+STATIC_VERSION = "9"  # bump to make browsers refetch static/prism.css and prism.js
 
 #: A text-only chat's thumbnail: a speech bubble drawn inline (an emoji needs an emoji font, which
 #: many machines lack, and then shows as an empty box).
@@ -53,6 +53,11 @@ def prefix_url(session_id: str) -> str:
 def shared_prefix_url(token: str) -> str:
     """The same on the share page of ``token``."""
     return f"/s/{quote(token, safe='')}/prefix"
+
+
+def created_label(timestamp: float) -> str:
+    """A creation time (seconds since the epoch) as ``"2026-12-01 23:31:05 UTC"``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timestamp))
 
 
 def ago(timestamp: float | None, now: float | None = None) -> str:
@@ -369,10 +374,16 @@ def shares_list(shares, new_link: str | None = None, new_mode: str | None = None
             "Copy</button></div></div>"
         )
     if shares:
+        # the token is stored only as its SHA-256, so a row names its link by the owner's name,
+        # its creation time and its share id (not a credential)
         rows = "".join(
-            f'<li><span class="prism-share-mode">{"read-only" if s.mode == "read" else "can continue"}</span>'
-            f'<span class="prism-share-age">created {_e(ago(s.created_at))}</span>'
-            f'<button type="button" class="prism-revoke" data-revoke="{_e(s.id)}">Revoke</button></li>'
+            f'<li>{f"""<span class="prism-share-name">{_e(s.name)}</span>""" if s.name else ""}'
+            f'<span class="prism-share-mode">{"read-only" if s.mode == "read" else "can continue"}</span>'
+            f'<span class="prism-share-age" title="{_e(ago(s.created_at))}">'
+            f'created {_e(created_label(s.created_at))}</span>'
+            f'<span class="prism-share-id">id {_e(s.id)}</span>'
+            f'<button type="button" class="prism-revoke" data-revoke="{_e(s.id)}" '
+            f'aria-label="Revoke {_e(s.name or s.id)}">Revoke</button></li>'
             for s in shares
         )
         parts.append(f'<div class="prism-kv-title">Active links</div><ul class="prism-shares">{rows}</ul>')

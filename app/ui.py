@@ -22,6 +22,8 @@ import types
 
 import gradio as gr
 
+from sessions import MAX_SHARE_NAME_LENGTH
+
 from . import render
 from .chat import ChatError, ChatOptions, ChatService, TurnView
 from .gradio_guard import UploadFolder
@@ -169,15 +171,20 @@ class PrismUI:
         session = self.chat.rename(session.id, owner, title)
         return render.sessions_list(self.chat.sessions(owner), session.id), session.title
 
-    def delete(self, session_id: str | None, request: gr.Request):
-        """Delete the open session (the browser asked for confirmation; None means "cancelled")."""
+    def delete(self, session_id: str | None, confirmed, request: gr.Request):
+        """Delete the open session when ``confirmed`` is True (the browser's confirm() answer, sent
+        through a hidden checkbox: the session id is a ``gr.State`` kept on the server, so the
+        confirm's answer cannot travel in its place). Returns (*view, notice)."""
         owner = owner_of(request)
-        if self.chat.session(session_id, owner) is None:
-            return tuple(gr.skip() for _ in range(7))
-        self.chat.delete(session_id, owner)
+        if confirmed is not True or self.chat.session(session_id, owner) is None:
+            return (*(gr.skip() for _ in range(7)), gr.skip())
+        try:
+            self.chat.delete(session_id, owner)
+        except ChatError as exc:
+            return (*(gr.skip() for _ in range(7)), _notice(str(exc), "info"))
         UploadFolder.of_gradio().sweep_deep_links()  # a snapshot there could hold this chat
         sessions = self.chat.sessions(owner)
-        return self.session_outputs(sessions[0].id if sessions else None, owner)
+        return (*self.session_outputs(sessions[0].id if sessions else None, owner), "")
 
     # ------------------------------------------------------------------ images
     def add_images(self, session_id: str | None, files, request: gr.Request):
@@ -315,14 +322,20 @@ class PrismUI:
             return gr.update(visible=True), note, ""
         return gr.update(visible=True), render.shares_list(self.chat.store.list_shares(session_id, owner)), ""
 
-    def create_share(self, session_id: str | None, mode: str, request: gr.Request):
+    def create_share(self, session_id: str | None, mode: str, name, request: gr.Request):
+        """Create a link named ``name`` (optional; refused with a notice when not text, too long or
+        holding control characters). Returns (share list, notice, name box)."""
         owner = owner_of(request)
         if self.chat.session(session_id, owner) is None:
-            return render.shares_list([]), _notice("There is no chat to share yet.", "info")
+            return render.shares_list([]), _notice("There is no chat to share yet.", "info"), gr.skip()
         mode = "continue" if mode == "continue" else "read"
-        token, _ = self.chat.store.create_share(session_id, owner, mode)
+        try:
+            token, _ = self.chat.store.create_share(session_id, owner, mode, "" if name is None else name)
+        except ValueError as exc:
+            shares = self.chat.store.list_shares(session_id, owner)
+            return render.shares_list(shares), _notice(f"Not created: {exc}.", "error"), gr.skip()
         shares = self.chat.store.list_shares(session_id, owner)
-        return render.shares_list(shares, new_link=f"/s/{token}", new_mode=mode), ""
+        return render.shares_list(shares, new_link=f"/s/{token}", new_mode=mode), "", ""
 
     def revoke_share(self, session_id: str | None, evt: gr.EventData, request: gr.Request):
         owner = owner_of(request)
@@ -369,6 +382,7 @@ class PrismUI:
             c.banner = gr.HTML("", elem_id="prism-banner")
             c.share = gr.Button("Share", scale=0, min_width=90, elem_id="prism-share-btn")
             c.delete = gr.Button("Delete", scale=0, min_width=90, variant="stop", elem_id="prism-delete")
+            c.delete_ok = gr.Checkbox(False, visible=False, elem_id="prism-delete-ok")
         with gr.Row(elem_id="prism-media"):  # the images, then the drop zone as the strip's last tile
             c.images = gr.HTML(render.images_strip([]), elem_id="prism-images",
                                js_on_load=_CLICK_JS % {"attr": "remove", "key": "remove"})
@@ -415,6 +429,9 @@ class PrismUI:
                     "“Can continue” gives them their own copy to ask more.</div>")
             c.share_mode = gr.Radio([("Read-only", "read"), ("Can continue", "continue")], value="read",
                                     show_label=False, elem_id="prism-share-mode")
+            c.share_name = gr.Textbox(label="Link name (optional, only you see it)", max_lines=1,
+                                      max_length=MAX_SHARE_NAME_LENGTH, elem_id="prism-share-name",
+                                      placeholder="e.g. for Alice")
             with gr.Row():
                 c.create_share = gr.Button("Create link", variant="primary", elem_id="prism-create-share")
                 c.close_share = gr.Button("Close", elem_id="prism-close-share")
@@ -431,8 +448,8 @@ class PrismUI:
         c.new.click(self.new_session, None, [*view, c.notice], **quiet)
         for event in (c.title.submit, c.title.blur):
             event(self.rename, [c.session, c.title], [c.sessions, c.title], **quiet)
-        c.delete.click(self.delete, [c.session], view, **quiet,
-                       js="(sid) => confirm('Delete this chat, its images and its share links?') ? sid : null")
+        c.delete.click(self.delete, [c.session, c.delete_ok], [*view, c.notice], **quiet,
+                       js="(sid, ok) => [sid, confirm('Delete this chat, its images and its share links?')]")
         # preprocess=False: the handler gets the uploads' FileData as sent (after app.gradio_guard checked
         # them); gr.File's own preprocess left an empty temporary file behind per upload, and refused
         # a file by its name's extension before our handler could explain it and delete it.
@@ -454,7 +471,8 @@ class PrismUI:
 
         c.share.click(self.open_share, [c.session], [c.dialog, c.shares, c.notice], **quiet)
         c.close_share.click(lambda: gr.update(visible=False), None, c.dialog, queue=False, **quiet)
-        c.create_share.click(self.create_share, [c.session, c.share_mode], [c.shares, c.notice], **quiet)
+        c.create_share.click(self.create_share, [c.session, c.share_mode, c.share_name],
+                             [c.shares, c.notice, c.share_name], **quiet)
         c.shares.click(self.revoke_share, [c.session], c.shares, **quiet)
 
 

@@ -6,6 +6,7 @@ See :mod:`sessions.store` for the storage layout, threading model and schema mig
 from engine.errors import InvalidImageError
 
 from .store import (
+    MAX_SHARE_NAME_LENGTH,
     MAX_TITLE_LENGTH,
     SCHEMA_VERSION,
     SHARE_MODES,
@@ -22,6 +23,7 @@ from .store import (
 )
 
 __all__ = [
+    "MAX_SHARE_NAME_LENGTH",
     "MAX_TITLE_LENGTH",
     "SCHEMA_VERSION",
     "SHARE_MODES",

@@ -97,8 +97,14 @@ def _migration_3(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE images ADD COLUMN poster BLOB")
 
 
+def _migration_4(db: sqlite_utils.Database) -> None:
+    """A name the owner gives a share link (``shares.name``; ``''`` for every existing link), so two
+    links of one mode can be told apart in the share dialog."""
+    db.execute("ALTER TABLE shares ADD COLUMN name TEXT NOT NULL DEFAULT ''")
+
+
 #: ``_MIGRATIONS[i]`` takes the schema from version ``i`` to ``i + 1``. Append, never edit.
-_MIGRATIONS = [_migration_1, _migration_2, _migration_3]
+_MIGRATIONS = [_migration_1, _migration_2, _migration_3, _migration_4]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 

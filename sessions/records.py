@@ -13,6 +13,8 @@ import sqlite_utils
 
 DEFAULT_TITLE = "New chat"
 MAX_TITLE_LENGTH = 200
+#: Longest name of a share link (characters).
+MAX_SHARE_NAME_LENGTH = 80
 MAX_FILENAME_LENGTH = 255
 # control characters, line/paragraph separators and lone surrogates (UTF-8 cannot store them)
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]+")
@@ -137,6 +139,8 @@ class Share:
     mode: str
     created_at: float
     revoked_at: float | None
+    #: the owner's name for the link (``""``: none), at most :data:`MAX_SHARE_NAME_LENGTH` characters
+    name: str = ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,6 +262,6 @@ def load_share(db: sqlite_utils.Database, share_id: str) -> Share | None:
     if not isinstance(share_id, str):
         return None
     rows = list(
-        db.query("SELECT id, session_id, mode, created_at, revoked_at FROM shares WHERE id = ?", [share_id])
+        db.query("SELECT id, session_id, mode, created_at, revoked_at, name FROM shares WHERE id = ?", [share_id])
     )
     return Share(**rows[0]) if rows else None

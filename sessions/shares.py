@@ -8,12 +8,13 @@ and checks ownership); ``now`` is the store's clock.
 from __future__ import annotations
 
 import secrets
+import unicodedata
 from collections.abc import Callable
 
 import sqlite_utils
 
 from .keys import token_hash
-from .records import NotFound, PermissionDenied, Share, load_share, session_row
+from .records import MAX_SHARE_NAME_LENGTH, NotFound, PermissionDenied, Share, load_share, session_row
 
 #: Share modes: ``"read"`` shows the conversation; ``"continue"`` also lets the visitor fork it.
 SHARE_MODES = ("read", "continue")
@@ -21,17 +22,35 @@ SHARE_MODES = ("read", "continue")
 MAX_TOKEN_LENGTH = 256
 
 
-def create(db: sqlite_utils.Database, session_id: str, mode: str, now: Callable[[], float]) -> tuple[str, Share]:
-    """A new share of ``session_id``: ``(token, share)``; the token is ``secrets.token_urlsafe(24)``
-    (192 bits), of which only the SHA-256 is stored."""
+def create(db: sqlite_utils.Database, session_id: str, mode: str, now: Callable[[], float],
+           name: str = "") -> tuple[str, Share]:
+    """A new share of ``session_id`` named ``name`` (checked by the caller): ``(token, share)``; the
+    token is ``secrets.token_urlsafe(24)`` (192 bits), of which only the SHA-256 is stored."""
     token = secrets.token_urlsafe(24)
     share_id = secrets.token_urlsafe(12)
     db.execute(
-        "INSERT INTO shares (id, session_id, token_hash, mode, created_at, revoked_at) "
-        "VALUES (?, ?, ?, ?, ?, NULL)",
-        [share_id, session_id, token_hash(token), mode, now()],
+        "INSERT INTO shares (id, session_id, token_hash, mode, created_at, revoked_at, name) "
+        "VALUES (?, ?, ?, ?, ?, NULL, ?)",
+        [share_id, session_id, token_hash(token), mode, now(), name],
     )
     return token, load_share(db, share_id)
+
+
+def clean_name(name: object) -> str:
+    """A share link's name as stored: whitespace runs made one space, trimmed.
+
+    Raises:
+        ValueError: not a string, longer than :data:`MAX_SHARE_NAME_LENGTH` characters once
+            cleaned, or holding control characters.
+    """
+    if not isinstance(name, str):
+        raise ValueError("a share link's name must be text")
+    cleaned = " ".join(name.split())
+    if len(cleaned) > MAX_SHARE_NAME_LENGTH:
+        raise ValueError(f"a share link's name is at most {MAX_SHARE_NAME_LENGTH} characters")
+    if any(unicodedata.category(ch) in ("Cc", "Cs") for ch in cleaned):
+        raise ValueError("a share link's name cannot hold control characters")
+    return cleaned
 
 
 def well_formed(token: object) -> bool:
@@ -44,7 +63,7 @@ def resolve(db: sqlite_utils.Database, digest: str) -> Share | None:
     looked up by their SHA-256, so timing reveals nothing useful about stored tokens."""
     rows = list(
         db.query(
-            "SELECT id, session_id, mode, created_at, revoked_at FROM shares "
+            "SELECT id, session_id, mode, created_at, revoked_at, name FROM shares "
             "WHERE token_hash = ? AND revoked_at IS NULL",
             [digest],
         )
@@ -54,7 +73,7 @@ def resolve(db: sqlite_utils.Database, digest: str) -> Share | None:
 
 def of_session(db: sqlite_utils.Database, session_id: str, include_revoked: bool) -> list[Share]:
     """The session's shares, oldest first (revoked ones too with ``include_revoked``)."""
-    sql = "SELECT id, session_id, mode, created_at, revoked_at FROM shares WHERE session_id = ?"
+    sql = "SELECT id, session_id, mode, created_at, revoked_at, name FROM shares WHERE session_id = ?"
     if not include_revoked:
         sql += " AND revoked_at IS NULL"
     return [Share(**row) for row in db.query(sql + " ORDER BY created_at, id", [session_id])]

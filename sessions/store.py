@@ -71,6 +71,7 @@ from .migrations import SCHEMA_VERSION, migrate
 from .records import (
     DEFAULT_TITLE,
     MAX_FILENAME_LENGTH,
+    MAX_SHARE_NAME_LENGTH,
     MAX_TITLE_LENGTH,
     MEDIA_COLUMNS,
     ImageRecord,
@@ -97,6 +98,7 @@ __all__ = [
     "DB_FILENAME",
     "IMAGES_DIRNAME",
     "MAX_FILENAME_LENGTH",
+    "MAX_SHARE_NAME_LENGTH",
     "MAX_TITLE_LENGTH",
     "SCHEMA_VERSION",
     "SHARE_MODES",
@@ -704,26 +706,29 @@ class SessionStore:
 
     # -- shares -------------------------------------------------------------------------------
 
-    def create_share(self, session_id: str, owner: str, mode: str) -> tuple[str, Share]:
+    def create_share(self, session_id: str, owner: str, mode: str, name: str = "") -> tuple[str, Share]:
         """Create a share link for the session.
 
         Args:
             session_id: the session. owner: its owner key.
             mode: ``"read"`` (view only) or ``"continue"`` (the visitor may fork and continue).
+            name: the owner's name for the link (shown in the share dialog only; whitespace runs
+                become one space), at most ``MAX_SHARE_NAME_LENGTH`` characters.
 
         Returns:
             ``(token, share)``: the plain token (``secrets.token_urlsafe(24)``, 192 bits; shown
             once, only its SHA-256 is stored) and the :class:`Share`.
 
         Raises:
-            ValueError: unknown ``mode``. NotFound: no such session.
-            PermissionDenied: ``owner`` does not own it.
+            ValueError: unknown ``mode``, or a bad ``name`` (not text, too long, control
+                characters). NotFound: no such session. PermissionDenied: ``owner`` does not own it.
         """
         if mode not in SHARE_MODES:
             raise ValueError(f"share mode must be one of {SHARE_MODES}, got {mode!r}")
+        name = shares.clean_name(name)
         with self._write() as db:
             self._owned(db, session_id, owner)
-            return shares.create(db, session_id, mode, self._now)
+            return shares.create(db, session_id, mode, self._now, name)
 
     def resolve_share(self, token: str) -> Share | None:
         """Return the active share a token grants, or ``None`` (unknown, malformed or revoked).

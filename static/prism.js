@@ -56,7 +56,7 @@
     var data = event.clipboardData;
     if (!data || !data.files || !data.files.length) return;
     var images = Array.prototype.filter.call(data.files, function (f) { return f.type.indexOf("image/") === 0; });
-    if (!images.length) return;
+    if (!images.length || answering()) return;  // no image changes while an answer streams
     var input = document.querySelector("#prism-upload input[type=file]");
     if (!input) return;
     event.preventDefault();
@@ -338,6 +338,32 @@
   }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", decorateCode);
   else decorateCode();
+
+  // While an answer streams (Stop is showing), the controls that would change the chat do nothing:
+  // Regenerate (both kinds), the edit pencils, adding or removing an image, Delete, switching chats,
+  // and Enter in the question box. The server refuses the same changes (app.chat.BUSY) for any tab;
+  // this only keeps one tab from asking. Capture phase: it runs before Gradio's own handlers.
+  var BUSY_GUARDED = "#prism-regenerate, .prism-regenerate-answer, #prism-delete, #prism-upload, " +
+    ".prism-remove, #prism-sessions [data-session], #prism-chat button[aria-label*='dit' i], " +
+    "#prism-chat button[title*='dit' i]";
+  function answering() {
+    var stop = document.getElementById("prism-stop");
+    var busy = !!(stop && stop.offsetParent !== null);
+    document.body.classList.toggle("prism-busy", busy);
+    return busy;
+  }
+  function refuseWhileAnswering(event) {
+    if (!event.target.closest || !answering()) return;
+    var enter = event.type === "keydown" && event.key === "Enter" && !event.shiftKey &&
+      event.target.closest("#prism-question");
+    if (enter || (event.type !== "keydown" && event.target.closest(BUSY_GUARDED))) {
+      event.preventDefault();
+      event.stopImmediatePropagation();
+    }
+  }
+  ["click", "keydown", "drop"].forEach(function (kind) {
+    document.addEventListener(kind, refuseWhileAnswering, true);
+  });
 
   // Narrow screens (phones): the sidebar starts closed, or it covers the chat. Gradio renders it
   // after this script runs, so look for it for a few seconds, once per page load.

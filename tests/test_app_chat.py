@@ -480,12 +480,32 @@ def test_handlers_refuse_empty_question_and_show_bad_upload(ui, tmp_path):
 
 def test_handlers_share_and_revoke(ui, chat):
     session, _ = chat.add_images(None, OWNER, [("a.png", png_bytes())])
-    html, notice = ui.create_share(session.id, "continue", request())
-    assert 'data-path="/s/' in html and "can continue" in html and notice == ""
+    html, notice, name_box = ui.create_share(session.id, "continue", None, request())
+    assert 'data-path="/s/' in html and "can continue" in html and notice == "" and name_box == ""
     share = chat.store.list_shares(session.id, OWNER)[0]
     evt = types.SimpleNamespace(_data={"revoke": share.id})
     assert "No active links" in ui.revoke_share(session.id, evt, request())
     assert chat.store.list_shares(session.id, OWNER) == []
+
+
+def test_share_dialog_rows_name_each_link_by_its_name_creation_time_and_id(ui, chat):
+    """Issue 31.6: two links of one mode are told apart by the owner's name, the creation time
+    (UTC, to the second) and the share id; a bad name is refused with a notice and stores nothing."""
+    import time
+
+    session, _ = chat.add_images(None, OWNER, [("a.png", png_bytes())])
+    ui.create_share(session.id, "read", "for <Alice>", request())
+    html, _, _ = ui.create_share(session.id, "read", "", request())
+    first, second = chat.store.list_shares(session.id, OWNER)
+    rows = html.split("<li>")[1:]
+    assert len(rows) == 2
+    assert "for &lt;Alice&gt;" in rows[0] and "<Alice>" not in html and "prism-share-name" not in rows[1]
+    for row, share in zip(rows, (first, second), strict=True):
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(share.created_at))
+        assert f"created {stamp}" in row and f"id {share.id}" in row and f'data-revoke="{share.id}"' in row
+    html, notice, name_box = ui.create_share(session.id, "read", "x" * 81, request())
+    assert "Not created" in notice and "80 characters" in notice and name_box == {"__type__": "update"}
+    assert len(chat.store.list_shares(session.id, OWNER)) == 2 and html.count("<li>") == 2
 
 
 def test_handlers_open_rename_new_and_delete(ui, chat):
@@ -499,10 +519,11 @@ def test_handlers_open_rename_new_and_delete(ui, chat):
     assert chat.session(a.id, OWNER).title == "Renamed chat"
     fresh = ui.new_session(request())
     assert fresh[0] is None and fresh[4] == [] and fresh[2] == ""
-    after = ui.delete(b.id, request())
+    for cancelled in (False, None, "true", 1):  # the browser's confirm() said no (or a forged value)
+        skipped = ui.delete(b.id, cancelled, request())
+        assert len(skipped) == 8 and chat.session(b.id, OWNER) is not None
+    after = ui.delete(b.id, True, request())
     assert chat.session(b.id, OWNER) is None and after[0] == a.id
-    skipped = ui.delete(None, request())  # the browser's confirm() said no
-    assert len(skipped) == 7 and chat.session(a.id, OWNER) is not None
 
 
 def test_handlers_stop(ui, chat, engine):
@@ -888,24 +909,68 @@ def test_copy_title_marks_a_copy_once_and_fits():
     assert len(long) <= MAX_TITLE_LENGTH and long.startswith("Copy of x") and long.endswith("x…")
 
 
-def test_editing_while_an_answer_streams_hands_the_chat_to_the_new_answer(ui, chat, engine):
-    """Editing the question whose answer is streaming stops that answer and asks the edited one.
-    The stopped stream must then leave the chat and the buttons alone: its last update used to put
-    the replaced turn back on screen and Send back in Stop's place while the new answer streamed."""
-    skip = {"__type__": "update"}
-    old = ui.answer(None, "Talk for a long time", 0.0, 2000, False, request())
+def test_a_chat_with_a_streaming_answer_refuses_every_change_from_any_tab(ui, chat, engine):
+    """While an answer streams, a second tab (same owner, same chat) cannot regenerate, edit, ask,
+    add or remove an image or delete: each is refused with the busy message, nothing is stored or
+    deleted, and the streaming answer is the one the chat keeps (issue 31.2: a regenerate during a
+    stream replaced it, and its turn could not be stored)."""
+    from app.chat import BUSY
+
+    session, _ = chat.add_images(None, OWNER, [("a.png", png_bytes(colour=(9, 9, 9)))])
+    _, first = run(chat.ask(session.id, OWNER, "First?", ChatOptions(max_tokens=4)))
+    old = ui.answer(session.id, "Talk for a long time", 0.0, 2000, False, request())
     sid = next(old)[0]
     next(old)
-    evt = types.SimpleNamespace(index=0, value="Short instead?", previous_value="Talk for a long time")
-    new = ui.edit(sid, 0.0, 6, False, evt, request())
-    assert next(new)[5]["visible"] is True  # Stop shows for the new answer
-    assert list(old)[-1][1:] == (skip,) * 5
-    assert ui.after_answer(sid, request())[-2:] == (skip, skip)  # the old stream's refresh keeps Stop
-    final = list(new)[-1]
-    assert [m["content"] for m in final[1][::2]] == ["Short instead?"]
-    assert (final[4]["visible"], final[5]["visible"]) == (True, False)
-    assert ui.after_answer(sid, request())[-2:] == _idle_buttons()
-    assert [t.question for t in chat.turns(sid)] == ["Short instead?"] and engine.stats()["running"] == 0
+    turns_before = [(t.id, t.question) for t in chat.store.list_turns(sid)]
+    sha = chat.session(sid, OWNER).image_shas[0]
+    attempts = {
+        "regenerate": lambda: chat.regenerate(sid, OWNER, ChatOptions(max_tokens=4)),
+        "regenerate an earlier turn": lambda: chat.regenerate(sid, OWNER, turn_id=turns_before[0][0]),
+        "edit": lambda: chat.edit(sid, OWNER, turns_before[0][0], "Other?", ChatOptions(max_tokens=4)),
+        "ask": lambda: chat.ask(sid, OWNER, "Another?", ChatOptions(max_tokens=4)),
+        "add an image": lambda: chat.add_images(sid, OWNER, [("b.png", png_bytes(colour=(1, 9, 1)))]),
+        "remove an image": lambda: chat.remove_image(sid, OWNER, sha),
+        "delete": lambda: chat.delete(sid, OWNER),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except ChatError as exc:
+            assert str(exc) == BUSY, name
+        else:
+            pytest.fail(f"{name} was not refused while an answer streamed")
+    # the page's handlers say so instead of racing
+    refused = list(ui.regenerate(sid, 0.0, 4, False, request()))
+    assert len(refused) == 1 and BUSY in refused[0][2]
+    assert ui.delete(sid, True, request())[-1] and chat.session(sid, OWNER) is not None
+    assert [(t.id, t.question) for t in chat.store.list_turns(sid)] == turns_before
+    assert chat.session(sid, OWNER).image_shas == [sha]
+    chat.stop(sid, OWNER)
+    streamed = list(old)
+    last = streamed[-1][1][-1]["content"]
+    stored = chat.store.list_turns(sid)
+    assert [t.question for t in stored] == ["First?", "Talk for a long time"]
+    assert stored[0].answer == first.answer and stored[1].answer and stored[1].answer in last
+    assert not chat.answering(sid) and engine.stats()["running"] == 0
+    # once it is finished, the chat takes changes again
+    assert run(chat.regenerate(sid, OWNER, ChatOptions(max_tokens=4)))[1].status == "done"
+
+
+def test_regenerate_on_a_new_empty_chat_says_there_is_nothing_to_regenerate(ui, chat):
+    from app.chat import NOTHING_TO_REGENERATE
+
+    for sid in (None, ""):
+        with pytest.raises(ChatError) as caught:
+            chat.regenerate(sid, OWNER)
+        assert str(caught.value) == NOTHING_TO_REGENERATE
+        out = list(ui.regenerate(sid, 0.0, 4, False, request()))
+        assert len(out) == 1 and NOTHING_TO_REGENERATE in out[0][2]
+    session, _ = chat.add_images(None, OWNER, [("a.png", png_bytes(colour=(3, 9, 3)))])
+    with pytest.raises(ChatError, match="nothing to regenerate"):
+        chat.regenerate(session.id, OWNER)  # images but no question yet
+    with pytest.raises(ChatError, match="no longer exists"):
+        chat.regenerate("deleted-or-never-existed", OWNER)  # a named chat that is gone still says so
+    assert chat.sessions(OWNER) == [chat.session(session.id, OWNER)]
 
 
 def _idle_buttons():

@@ -224,6 +224,60 @@ def _check_layout(page, ctx, url: str) -> None:
     page.wait_for_selector(".prism-viewer", state="hidden")
 
 
+# each answer's text as the chat shows it, without its telemetry chip and action buttons
+ANSWER_TEXTS = """() => Array.from(document.querySelectorAll('#prism-chat .message.bot')).map((m) => {
+  const c = m.cloneNode(true); c.querySelectorAll('.prism-tel, button').forEach((e) => e.remove());
+  return c.textContent.trim(); })"""
+QUESTION_TEXTS = """() => Array.from(document.querySelectorAll('#prism-chat .message.user'))
+  .map((m) => m.textContent.trim())"""
+
+
+def _lookups(page) -> tuple[int, int]:
+    """The engine panel's prefix-cache (hits, misses) so far."""
+    text = page.evaluate("() => document.querySelector('#prism-engine').textContent")
+    found = re.search(r"(\d+) hit / (\d+) miss", text)
+    assert found, text
+    return int(found.group(1)), int(found.group(2))
+
+
+def _cancelled_delete_and_guarded_stream(page) -> None:
+    """Issue 31.1 and 31.2 in the clip test's browser (one browser session for both): Delete then
+    Cancel keeps the chat; while an answer streams, Regenerate and Enter do nothing, and after it
+    ends and a reload the chat shows exactly the answers that streamed."""
+    questions, answers = page.evaluate(QUESTION_TEXTS), page.evaluate(ANSWER_TEXTS)
+    assert len(questions) == 2 and len(answers) == 2 and all(answers), answers
+    page.once("dialog", lambda dialog: dialog.dismiss())
+    page.click("#prism-delete")
+    page.reload()
+    page.wait_for_function(ANSWERED_EXACTLY, arg=2, timeout=120_000)
+    assert page.evaluate(QUESTION_TEXTS) == questions and page.evaluate(ANSWER_TEXTS) == answers
+    assert page.locator("#prism-sessions [data-session]").count() == 1
+
+    # the longest answer the slider allows: it is still streaming when the clicks below come
+    _short_answers(page, 2048)
+    page.fill("#prism-question textarea", "Tell me a long story.")
+    page.press("#prism-question textarea", "Enter")
+    page.wait_for_selector("#prism-stop", state="visible")
+    page.wait_for_selector("#prism-chat .prism-tel-streaming")
+    page.click("#prism-regenerate")
+    page.fill("#prism-question textarea", "A question typed while it streams")
+    page.press("#prism-question textarea", "Enter")
+    assert page.is_visible("#prism-stop") and page.evaluate("document.body.classList.contains('prism-busy')")
+    assert page.input_value("#prism-question textarea") == "A question typed while it streams"
+    page.click("#prism-stop")
+    page.wait_for_selector("#prism-send", state="visible")
+    page.wait_for_function(ANSWERED_EXACTLY, arg=3, timeout=120_000)
+    streamed = page.evaluate(ANSWER_TEXTS)
+    assert page.evaluate(QUESTION_TEXTS) == [*questions, "Tell me a long story."]
+    assert streamed[:2] == answers and streamed[2], streamed
+    page.reload()
+    page.wait_for_function(ANSWERED_EXACTLY, arg=3, timeout=120_000)
+    assert page.evaluate(QUESTION_TEXTS) == [*questions, "Tell me a long story."]
+    assert page.evaluate(ANSWER_TEXTS) == streamed
+    assert page.query_selector("#prism-chat .prism-tel-streaming") is None
+
+
+
 def test_browser_video_clip_miss_then_hit(sync_playwright, server):
     """A clip uploaded beside nothing else: a video card with its duration and poster frame, then
     two questions, the first a prefix MISS (the vision encoder ran over the sampled frames) and the
@@ -282,6 +336,7 @@ def test_browser_video_clip_miss_then_hit(sync_playwright, server):
             assert page.query_selector(".prism-tel-error") is None
             page.evaluate("window.scrollTo(0, 0)")
             page.screenshot(path=str(ARTIFACTS / "video.png"))
+            _cancelled_delete_and_guarded_stream(page)
             assert not outside, f"the page asked for outside resources: {outside}"
         finally:
             browser.close()
@@ -306,6 +361,11 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             page.goto(url)
             page.wait_for_selector("#prism-upload input[type=file]", state="attached")
             page.wait_for_selector(".prism-banner-warn")  # the tiny model is flagged as random text
+            page.get_by_role("tab", name="Engine").click()
+            page.wait_for_function("() => /\\d+ hit \\/ \\d+ miss/.test("
+                                   "document.querySelector('#prism-engine').textContent)")
+            # the server is shared with the test above: count this chat's lookups from here
+            lookups_before = _lookups(page)
 
             _short_answers(page)
 
@@ -364,7 +424,8 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
 
             page.get_by_role("tab", name="Engine").click()
             page.wait_for_selector(".prism-engine")
-            assert "hit rate 50%" in page.inner_text("#prism-engine")
+            hits, misses = _lookups(page)
+            assert (hits - lookups_before[0], misses - lookups_before[1]) == (1, 1), page.inner_text("#prism-engine")
             page.screenshot(path=str(ARTIFACTS / "engine-panel.png"))
 
             # share read-only, open the link in a fresh browser context
@@ -376,11 +437,18 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             assert re.fullmatch(re.escape(url.rstrip("/")) + r"/s/[A-Za-z0-9_-]{20,}", link), link
             page.screenshot(path=str(ARTIFACTS / "share-dialog.png"))
             page.get_by_label("Can continue").check()
+            page.fill("#prism-share-name input, #prism-share-name textarea", "for Alice")
             page.click("#prism-create-share")
             page.wait_for_function("(old) => { const i = document.querySelector('input.prism-link');"
                                    " return i && i.value !== old; }", arg=link)
             continue_link = page.input_value("input.prism-link")
             assert page.locator(".prism-shares li").count() == 2
+            # each row says which link it is: its name, creation time and share id (issue 31.6)
+            rows = [r.inner_text() for r in page.query_selector_all(".prism-shares li")]
+            assert "for Alice" not in rows[0] and "for Alice" in rows[1], rows
+            assert all(re.search(r"created \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", r) for r in rows), rows
+            ids = [e.inner_text() for e in page.query_selector_all(".prism-shares li .prism-share-id")]
+            assert len(ids) == 2 and len(set(ids)) == 2 and all(re.fullmatch(r"id \S{8,}", i) for i in ids), ids
             page.click("#prism-close-share")
             page.wait_for_selector("#prism-share-dialog", state="hidden")
 

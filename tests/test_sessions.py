@@ -587,3 +587,46 @@ def test_collect_garbage(store, alice, photos):
     assert store.collect_garbage() == 2
     assert not stray_dir.exists()
     assert stored_files(store) == [store.image_path(record.sha256)]
+
+
+def test_share_links_carry_the_owners_name_and_old_links_migrate_unnamed(tmp_path, alice):
+    """Issue 31.6: a link can be named when created (whitespace runs made one space); bad names are
+    refused before anything is stored; a schema-3 database's links come through migration 4 with
+    no name and their tokens still resolve (tokens stay stored only as their SHA-256)."""
+    import sqlite_utils
+
+    from sessions import MAX_SHARE_NAME_LENGTH
+    from sessions.keys import owner_hash, token_hash
+    from sessions.migrations import _migration_1, _migration_2, _migration_3
+
+    data_dir = tmp_path / "old"
+    data_dir.mkdir()
+    db = sqlite_utils.Database(str(data_dir / "prism.db"))
+    for migration in (_migration_1, _migration_2, _migration_3):
+        migration(db)
+    db.execute("PRAGMA user_version = 3")
+    db.execute("INSERT INTO sessions (id, owner_hash, title, cache_salt, created_at, updated_at) "
+               "VALUES ('s1', ?, 'Old', 'salt', 1.0, 1.0)", [owner_hash(alice)])
+    db.execute("INSERT INTO shares (id, session_id, token_hash, mode, created_at) VALUES "
+               "('old-share', 's1', ?, 'read', 2.0)", [token_hash("old-token")])
+    db.conn.commit()
+    db.close()
+
+    with SessionStore(str(data_dir)) as store:
+        assert store.schema_version == SCHEMA_VERSION
+        old = store.resolve_share("old-token")
+        assert old is not None and (old.id, old.name, old.created_at) == ("old-share", "", 2.0)
+        _, named = store.create_share("s1", alice, "read", "  for\n Alice\t ")
+        _, plain = store.create_share("s1", alice, "read")
+        assert named.name == "for Alice" and plain.name == ""
+        assert [(s.id, s.name) for s in store.list_shares("s1", alice)] == [
+            ("old-share", ""), (named.id, "for Alice"), (plain.id, "")]
+        for bad in ("x" * (MAX_SHARE_NAME_LENGTH + 1), "bell\x07", None, 7, ["a"]):
+            with pytest.raises(ValueError):
+                store.create_share("s1", alice, "read", bad)
+        assert len(store.list_shares("s1", alice)) == 3
+        longest = "é" * MAX_SHARE_NAME_LENGTH
+        assert store.create_share("s1", alice, "read", longest)[1].name == longest
+        with sqlite3.connect(store.db_path) as conn:
+            assert "for Alice" in [r[0] for r in conn.execute("SELECT name FROM shares")]
+            assert all(len(r[0]) == 64 for r in conn.execute("SELECT token_hash FROM shares"))

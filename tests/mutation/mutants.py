@@ -265,6 +265,23 @@ MUTANTS: list[Mutant] = [
         "if False:",
         ("tests/test_app_chat.py::test_page_edit_maps_the_chat_position_to_the_turn_and_checks_it",),
     ),
+    Mutant(
+        "cancelled-delete-deletes",
+        "Delete ignores the browser's confirm() answer: Cancel deletes the chat",
+        "app/ui.py",
+        "if confirmed is not True or self.chat.session(session_id, owner) is None:",
+        "if self.chat.session(session_id, owner) is None:",
+        ("tests/test_app_chat.py::test_handlers_open_rename_new_and_delete",),
+    ),
+    Mutant(
+        "busy-chat-takes-edits",
+        "a chat whose answer is streaming takes a regenerate or edit (from any tab) and races it",
+        "app/chat.py",
+        """        turn = self._turn_of(session, turn_id)
+        self._refuse_if_busy(session.id)""",
+        """        turn = self._turn_of(session, turn_id)""",
+        ("tests/test_app_chat.py::test_a_chat_with_a_streaming_answer_refuses_every_change_from_any_tab",),
+    ),
     # ---------------------------------------------------------------- images, vision graphs, loading, sampling
     Mutant(
         "bomb-decoded-before-size-check",
