@@ -391,7 +391,7 @@ def test_deep_links_are_off_and_their_snapshots_are_swept(env):
     snapshot.parent.mkdir(parents=True)
     snapshot.write_text('[{"value": "The vault code is 4711"}]')
     [session] = env.store.list_sessions(owner.owner)
-    status, done = owner.event("delete", [session.id])
+    status, done = owner.event("delete", [session.id, True])
     assert status == 200 and done["success"], done
     assert env.store.list_sessions(owner.owner) == [] and not (env.uploads / "deep_links").exists()
 
@@ -425,7 +425,7 @@ def test_deleting_a_chat_makes_the_engine_forget_it_and_revoking_a_share_too(env
     assert any(e.salt == victim.cache_salt for e in entries) and any(e.salt == other.cache_salt for e in entries)
     forgotten = env.engine.stats()["forgotten_sessions"]
 
-    status, done = users[0].event("delete", [victim.id])
+    status, done = users[0].event("delete", [victim.id, True])
 
     assert status == 200 and done["success"], done
     assert env.engine.stats()["forgotten_sessions"] == forgotten + 1
