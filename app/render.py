@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from .chat import TurnView
 
-STATIC_VERSION = "9"  # bump to make browsers refetch static/prism.css and prism.js
+STATIC_VERSION = "10"  # bump to make browsers refetch static/prism.css and prism.js
 
 #: A text-only chat's thumbnail: a speech bubble drawn inline (an emoji needs an emoji font, which
 #: many machines lack, and then shows as an empty box).

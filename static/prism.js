@@ -364,6 +364,9 @@
   ["click", "keydown", "drop"].forEach(function (kind) {
     document.addEventListener(kind, refuseWhileAnswering, true);
   });
+  // Gradio shows and hides Stop without an event to hook, so the dimmed look follows it on a timer
+  // too: after Stop (or an answer's end) the controls must not look disabled until the next click.
+  setInterval(answering, 250);
 
   // Narrow screens (phones): the sidebar starts closed, or it covers the chat. Gradio renders it
   // after this script runs, so look for it for a few seconds, once per page load.

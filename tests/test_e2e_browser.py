@@ -266,6 +266,8 @@ def _cancelled_delete_and_guarded_stream(page) -> None:
     assert page.input_value("#prism-question textarea") == "A question typed while it streams"
     page.click("#prism-stop")
     page.wait_for_selector("#prism-send", state="visible")
+    # the controls come back without another click (they stayed dimmed until one)
+    page.wait_for_function("() => !document.body.classList.contains('prism-busy')", timeout=5_000)
     page.wait_for_function(ANSWERED_EXACTLY, arg=3, timeout=120_000)
     streamed = page.evaluate(ANSWER_TEXTS)
     assert page.evaluate(QUESTION_TEXTS) == [*questions, "Tell me a long story."]
