@@ -1,4 +1,4 @@
-"""Tests for engine.inputs.images: safe opening of user images (real photos from shared/media)."""
+"""Tests for engine.inputs.images: safe opening of user images (real photos from tests/media)."""
 
 from __future__ import annotations
 

@@ -127,6 +127,23 @@ def staggered_selector(span: VisualSpan, k: int, scores: TokenScores | None = No
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
 
+def _scored_candidates(span: VisualSpan, k: int, scores: TokenScores | None, candidates: torch.Tensor | None,
+                       score: str, who: str) -> torch.Tensor:
+    """The candidate offsets (int64 ``[n]``, all of the span's when ``candidates`` is None) a
+    score-based selector ranks, after its checks.
+
+    Raises:
+        ValueError: ``scores`` lacks ``score`` (the prefix was built without it), or ``k`` exceeds
+            the candidates.
+    """
+    if scores is None or score not in scores:
+        raise ValueError(f"the {who} selector needs the prefix's {score!r} scores")
+    pool = torch.arange(span.length) if candidates is None else candidates.long()
+    if k > len(pool):
+        raise ValueError(f"cannot keep {k} of {len(pool)} candidate tokens")
+    return pool
+
+
 def coverage_selector(score: str, floor_share: float = 0.5) -> Selector:
     """A score-based selector with a per-region floor (a small object's tokens survive).
 
@@ -145,11 +162,7 @@ def coverage_selector(score: str, floor_share: float = 0.5) -> Selector:
 
     def select(span: VisualSpan, k: int, scores: TokenScores | None = None,
                candidates: torch.Tensor | None = None) -> torch.Tensor:
-        if scores is None or score not in scores:
-            raise ValueError(f"the coverage selector needs the prefix's {score!r} scores")
-        pool = torch.arange(span.length) if candidates is None else candidates.long()
-        if k > len(pool):
-            raise ValueError(f"cannot keep {k} of {len(pool)} candidate tokens")
+        pool = _scored_candidates(span, k, scores, candidates, score, "coverage")
         if k == 0:
             return torch.empty(0, dtype=torch.long)
         priority = scores[score][pool].float()
@@ -191,11 +204,7 @@ def priority_selector(score: str) -> Selector:
 
     def select(span: VisualSpan, k: int, scores: TokenScores | None = None,
                candidates: torch.Tensor | None = None) -> torch.Tensor:
-        if scores is None or score not in scores:
-            raise ValueError(f"the {score!r} selector needs the prefix's {score!r} scores")
-        pool = torch.arange(span.length) if candidates is None else candidates.long()
-        if k > len(pool):
-            raise ValueError(f"cannot keep {k} of {len(pool)} candidate tokens")
+        pool = _scored_candidates(span, k, scores, candidates, score, repr(score))
         priority = scores[score][pool].float()
         best = torch.sort(priority, descending=True, stable=True).indices[:k]
         return pool[best].sort().values
