@@ -371,6 +371,12 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
 
             _short_answers(page)
 
+            # Regenerate on a new, empty chat: nothing to regenerate, said as such (issue 31.3)
+            page.click("#prism-regenerate")
+            page.wait_for_function("() => /nothing to regenerate/i.test("
+                                   "document.querySelector('#prism-notice').textContent)")
+            assert "no longer exists" not in page.inner_text("#prism-notice")
+
             # "+ New chat" right after a click (the pointer still on it) must not look disabled
             page.mouse.move(0, 0)
             page.wait_for_timeout(400)
