@@ -209,3 +209,17 @@ def live_server():
     yield serve
     for server in started:
         server.stop()
+
+
+def noise_png(seed: int, size=(80, 60)) -> bytes:
+    """A PNG of seeded uniform noise, ``size`` = (width, height) pixels: distinct images per seed
+    whose vision features share nothing (cache-isolation tests)."""
+    import io
+
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(seed)
+    pixels = (torch.rand(size[1], size[0], 3, generator=gen) * 255).to(torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()

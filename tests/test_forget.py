@@ -9,24 +9,13 @@ which path the vision encoder took.
 
 from __future__ import annotations
 
-import io
-
 import pytest
-import torch
-from PIL import Image
+from conftest import noise_png
 
 from engine import Forgotten, InvalidRequestError, SamplingParams, media_first_messages
 from engine.serving.outputs import Completion
 
 GREEDY = SamplingParams(max_tokens=2, ignore_eos=True)
-
-
-def noise_png(seed: int, size=(80, 60)) -> bytes:
-    gen = torch.Generator().manual_seed(seed)
-    pixels = (torch.rand(size[1], size[0], 3, generator=gen) * 255).to(torch.uint8).numpy()
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def ask(engine, image: bytes, question: str, salt: str):

@@ -16,20 +16,13 @@ import io
 
 import pytest
 import torch
+from conftest import noise_png
 from PIL import Image
 
 from engine import InvalidRequestError, SamplingParams, media_first_messages
 from engine.graphs.vision import VisionGraphs
 
 GREEDY = SamplingParams(max_tokens=2, ignore_eos=True)
-
-
-def noise_png(seed: int, size=(80, 60)) -> bytes:
-    gen = torch.Generator().manual_seed(seed)
-    pixels = (torch.rand(size[1], size[0], 3, generator=gen) * 255).to(torch.uint8).numpy()
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def counters(engine) -> dict:
