@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import queue
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +13,7 @@ from ..cache.prefix_cache import Match, PrefixEntry
 from ..inputs.prompts import Prompt
 from ..model.vision import VisionFeatures
 from .detokenize import TextStream
+from .handle import OutputChannel
 from .outputs import Telemetry
 from .sampling import Sampler, SamplingParams
 
@@ -48,7 +48,7 @@ class Request:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    outbox: queue.Queue = field(default_factory=queue.Queue)
+    outbox: OutputChannel = field(default_factory=OutputChannel)
     telemetry: Telemetry = field(default_factory=Telemetry)
     vision: dict[tuple[str, int], VisionFeatures] = field(default_factory=dict)  # per image / video
     cancelled: bool = False

@@ -1,0 +1,188 @@
+"""The one output channel of a request: what the engine hands a caller for each submitted request.
+
+The loop thread (or, with the core in its own process, the thread that reads the core's outputs)
+``put``\\ s a request's text deltas, then its :class:`~engine.serving.outputs.Completion`, or the
+exception it failed with, into its :class:`OutputChannel`. The caller reads them through a
+:class:`RequestHandle`, from a thread (``for item in handle``) or from an asyncio event loop
+(``async for item in handle``) without polling: ``put`` wakes a blocked thread and schedules the
+awaiting coroutine on its own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from .outputs import Completion
+
+#: What a channel carries: a text delta, the final completion, or the error the request failed with.
+Output = str | Completion | BaseException
+
+
+def is_final(item: Any) -> bool:
+    """Whether ``item`` ends a request's outputs (its completion, or its error)."""
+    return isinstance(item, (Completion, BaseException))
+
+
+class OutputChannel:
+    """A thread-safe FIFO of one request's outputs with one reader, blocking or asyncio.
+
+    ``put`` never blocks. :meth:`get` and :meth:`get_nowait` keep the :class:`queue.Queue` calls
+    the former ``Request.outbox`` offered (``get_nowait`` raises :class:`queue.Empty`); new code
+    iterates a :class:`RequestHandle` instead.
+    """
+
+    def __init__(self):
+        self._items: deque[Output] = deque()
+        self._cv = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.closed = False  # a final item was put: nothing follows it
+
+    def put(self, item: Output) -> None:
+        """Append ``item`` (any thread) and wake the reader."""
+        with self._cv:
+            self._items.append(item)
+            if is_final(item):
+                self.closed = True
+            waiters, self._waiters = self._waiters, []
+            self._cv.notify_all()
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_wake, future)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Output:
+        """The next item, waiting for it with ``block`` (at most ``timeout`` seconds).
+
+        Raises:
+            queue.Empty: nothing came in time (or nothing is there, without ``block``).
+        """
+        import queue
+
+        with self._cv:
+            if block and not self._cv.wait_for(lambda: self._items, timeout=timeout):
+                raise queue.Empty
+            if not self._items:
+                raise queue.Empty
+            return self._items.popleft()
+
+    def get_nowait(self) -> Output:
+        """The next item if one is there. Raises: queue.Empty: none is."""
+        return self.get(block=False)
+
+    def empty(self) -> bool:
+        with self._cv:
+            return not self._items
+
+    async def aget(self) -> Output:
+        """The next item, awaited on the running event loop (no polling, no thread)."""
+        while True:
+            with self._cv:
+                if self._items:
+                    return self._items.popleft()
+                loop = asyncio.get_running_loop()
+                future = loop.create_future()
+                self._waiters.append((loop, future))
+            try:
+                await future
+            except asyncio.CancelledError:
+                with self._cv:
+                    self._waiters = [(lp, f) for lp, f in self._waiters if f is not future]
+                raise
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class RequestHandle:
+    """A submitted request, as its caller sees it (returned by :meth:`engine.Engine.submit`).
+
+    Iterate it once, from a thread or an event loop, for the request's text deltas (``str``) and
+    then its :class:`~engine.serving.outputs.Completion`; the error the request failed with is
+    raised instead (:class:`~engine.errors.PrismError` and subclasses). Leaving the iteration early
+    (``break``, an exception, the iterator closed or dropped) cancels the request, so its KV pages
+    are freed: a thread's loop waits until they are, an event loop's does not block.
+
+    Args:
+        request_id: the engine's id of the request (int, unique within one engine).
+        channel: where its outputs arrive.
+        cancel: ``cancel(wait)`` stops the request in the engine; called at most once per handle by
+            :meth:`cancel` (later calls are no-ops).
+        prompt_tokens: the prompt's length in tokens (visual placeholders included), known at
+            submission, before anything is decoded.
+
+    Attributes:
+        id, prompt_tokens: as given.
+    """
+
+    def __init__(self, request_id: int, channel: OutputChannel, cancel: Callable[[bool], None], *,
+                 prompt_tokens: int):
+        self.id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._channel = channel
+        self._cancel = cancel
+        self._cancelled = False
+        self._final: Output | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the request's completion or error has been read."""
+        return self._final is not None
+
+    def cancel(self, wait: bool = True) -> None:
+        """Stop the request; it ends with the text so far (``finish_reason="cancelled"``). With
+        ``wait``, returns once its KV pages are free. Calling it after the end is harmless."""
+        if self._cancelled or self.done:
+            return
+        self._cancelled = True
+        self._cancel(wait)
+
+    def _take(self, item: Output) -> Output:
+        if is_final(item):
+            self._final = item
+            if isinstance(item, BaseException):
+                raise item
+        return item
+
+    def __iter__(self) -> Iterator[str | Completion]:
+        try:
+            while not self.done:
+                yield self._take(self._channel.get())
+        finally:
+            if not self.done:
+                self.cancel(wait=True)
+
+    async def _aiter(self) -> AsyncIterator[str | Completion]:
+        try:
+            while not self.done:
+                yield self._take(await self._channel.aget())
+        finally:
+            if not self.done:
+                self.cancel(wait=False)
+
+    def __aiter__(self) -> AsyncIterator[str | Completion]:
+        return self._aiter()
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the request's :class:`Completion` (text deltas read on the way are dropped).
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds (the request goes on).
+            PrismError: the error the request failed with.
+        """
+        import queue
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self._take(self._channel.get(timeout=left))
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id} did not finish within {timeout} s") from None
+        if isinstance(self._final, BaseException):
+            raise self._final
+        return self._final
