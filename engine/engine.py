@@ -275,8 +275,8 @@ class Engine:
 
         Raises: as :meth:`generate`, except failures inside the engine loop.
         """
-        # Review fix: close() drops self.model; a submit racing it (prompt building is slow) then
-        # failed with AttributeError on self.device instead of "engine is closed" below.
+        # close() drops self.model and self.intake; a submit racing it (prompt building is slow)
+        # reads intake once, so it says "engine is closed" instead of failing on a dropped part.
         intake = self.intake
         if self.loop.closed or intake is None:
             raise PrismError("engine is closed")

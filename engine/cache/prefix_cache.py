@@ -37,6 +37,7 @@ which visual tokens survived (:meth:`PrefixReuse.prefix_info
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -218,6 +219,12 @@ class PrefixCache:
         self.pressure_steps = tuple(s for s in pressure_steps if s.keep_ratio < 1)
         self.prefixes: dict[str, PrefixEntry] = {}
         self.stats = CacheStats()
+        # The eviction index: one min-heap per kind (0: prefixes, 1: extensions) of
+        # (value, last_used, token, entry) over the entries no live entry extends. An item is
+        # current while _queued[entry] is its token; older items are skipped when they surface.
+        self._heaps: tuple[list, list] = ([], [])
+        self._queued: dict[PrefixEntry, int] = {}
+        self._tokens = itertools.count()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, key: str, prompt_ids: list[int], prefix_len: int) -> Match | None:
@@ -280,6 +287,7 @@ class PrefixCache:
                             images=tuple(images), spans=tuple(spans))
         self.pool.incref(entry.pages)
         self.prefixes[key] = entry
+        self._index(entry)
         return entry
 
     def add_extension(self, parent: PrefixEntry, tokens: list[int], pages: list[int], kv_len: int) -> PrefixEntry:
@@ -291,6 +299,7 @@ class PrefixCache:
         )
         self.pool.incref(entry.pages)
         base.children.append(entry)
+        self._index(entry)  # the parent's item is dropped when it surfaces: it is extended now
         return entry
 
     # ------------------------------------------------------------------ eviction
@@ -307,27 +316,90 @@ class PrefixCache:
         return len({p for e in self.entries for p in e.pages})
 
     def evictable(self) -> list[PrefixEntry]:
-        """Entries that may go now, in eviction order: unused, not extended by a live entry."""
+        """Entries that may go now, in eviction order: unused, not extended by a live entry; lowest
+        :meth:`PrefixEntry.value` first, then least recently used. Sorts every entry (for
+        :meth:`clear` and for callers that want the whole order); :meth:`make_room` takes its
+        victims from the eviction index instead, in this same order."""
         leaves = [e for e in self.entries if e.users == 0 and not any(c.alive for c in e.children)]
         return sorted(leaves, key=lambda e: (e.value(), e.last_used))
 
     def make_room(self, pages_needed: int) -> bool:
         """Free pages until ``pages_needed`` are free: with ``pressure_steps``, idle extensions go
         first, then prefixes are compacted a step (:meth:`compactable`); then entries are evicted
-        by value. Returns whether that succeeded."""
+        by value. Returns whether that succeeded.
+
+        Each victim is the first of :meth:`evictable` (of its extensions, for the idle-extension
+        step), read from the eviction index in O(log n) per eviction (plus, per request reading an
+        entry that would otherwise go first, one more heap operation) instead of a sort of every
+        entry."""
         while self.pool.num_free < pages_needed:
             if self.pressure_steps:
-                idle = [e for e in self.evictable() if e.parent is not None]
-                if idle:
-                    self.evict(idle[0])
+                idle = self._first_evictable((1,))
+                if idle is not None:
+                    self.evict(idle)
                     continue
                 if self._compact_one():
                     continue
-            victims = self.evictable()
-            if not victims:
+            victim = self._first_evictable((0, 1))
+            if victim is None:
                 return False
-            self.evict(victims[0])
+            self.evict(victim)
         return True
+
+    # ------------------------------------------------------------------ the eviction index
+    # Every live entry that no live entry extends has a current item in the heap of its kind,
+    # keyed by (value, last_used) as of when it was queued. An entry's key only grows (acquire
+    # adds a hit and a later last_used; a compaction leaves fewer pages, a higher value), so an
+    # item is never behind where its entry belongs: one whose key is out of date is requeued
+    # under its new key when it surfaces, before anything below it is looked at. Users are read
+    # when an item surfaces, since requests pin entries (users += 1) without telling the cache.
+
+    def _index(self, entry: PrefixEntry) -> None:
+        """Queue ``entry`` under its current key if it is a live leaf (its older item goes stale)."""
+        if not entry.alive or any(c.alive for c in entry.children):
+            return
+        token = next(self._tokens)
+        self._queued[entry] = token
+        heapq.heappush(self._heaps[entry.parent is not None], (entry.value(), entry.last_used, token, entry))
+        if len(self._heaps[0]) + len(self._heaps[1]) > 2 * len(self._queued) + 64:
+            self._rebuild_index()
+
+    def _rebuild_index(self) -> None:
+        """Drop the stale items (dead entries, superseded keys), so the heaps stay O(entries)."""
+        for heap in self._heaps:
+            heap[:] = [item for item in heap if self._queued.get(item[3]) == item[2]]
+            heapq.heapify(heap)
+
+    def _first_evictable(self, kinds: tuple[int, ...]) -> PrefixEntry | None:
+        """The first entry of :meth:`evictable` among ``kinds`` (0: prefixes, 1: extensions), left
+        queued; None when none may go."""
+        tops = [e for e in (self._peek(self._heaps[k]) for k in kinds) if e is not None]
+        return min(tops, key=lambda e: (e.value(), e.last_used), default=None)
+
+    def _peek(self, heap: list) -> PrefixEntry | None:
+        """The heap's least entry that may go now (not popped), dropping stale items and
+        requeueing out-of-date keys on the way; entries a request reads are stepped over."""
+        held = []
+        found = None
+        while heap:
+            value, used, token, entry = heap[0]
+            if self._queued.get(entry) != token or any(c.alive for c in entry.children):
+                heapq.heappop(heap)
+                if self._queued.get(entry) == token:  # extended: requeued when its last extension goes
+                    del self._queued[entry]
+                continue
+            if (value, used) != (entry.value(), entry.last_used):
+                heapq.heappop(heap)
+                self._index(entry)
+                continue
+            if entry.users:
+                held.append(heapq.heappop(heap))
+                continue
+            found = entry
+            break
+        for item in held:
+            heapq.heappush(heap, item)
+        return found
 
     # ------------------------------------------------------------------ compaction on pressure
     def next_step(self, entry: PrefixEntry) -> int | None:
@@ -435,6 +507,7 @@ class PrefixCache:
 
     def _remove(self, entry: PrefixEntry) -> None:
         entry.alive = False
+        self._queued.pop(entry, None)
         self.pool.release(entry.pages)
         entry.pages = []
         if entry.parent is None:
@@ -442,6 +515,7 @@ class PrefixCache:
                 del self.prefixes[entry.key]
         else:
             entry.parent.children.remove(entry)
+            self._index(entry.parent)  # a leaf again once its last live extension has gone
 
     def clear(self) -> None:
         """Evict every entry that no running request uses."""
