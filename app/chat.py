@@ -25,7 +25,7 @@ from engine import (
     SamplingParams,
     media_first_messages,
 )
-from engine.inputs.video import sniff_video
+from engine.media import sniff_video
 from sessions import (
     MAX_TITLE_LENGTH,
     InvalidImageError,

@@ -70,7 +70,7 @@ def cached_snapshot(model_id: str) -> str | None:
     """The local folder of ``model_id`` in the Hugging Face cache, or None (never uses the network)."""
     from huggingface_hub import snapshot_download
 
-    from engine.model.hub import CHECKPOINT_PATTERNS
+    from engine.hub import CHECKPOINT_PATTERNS
 
     try:
         return snapshot_download(model_id, allow_patterns=CHECKPOINT_PATTERNS, local_files_only=True)
@@ -108,7 +108,7 @@ def demo_checkpoint(data_dir: Path) -> Path:
     """The tiny demo checkpoint under ``data_dir/models``, built on first use; private like the
     rest of the data dir (folders ``0700``, files ``0600``; an existing one is tightened: the
     builder leaves its weights ``0644`` for checkpoints shared outside an app)."""
-    from engine.model.tiny import build_tiny_checkpoint
+    from engine.tiny import build_tiny_checkpoint
 
     folder = data_dir / "models" / "tiny-demo"
     private_dir(folder)

@@ -94,7 +94,7 @@ class Settings:
     keep_ratio: float = 0.6
     cache_scope: str = "session"
     tensor_parallel_size: int = 1
-    max_image_pixels: int = 50_000_000  # engine.images.ImageOptions' defaults (not imported: --help stays fast)
+    max_image_pixels: int = 50_000_000  # engine.media.ImageOptions' defaults (not imported: --help stays fast)
     max_upload_mb: int = 50
     max_images: int = 16
     resize_pixels: int = 1_003_520  # about 980 visual tokens per image (32 x 32 pixels per token)
@@ -119,8 +119,8 @@ class Settings:
         return self.max_upload_mb * 2**20
 
     def image_options(self):
-        """The :class:`engine.images.ImageOptions` every uploaded image is checked against."""
-        from engine.inputs.images import ImageOptions
+        """The :class:`engine.media.ImageOptions` every uploaded image is checked against."""
+        from engine.media import ImageOptions
 
         return ImageOptions(max_image_pixels=self.max_image_pixels, max_bytes=self.max_upload_bytes)
 

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from .errors import InvalidRequestError, PrismError
 from .graphs.capture import capture_step_graphs, graphs_supported
 from .graphs.vision import VisionGraphs
 from .inputs.prompts import Prompt, PromptBuilder
+from .inputs.uploads import UPLOADS
 from .inputs.vision_features import VisionLookup
 from .model.config import ModelConfig
 from .model.hub import resolve_checkpoint
@@ -173,6 +175,8 @@ class Engine:
         self.loop = EngineLoop(scheduler, runner, reuse, eos_token_ids=self.eos_token_ids,
                                debug_checks=options.debug_checks)
         self.forgotten = Forgotten()
+        UPLOADS.attach()  # uploads validated in this process are handed to this engine (engine.media)
+        self._takes_uploads = True
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, device=None, dtype=None, **options) -> Engine:
@@ -402,6 +406,7 @@ class Engine:
             entries = cache.forget(cache_salt) if cache is not None else 0
             features, graphs = self.vision.forget(cache_salt)
             images, videos = self.prompts.forget(cache_salt)
+            UPLOADS.forget(cache_salt)  # decoded uploads never asked about: nothing was used, not counted
             done = Forgotten(1, entries, features, images, videos, graphs)
             self.forgotten += done
             return done
@@ -423,17 +428,31 @@ class Engine:
         return self.vision.encode_prompt(prompt, salt)[0]
 
     def encode_prompt_vision(self, prompt: Prompt, salt: str = "") -> tuple[VisionFeatures, bool]:
-        """Vision features of all of a prompt's visual tokens, in prompt order
-        (``prompt.visual_rows()``), and whether the encoder had to run."""
+        """Deprecated (removed in the next release): use :meth:`vision_features`, or
+        ``engine.vision.encode_prompt`` for whether the encoder ran.
+
+        Vision features of all of a prompt's visual tokens, in prompt order
+        (``prompt.visual_rows()``), and whether the encoder had to run. Warns ``DeprecationWarning``.
+        """
+        warnings.warn("Engine.encode_prompt_vision is deprecated and will be removed; use "
+                      "Engine.vision_features", DeprecationWarning, stacklevel=2)
         return self.vision.encode_prompt(prompt, salt)
 
     def encode_items(self, prompt: Prompt, salt: str, items: list[tuple[str, int]]) -> tuple[dict, bool]:
-        """Vision features of some of a prompt's images and videos (see
-        :meth:`engine.inputs.vision_features.VisionLookup.encode_items`)."""
+        """Deprecated (removed in the next release): the serving core encodes a step's items
+        itself (:meth:`engine.inputs.vision_features.VisionLookup.encode_items`, ``engine.vision``).
+
+        Vision features of some of a prompt's images and videos. Warns ``DeprecationWarning``.
+        """
+        warnings.warn("Engine.encode_items is deprecated and will be removed; the engine encodes a step's "
+                      "images itself (engine.vision.encode_items)", DeprecationWarning, stacklevel=2)
         return self.vision.encode_items(prompt, salt, items)
 
     def close(self) -> None:
         """Stop the loop (running requests fail with PrismError) and release memory."""
+        if self._takes_uploads:  # also for a loop that stopped itself
+            self._takes_uploads = False
+            UPLOADS.detach()
         if not self.loop.close():
             return
         self._vision_counter.remove()

@@ -48,7 +48,6 @@ other access is tightened when the store opens), the database and its WAL and sh
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import sqlite3
 import threading
@@ -60,8 +59,7 @@ from pathlib import Path
 import sqlite_utils
 
 from engine.errors import InvalidImageError, InvalidVideoError
-from engine.inputs.images import ImageOptions, open_image, sniff_format
-from engine.inputs.video import VideoOptions, decode_video, poster_jpeg, sniff_video
+from engine.media import ImageOptions, VideoOptions, validate_clip, validate_image
 
 from . import shares
 from .blobs import BlobStore, private_dir, private_files
@@ -119,14 +117,6 @@ __all__ = [
 DB_FILENAME = "prism.db"
 IMAGES_DIRNAME = "images"
 _BUSY_TIMEOUT_S = 30.0
-
-_MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WebP": "image/webp",
-         "TIFF": "image/tiff", "BMP": "image/bmp"}
-
-
-def _sniff_mime(data: bytes) -> str:
-    return _MIME.get(sniff_format(data), "application/octet-stream")
-
 
 # --------------------------------------------------------------------------------------------
 # The store
@@ -391,8 +381,10 @@ class SessionStore:
     def add_image(self, session_id: str, owner: str, data: bytes, filename: str | None = None) -> ImageRecord:
         """Validate an uploaded image and append it to the session's images.
 
-        The bytes are checked with :func:`engine.inputs.images.open_image` (and this store's
-        ``image_options``) before anything is stored. The file is content-addressed (SHA-256 of
+        The bytes are checked with :func:`engine.media.validate_image` (and this store's
+        ``image_options``) before anything is stored; the decoded image is handed to an engine
+        running in this process for the session's first question about it (under its
+        ``cache_salt``), so the upload is decoded once. The file is content-addressed (SHA-256 of
         the bytes) and written atomically to ``images/<sha[:2]>/<sha>``; the same bytes
         uploaded again (to any session) share that one file, written again each time so that an
         upload takes as long whether or not another session holds the image. Adding an image the
@@ -414,16 +406,14 @@ class SessionStore:
             NotFound: no such session. PermissionDenied: ``owner`` does not own it.
             TypeError: ``data`` is not bytes-like.
         """
-        data, filename = self._upload(session_id, owner, data, filename)
-        image = open_image(data, self.image_options)  # raises InvalidImageError
-        width, height = image.size
-        image.close()
-        return self._attach(session_id, owner, data, filename, {
-            "width": width, "height": height, "mime": _sniff_mime(data), "kind": "image"})
+        data, filename, salt = self._upload(session_id, owner, data, filename)
+        image = validate_image(data, self.image_options, salt=salt)  # raises InvalidImageError
+        return self._attach(session_id, owner, data, filename, image.key, {
+            "width": image.width, "height": image.height, "mime": image.mime, "kind": "image"})
 
-    def _upload(self, session_id: str, owner: str, data, filename: str | None) -> tuple[bytes, str]:
-        """An upload's bytes and cleaned file name, once ``owner`` is known to own the session:
-        the cheap checks first, so a stranger's upload costs no decoding.
+    def _upload(self, session_id: str, owner: str, data, filename: str | None) -> tuple[bytes, str, str]:
+        """An upload's bytes, cleaned file name and the session's cache salt, once ``owner`` is
+        known to own the session: the cheap checks first, so a stranger's upload costs no decoding.
 
         Raises:
             TypeError: ``data`` is not bytes-like. NotFound, PermissionDenied: as :meth:`_owned`.
@@ -432,15 +422,16 @@ class SessionStore:
             raise TypeError(f"data must be bytes, not {type(data).__name__}")
         data, filename = bytes(data), clean_filename(filename)
         with self._read() as db:
-            self._owned(db, session_id, owner)
-        return data, filename
+            row = self._owned(db, session_id, owner)
+        return data, filename, row["cache_salt"]
 
     def add_video(self, session_id: str, owner: str, data: bytes, filename: str | None = None) -> ImageRecord:
         """Validate an uploaded video clip (MP4, WebM) and append it to the session's media, as
         :meth:`add_image` does for an image (the same files, the same per-session count).
 
-        The clip is decoded and sampled (:func:`engine.inputs.video.decode_video`, this store's
-        ``video_options``, Qwen3-VL's default sampling) before anything is stored: a truncated or
+        The clip is decoded and sampled (:func:`engine.media.validate_clip`, this store's
+        ``video_options``, Qwen3-VL's default sampling; the decoded clip handed on as
+        :meth:`add_image` hands an image) before anything is stored: a truncated or
         over-long clip is refused at upload, not at the first question. Its duration and a poster
         (a JPEG of its first sampled frame) are stored with it.
 
@@ -448,17 +439,16 @@ class SessionStore:
             InvalidVideoError: not a usable clip (message for the uploader); nothing is stored.
             LimitExceeded, NotFound, PermissionDenied, TypeError: as :meth:`add_image`.
         """
-        data, filename = self._upload(session_id, owner, data, filename)
-        video = decode_video(data, options=self.video_options)  # raises InvalidVideoError
-        height, width = video.frames.shape[1:3]
-        return self._attach(session_id, owner, data, filename, {
-            "width": int(width), "height": int(height), "mime": sniff_video(data) or "application/octet-stream",
-            "kind": "video", "duration_s": float(video.duration_s), "poster": poster_jpeg(video)})
+        data, filename, salt = self._upload(session_id, owner, data, filename)
+        clip = validate_clip(data, self.video_options, salt=salt)  # raises InvalidVideoError
+        return self._attach(session_id, owner, data, filename, clip.key, {
+            "width": clip.width, "height": clip.height, "mime": clip.mime,
+            "kind": "video", "duration_s": clip.duration_s, "poster": clip.poster})
 
-    def _attach(self, session_id: str, owner: str, data: bytes, filename: str | None, row: dict) -> ImageRecord:
-        """Store a validated file (``row``: its ``images`` columns but the hash, size and time) and
-        append it to the session, as :meth:`add_image` describes."""
-        sha = hashlib.sha256(data).hexdigest()
+    def _attach(self, session_id: str, owner: str, data: bytes, filename: str | None, sha: str,
+                row: dict) -> ImageRecord:
+        """Store a validated file (``sha``: the SHA-256 of ``data``; ``row``: its ``images`` columns
+        but the hash, size and time) and append it to the session, as :meth:`add_image` describes."""
         created_file = False
         try:
             with self._write() as db:

@@ -76,7 +76,12 @@ RULES = [
 ]
 #: Top-level modules a wing must never import: the public API and the shims (``engine.errors`` is
 #: shared by all).
-TOP = ("engine.engine", "engine.options", "engine.tiny", "engine.hub")
+TOP = ("engine.engine", "engine.options", "engine.media", "engine.tiny", "engine.hub")
+#: The engine's public modules, all that ``sessions/`` and ``app/`` may import of it
+#: (docs/ARCHITECTURE.md): the package root (``Engine``, ``EngineOptions``, ``SamplingParams``, ...),
+#: ``engine.media`` (validating uploads), ``engine.errors`` and the shims ``engine.tiny`` and
+#: ``engine.hub``. The wings are the engine's internals.
+PUBLIC = ("engine", "engine.media", "engine.errors", "engine.tiny", "engine.hub")
 
 
 def violations(who: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -101,6 +106,29 @@ def test_wings_never_import_the_public_api_or_the_shims(wing):
            for name, edges in GRAPH.items() if within(name, who)
            for target, line in edges if target == "engine" or any(within(target, t) for t in TOP)]
     assert not bad, "; ".join(bad)
+
+
+def internal_imports(who: str) -> list[str]:
+    """Imports of the engine's modules outside :data:`PUBLIC` by the modules under ``who``."""
+    return [f"{name} (line {line}) imports {target}"
+            for name, edges in GRAPH.items() if within(name, who)
+            for target, line in edges if within(target, "engine") and target not in PUBLIC]
+
+
+@pytest.mark.parametrize("who", ["sessions", "app"])
+def test_the_store_and_the_app_import_only_the_engines_public_modules(who):
+    """``sessions/`` and ``app/`` see the engine through its public modules only (lazy imports
+    too): the wings can change without breaking them."""
+    assert any(within(name, who) and any(within(t, "engine") for t, _ in GRAPH[name]) for name in MODULES), \
+        f"nothing under {who} imports the engine: the rule checks nothing"
+    assert not internal_imports(who), "; ".join(internal_imports(who))
+
+
+def test_an_import_of_an_engine_internal_is_caught(monkeypatch):
+    """The rule above fails on the edge it guards: a store importing ``engine.inputs.images``
+    (what ``sessions/store.py`` did before ``engine.media``)."""
+    monkeypatch.setitem(GRAPH, "sessions.store", [*GRAPH["sessions.store"], ("engine.inputs.images", 1)])
+    assert internal_imports("sessions") == ["sessions.store (line 1) imports engine.inputs.images"]
 
 
 def test_the_wings_form_no_cycle():

@@ -49,6 +49,7 @@ __all__ = [
     "ImageSource",
     "InvalidImageError",
     "bytes_sha256",
+    "check_image_size",
     "image_sha256",
     "open_image",
 ]
@@ -281,6 +282,18 @@ def _decode(image: Image.Image, options: ImageOptions) -> Image.Image:
         result = result.copy()
     result.info = {}
     return result
+
+
+def check_image_size(size: tuple[int, int], options: ImageOptions | None = None) -> None:
+    """Check an image's ``(width, height)`` in pixels against ``options``' pixel count and aspect
+    ratio, as :func:`open_image` checks a header before decoding (the same messages; a 90°
+    orientation changes neither, so a decoded image's size may be checked as well).
+
+    Raises:
+        InvalidImageError: a zero side, more than ``max_image_pixels`` pixels, or an aspect ratio
+            over ``max_aspect_ratio``.
+    """
+    _check_geometry(size, ImageOptions() if options is None else options)
 
 
 def _check_geometry(size: tuple[int, int], options: ImageOptions) -> None:

@@ -20,7 +20,8 @@ import torch
 from PIL import Image as PILImage
 
 from ..errors import ImageDigestMismatchError, InvalidImageError
-from .images import ImageOptions, bytes_sha256, image_sha256, open_image, read_image_bytes
+from .images import ImageOptions, bytes_sha256, check_image_size, image_sha256, open_image, read_image_bytes
+from .uploads import UPLOADS
 
 #: Image sources that are encoded bytes: read once, hashed, and decoded from what was read.
 BYTE_SOURCES = (str, os.PathLike, bytes, bytearray, memoryview)
@@ -205,11 +206,13 @@ class ProcessedImages:
                                      min_pixels=self.size["shortest_edge"], max_pixels=self.size["longest_edge"])
         return (1, height // patch, width // patch)
 
-    def open(self, source: Source) -> tuple[PILImage.Image, str | None, str]:
+    def open(self, source: Source, salt: str | None = None) -> tuple[PILImage.Image, str | None, str]:
         """``source`` opened, the key to cache its processed pixels under, and its pixels'
         SHA-256. A file or bytes is read once (bounded) and the key is the digest of exactly the
         bytes decoded, so a file changed since its key was taken cannot put other pixels under
-        that key.
+        that key. With ``salt``, an image the salt's upload validation decoded from bytes of that
+        digest (:mod:`engine.inputs.uploads`) is taken instead of decoding them again, once this
+        engine's limits are checked against it.
 
         Raises:
             InvalidImageError: as :func:`engine.inputs.images.open_image`.
@@ -225,11 +228,14 @@ class ProcessedImages:
                 raise ImageDigestMismatchError(
                     "an image's sha256 does not match its bytes; send the image without it"
                 )
+            if salt is not None and (image := UPLOADS.take(salt, key, self.image_options.namespace())) is not None:
+                check_image_size(image.size, self.image_options)
+                return image, key, image_sha256(image)
         image = open_image(src, self.image_options)
         return image, key, image_sha256(image)
 
     def _process(self, source: Source, salt: str) -> ProcessedImage:
-        image, key, sha = self.open(source)
+        image, key, sha = self.open(source, salt)
         out = self.image_processor(images=[image], size=self.size, return_tensors="pt")
         grid = tuple(out["image_grid_thw"][0].tolist())
         item = ProcessedImage(sha, grid, self.keep(out["pixel_values"]), image.size)

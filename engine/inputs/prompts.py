@@ -462,7 +462,7 @@ class PromptBuilder:
 
     def _build_with_videos(self, text: str, sources: list[Source], raw_videos, salt: str) -> Prompt:
         """With videos the processor takes the images and videos of the prompt in one call."""
-        opened = [self.images.open(source) for source in sources]
+        opened = [self.images.open(source, salt) for source in sources]
         images = [im for im, _, _ in opened]
         arrays, metadata, hashes = [], [], []
         for source, fps in raw_videos:

@@ -43,9 +43,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidVideoError
+from .uploads import UPLOADS
 
-__all__ = ["DecodedVideo", "DecodedVideos", "InvalidVideoError", "VideoOptions", "VideoSampling", "decode_video",
-           "poster_jpeg", "read_video_bytes", "sample_indices", "sniff_video", "video_demuxer"]
+__all__ = ["DecodedVideo", "DecodedVideos", "InvalidVideoError", "VideoOptions", "VideoSampling", "check_decoded",
+           "decode_video", "poster_jpeg", "read_video_bytes", "sample_indices", "sniff_video", "video_demuxer"]
 
 #: FFmpeg's demuxer names for the containers we open (MP4/MOV and Matroska/WebM share a demuxer;
 #: opened by name, the container reports the name it was opened with).
@@ -226,6 +227,27 @@ def decode_video(source, sampling: VideoSampling | None = None, options: VideoOp
         _check_work(indices, width * height, options)
         frames = _decode(container, stream, indices, (height, width), options)
     return DecodedVideo(np.stack(frames), fps, total, indices, hashlib.sha256(data).hexdigest())
+
+
+def check_decoded(video: DecodedVideo, options: VideoOptions | None = None) -> None:
+    """Check a clip decoded under other limits against ``options``, as :func:`decode_video` would
+    have before decoding it (the same messages): its frame size, frames and duration, decode work
+    and sampled bytes. The decoding deadline (``max_decode_s``) bounds work already done: it is
+    not checked.
+
+    Raises:
+        InvalidVideoError: the clip passes one of ``options``' limits.
+    """
+    options = options or VideoOptions()
+    height, width = int(video.frames.shape[1]), int(video.frames.shape[2])
+    if width * height > options.max_frame_pixels:
+        raise InvalidVideoError(f"The video's frames are {width}x{height}; Prism takes frames of up to "
+                                f"{options.max_frame_pixels:,} pixels. Scale it down (e.g. to 1280x720).")
+    total, fps = video.total_frames, video.fps
+    if total > options.max_frames or total / fps > options.max_duration_s:
+        raise InvalidVideoError(f"The video is {total / fps:.1f} s long ({total:,} frames); Prism takes clips "
+                                f"of up to {options.max_duration_s:g} s and {options.max_frames:,} frames. Trim it.")
+    _check_work(video.indices, width * height, options)
 
 
 def _video_stream(container):
@@ -425,7 +447,11 @@ class DecodedVideos:
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return found
-        video = decode_video(data, self.sampling, self.options)
+        video = UPLOADS.take(salt, key[1], self.sampling.namespace())  # the upload's own decoding
+        if video is not None:
+            check_decoded(video, self.options)
+        else:
+            video = decode_video(data, self.sampling, self.options)
         size = video.frames.nbytes
         if size <= self.cache_bytes:
             with self._lock:

@@ -453,4 +453,46 @@ MUTANTS: list[Mutant] = [
         "return True",
         ("tests/test_app_security.py::test_a_gradio_session_id_reads_nothing_without_its_owners_cookie",),
     ),
+    # ---------------------------------------------------------------- issue 32.6: media, eviction index
+    Mutant(
+        "upload-handoff-any-salt",
+        "an upload's decoded pixels are handed to any session's question about the same bytes: "
+        "another session's first question is faster when someone else uploaded the image",
+        "engine/inputs/uploads.py",
+        "found = self._items.pop((salt, key, namespace), None)",
+        "found = next((self._items.pop(k) for k in list(self._items) if k[1:] == (key, namespace)), None)",
+        ("tests/test_media.py::test_another_session_never_takes_an_upload",),
+    ),
+    Mutant(
+        "upload-handoff-skips-engine-limits",
+        "the engine takes an image the store decoded under looser limits without checking its own",
+        "engine/inputs/processed_images.py",
+        "                check_image_size(image.size, self.image_options)\n",
+        "",
+        ("tests/test_media.py::test_the_engine_checks_its_own_limits_on_a_handed_over_image",),
+    ),
+    Mutant(
+        "upload-decoded-twice",
+        "the engine decodes an uploaded clip again instead of taking what the store's validation decoded",
+        "engine/inputs/video.py",
+        "video = UPLOADS.take(salt, key[1], self.sampling.namespace())",
+        "video = None",
+        ("tests/test_media.py::test_an_uploaded_clip_is_decoded_once",),
+    ),
+    Mutant(
+        "eviction-index-evicts-a-read-entry",
+        "the eviction index hands make_room an entry a request has pinned (it reads pages being freed)",
+        "engine/cache/prefix_cache.py",
+        "            if entry.users:\n                held.append",
+        "            if False:\n                held.append",
+        ("tests/test_eviction_index.py::test_make_room_evicts_what_the_full_sort_would_in_its_order",),
+    ),
+    Mutant(
+        "eviction-index-stale-key",
+        "the eviction index trusts an entry's key as queued: an entry hit (or compacted) since goes too early",
+        "engine/cache/prefix_cache.py",
+        "            if (value, used) != (entry.value(), entry.last_used):",
+        "            if False:",
+        ("tests/test_eviction_index.py::test_make_room_evicts_what_the_full_sort_would_in_its_order",),
+    ),
 ]
