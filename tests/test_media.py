@@ -179,3 +179,19 @@ def test_a_clip_decoded_under_looser_limits_is_checked_as_decoding_would(limit):
         video_module.check_decoded(decoded, strict)
     assert str(checked.value) == str(opened.value)
     video_module.check_decoded(decoded, video_module.VideoOptions())  # the defaults take it
+
+
+def test_the_chat_decodes_an_upload_once_from_upload_to_answer(engine, store, decodes):
+    """Through the app: a photo and a clip uploaded with ``ChatService.add_images`` and asked about
+    are decoded once each (at upload, by the store's validation), and the answer is a miss that
+    ran the vision encoder on them."""
+    from app.chat import ChatOptions, ChatService
+    from app.model_loader import ModelChoice, ModelLoader
+
+    chat = ChatService(store, ModelLoader.ready(engine, ModelChoice("tiny", "tiny", True, "test")),
+                       max_upload_bytes=2 << 20)
+    session, problems = chat.add_images(None, OWNER, [("p.png", noise_png(107)), ("pan.mp4", CLIP.read_bytes())])
+    assert problems == [] and (decodes["images"], decodes["clips"]) == (1, 1)
+    *_, view = chat.ask(session.id, OWNER, "What is this?", ChatOptions(temperature=0.0, max_tokens=2))
+    assert view.status == "done" and view.prefix == "miss" and view.telemetry["vision_encoder_ran"]
+    assert (decodes["images"], decodes["clips"]) == (1, 1)
