@@ -145,6 +145,11 @@ class PrefixEntry:
         return len(self.tokens) * (1 + self.hits) / max(1, len(self.pages))
 
 
+def eviction_order(entry: PrefixEntry) -> tuple[float, int]:
+    """The key entries are evicted by, least first: value, then least recently used."""
+    return (entry.value(), entry.last_used)
+
+
 @dataclass
 class Match:
     """A lookup result: reuse ``entry``'s KV for the first ``length`` logical prompt tokens."""
@@ -321,7 +326,7 @@ class PrefixCache:
         :meth:`clear` and for callers that want the whole order); :meth:`make_room` takes its
         victims from the eviction index instead, in this same order."""
         leaves = [e for e in self.entries if e.users == 0 and not any(c.alive for c in e.children)]
-        return sorted(leaves, key=lambda e: (e.value(), e.last_used))
+        return sorted(leaves, key=eviction_order)
 
     def make_room(self, pages_needed: int) -> bool:
         """Free pages until ``pages_needed`` are free: with ``pressure_steps``, idle extensions go
@@ -360,7 +365,7 @@ class PrefixCache:
             return
         token = next(self._tokens)
         self._queued[entry] = token
-        heapq.heappush(self._heaps[entry.parent is not None], (entry.value(), entry.last_used, token, entry))
+        heapq.heappush(self._heaps[entry.parent is not None], (*eviction_order(entry), token, entry))
         if len(self._heaps[0]) + len(self._heaps[1]) > 2 * len(self._queued) + 64:
             self._rebuild_index()
 
@@ -374,7 +379,7 @@ class PrefixCache:
         """The first entry of :meth:`evictable` among ``kinds`` (0: prefixes, 1: extensions), left
         queued; None when none may go."""
         tops = [e for e in (self._peek(self._heaps[k]) for k in kinds) if e is not None]
-        return min(tops, key=lambda e: (e.value(), e.last_used), default=None)
+        return min(tops, key=eviction_order, default=None)
 
     def _peek(self, heap: list) -> PrefixEntry | None:
         """The heap's least entry that may go now (not popped), dropping stale items and
@@ -388,7 +393,7 @@ class PrefixCache:
                 if self._queued.get(entry) == token:  # extended: requeued when its last extension goes
                     del self._queued[entry]
                 continue
-            if (value, used) != (entry.value(), entry.last_used):
+            if (value, used) != eviction_order(entry):
                 heapq.heappop(heap)
                 self._index(entry)
                 continue
