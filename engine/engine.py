@@ -374,8 +374,9 @@ class Engine:
     def forget(self, cache_salt: str) -> Forgotten:
         """Drop everything the engine keeps of one session (cache salt), at once: its prefix-cache
         entries (public prefixes and conversation extensions; their pages go back to the pool),
-        its vision features, its processed images and decoded clips, and its vision encoder CUDA
-        graphs with their sightings. Its next question is a miss that runs the vision encoder
+        its vision features, its processed images and decoded clips, its uploads decoded by their
+        validation and not yet asked about (:mod:`engine.media`; not counted), and its vision
+        encoder CUDA graphs with their sightings. Its next question is a miss that runs the vision encoder
         again; other salts' entries are untouched.
 
         A request of that salt queued or running when ``forget`` is called finishes first
