@@ -48,7 +48,7 @@ from .serving.handle import OutputChannel, RequestHandle, is_final
 from .serving.outputs import Completion
 from .serving.sampling import SamplingParams
 
-__all__ = ["EngineClient", "InProcessClient", "ProcessClient", "DEFAULT_BLOB_CACHE_BYTES"]
+__all__ = ["EngineClient", "InProcessClient", "ProcessClient", "DEFAULT_BLOB_CACHE_BYTES", "send_blobs", "take_blobs"]
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +138,11 @@ class EngineClient(abc.ABC):
         self.close()
 
 
-def min_image_pixels(processor) -> int:
-    """The smallest image area (pixels) ``processor`` takes without upscaling (its ``size``'s
-    ``shortest_edge``, which Qwen3-VL's processor uses as a pixel count), 0 when it names none."""
-    size = getattr(getattr(processor, "image_processor", processor), "size", None) or {}
-    return int(size.get("shortest_edge") or 0)
+def min_image_pixels(engine) -> int:
+    """The smallest image area (pixels) ``engine``'s prompt builder takes without upscaling (its
+    ``size``'s ``shortest_edge``, which Qwen3-VL's processor reads as a pixel count), 0 when it
+    names none."""
+    return int((getattr(engine.prompts, "size", None) or {}).get("shortest_edge") or 0)
 
 
 class InProcessClient(EngineClient):
@@ -154,7 +154,7 @@ class InProcessClient(EngineClient):
         self.engine = engine
         self.model_id = engine.model_id
         self.device, self.dtype, self.options = engine.device, engine.dtype, engine.options
-        self.min_image_pixels = min_image_pixels(engine.processor)
+        self.min_image_pixels = min_image_pixels(engine)
 
     def submit(self, messages, sampling=None, *, cache_salt=None):
         return self.engine.submit(messages, sampling, cache_salt=cache_salt)
@@ -239,9 +239,9 @@ class _MissingBlob(PrismError):
 _BYTES = (bytes, bytearray, memoryview)
 
 
-def _with_refs(messages, known: Callable[[str, bytes], bool]):
+def _with_refs(messages, known: Callable[[str, bytes], None]):
     """``messages`` with each image or clip given as bytes replaced by a :class:`_BlobRef`;
-    ``known(key, data)`` records the key and says whether the child holds it already. Anything
+    ``known(key, data)`` is called for each, in order. Anything
     that is not a well-formed message is passed on as it is, for the engine to refuse."""
     if not isinstance(messages, list):
         return messages
@@ -295,6 +295,54 @@ def _resolve_refs(messages, blobs: dict[str, bytes]):
                             raise _MissingBlob(ref.key)
                         part[field] = blobs[ref.key]
     return messages
+
+
+def send_blobs(messages, keys: _KeyLRU, *, resend: bool = False) -> tuple[object, dict[str, bytes]]:
+    """The parent's side of passing images by content key: ``messages`` with each image or clip
+    given as bytes replaced by its key, and the bytes the child does not hold yet (all of them
+    with ``resend``), by key; ``keys`` (the parent's copy of the child's LRU) is updated as
+    :func:`take_blobs` updates the child's."""
+    new: dict[str, bytes] = {}
+
+    def known(key: str, data: bytes) -> None:
+        if key in keys:
+            keys.touch(key)
+            if not resend:
+                return
+        else:
+            keys.add(key, len(data))
+        new[key] = data
+
+    sent = _with_refs(messages, known)
+    keys.trim()
+    return sent, new
+
+
+def take_blobs(messages, new: dict[str, bytes], keys: _KeyLRU, blobs: dict[str, bytes]):
+    """The child's side of :func:`send_blobs`: store the bytes sent with a submit, resolve its
+    keys, trim to the budget. The same operations as the parent's on its copy of ``keys``, in the
+    same order (commands arrive in the order they were prepared), so both hold the same keys.
+
+    Raises:
+        _MissingBlob: a key the child does not hold (the parent then sends every byte again).
+    """
+    seen = set()
+    for key in _ref_keys(messages):
+        if key in seen or key not in new:
+            if key in keys:
+                keys.touch(key)
+        else:
+            if key not in keys:
+                keys.add(key, len(new[key]))
+            else:
+                keys.touch(key)
+            blobs[key] = new[key]
+        seen.add(key)
+    try:
+        return _resolve_refs(messages, blobs)
+    finally:
+        for key in keys.trim():
+            blobs.pop(key, None)
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -357,7 +405,7 @@ class _Core:
             if kind == "submit":
                 _, _, rid, messages, sampling, salt, new = command
                 try:
-                    messages = self.take_blobs(messages, new)
+                    messages = take_blobs(messages, new, self.keys, self.blobs)
                 except _MissingBlob as exc:
                     self.reply(cid, partial(_raise, exc))
                     continue
@@ -370,28 +418,16 @@ class _Core:
             elif kind == "close":
                 close_cid = cid
                 break
-        self.engine.close()
+        self.engine.close()  # every request still running ends with its error: forward those
+        try:
+            asyncio.run_coroutine_threadsafe(self.drain(), self.loop).result(10)
+        except Exception:  # a request that does not end in time is the parent's EOF to report
+            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.forwarder.join(5)
         self.pool.shutdown(wait=False, cancel_futures=True)
         if close_cid is not None:
             self.reply(close_cid, lambda: None)
-
-    def take_blobs(self, messages, new: dict[str, bytes]):
-        """Store the bytes sent with a submit, resolve its references (in receive order, the order
-        the parent applied the same operations to its keys), then trim to the budget."""
-        for key, data in new.items():
-            if key not in self.keys:
-                self.keys.add(key, len(data))
-            self.blobs[key] = data
-        for key in _ref_keys(messages):
-            if key in self.keys:
-                self.keys.touch(key)
-        try:
-            return _resolve_refs(messages, self.blobs)
-        finally:
-            for key in self.keys.trim():
-                self.blobs.pop(key, None)
 
     def submit(self, rid: int, messages, sampling, salt) -> int:
         handle = _as_handle(self.engine, self.engine.submit(messages, sampling, cache_salt=salt))
@@ -418,6 +454,13 @@ class _Core:
         finally:
             self.handles.pop(rid, None)
 
+    async def drain(self) -> None:
+        """Wait for every forwarding coroutine to end, then send what they left."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        self.flush()
+
     def emit(self, rid: int, item) -> None:
         """Queue one output; the outputs that are ready in this turn of the event loop (a step's
         tokens for every stream) go to the parent as one message."""
@@ -427,6 +470,8 @@ class _Core:
 
     def flush(self) -> None:
         batch, self.pending = self.pending, []
+        if not batch:
+            return
         try:
             self.send(("out", batch))
         except (OSError, ValueError):
@@ -449,7 +494,7 @@ def _core_main(conn, model, device, dtype, options: dict, blob_cache_bytes: int)
         conn.send(("failed", _picklable(exc)))
         return
     info = {"model_id": engine.model_id, "device": engine.device, "dtype": engine.dtype,
-            "options": engine.options, "min_image_pixels": min_image_pixels(engine.processor)}
+            "options": engine.options, "min_image_pixels": min_image_pixels(engine)}
     conn.send(("ready", info))
     _Core(engine, conn, blob_cache_bytes).serve()
 
@@ -582,24 +627,13 @@ class ProcessClient(EngineClient):
             self._process.kill()
             self._process.join(10)
         self._conn.close()
-        self._reader.join(10)
+        if threading.current_thread() is not self._reader:  # on_crash may close it from the reader
+            self._reader.join(10)
 
     # ------------------------------------------------------------------ helpers
     def _submit(self, rid, messages, sampling, salt, *, resend: bool) -> int:
-        new: dict[str, bytes] = {}
         with self._send_lock:
-            def known(key: str, data: bytes) -> None:
-                if key in self._keys and not resend:
-                    self._keys.touch(key)
-                    return
-                if key not in self._keys:
-                    self._keys.add(key, len(data))
-                else:
-                    self._keys.touch(key)
-                new[key] = data
-
-            sent = _with_refs(messages, known)
-            self._keys.trim()
+            sent, new = send_blobs(messages, self._keys, resend=resend)
             future = self._request("submit", (rid, sent, sampling, salt, new), locked=True)
         try:
             return future.result()
@@ -628,10 +662,10 @@ class ProcessClient(EngineClient):
         """Send a command with a fresh call id; its reply resolves the returned future."""
         future: Future = Future()
         with self._lock:
-            if self._dead is not None:
-                raise self._aborted()
             if self._closing and kind != "close":
                 raise PrismError("engine is closed")
+            if self._dead is not None:
+                raise self._aborted()
             cid = next(self._ids)
             self._calls[cid] = future
         message = (kind, cid, *payload)
@@ -689,14 +723,18 @@ class ProcessClient(EngineClient):
             self._dead = self._aborted() if crashed else PrismError("engine is closed")
             channels, self._channels = list(self._channels.values()), {}
             calls, self._calls = list(self._calls.values()), {}
+        if crashed:
+            # the owner hears first: by the time a waiting client reads its error, /healthz says
+            # the engine is restarting
+            self.crashed = True
+            log.error("the engine process %s died (exit code %s)", self.pid, self._process.exitcode)
+            if self.on_crash is not None:
+                try:
+                    self.on_crash(self)
+                except Exception:
+                    log.exception("on_crash failed")
         for channel in channels:
             channel.put(self._aborted() if crashed else PrismError("engine is closed"))
         for future in calls:
             if not future.done():
                 future.set_exception(self._aborted() if crashed else PrismError("engine is closed"))
-        if crashed:
-            self.crashed = True
-            log.error("the engine process %s died (exit code %s)", self.pid, self._process.exitcode)
-            if self.on_crash is not None:
-                self.on_crash(self)
-
