@@ -227,10 +227,9 @@ class ModelLoader:
             from engine.client import ProcessClient
 
             return ProcessClient(choice.source, on_crash=self._crashed, **options)
-        from engine import Engine
         from engine.client import InProcessClient
 
-        return InProcessClient(Engine.from_pretrained(choice.source, **options))
+        return InProcessClient.from_pretrained(choice.source, **options)
 
     def _failed(self, exc: BaseException) -> None:
         log.exception("model loading failed", exc_info=exc)

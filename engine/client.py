@@ -156,6 +156,13 @@ class InProcessClient(EngineClient):
         self.device, self.dtype, self.options = engine.device, engine.dtype, engine.options
         self.min_image_pixels = min_image_pixels(engine)
 
+    @classmethod
+    def from_pretrained(cls, model, **kwargs) -> InProcessClient:
+        """``Engine.from_pretrained(model, **kwargs)`` behind the interface (its errors)."""
+        from .engine import Engine
+
+        return cls(Engine.from_pretrained(model, **kwargs))
+
     def submit(self, messages, sampling=None, *, cache_salt=None):
         return self.engine.submit(messages, sampling, cache_salt=cache_salt)
 
