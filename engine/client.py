@@ -362,6 +362,16 @@ def _picklable(exc: BaseException) -> BaseException:
         return PrismError(f"{type(exc).__name__}: {exc}")
 
 
+def _picklable_output(item):
+    """``item`` if it pickles, else a :class:`PrismError` saying so (the request then fails
+    instead of waiting for an output that never arrives)."""
+    try:
+        pickle.dumps(item)
+        return item
+    except Exception as exc:
+        return PrismError(f"an output of the engine could not be sent: {type(exc).__name__}: {exc}")
+
+
 def _as_handle(engine, got) -> RequestHandle:
     """A :class:`RequestHandle` for what ``engine.submit`` returned (a handle, or a request whose
     ``outbox`` is its channel)."""
@@ -480,8 +490,11 @@ class _Core:
         if not batch:
             return
         try:
-            self.send(("out", batch))
-        except (OSError, ValueError):
+            try:
+                self.send(("out", batch))
+            except (pickle.PicklingError, TypeError, AttributeError):  # one item that does not pickle
+                self.send(("out", [(rid, _picklable_output(item)) for rid, item in batch]))
+        except (OSError, ValueError):  # the parent is gone: the command loop sees EOF and stops
             pass
 
 
