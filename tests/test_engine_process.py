@@ -15,6 +15,7 @@ import pickle
 import random
 
 import pytest
+from conftest import TEST_DEVICE, noise_png
 
 from engine import (
     Engine,
@@ -26,9 +27,8 @@ from engine import (
     media_first_messages,
 )
 from engine.client import InProcessClient, ProcessClient, _KeyLRU, send_blobs, take_blobs
-from tests.conftest import noise_png
 
-OPTIONS = dict(device="cpu", progress=False, kv_cache_bytes=32 << 20)
+OPTIONS = dict(device=TEST_DEVICE, progress=False, kv_cache_bytes=32 << 20)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
