@@ -453,7 +453,9 @@ class OpenAIAPI:
                 raise APIError(503, "the server is shutting down", "server_error")
             engine = self.loader.engine
             if engine is None:
-                raise APIError(503, "the model is still loading; retry shortly", "server_error")
+                restarting = getattr(self.loader, "state", None) == "restarting"
+                why = "the engine is restarting (its process stopped)" if restarting else "the model is still loading"
+                raise APIError(503, f"{why}; retry shortly", "server_error")
             req = await run_in_threadpool(self._submit, engine, messages, sampling, salt)
         except APIError as exc:
             self.metrics.observe_rejected(exc.status)

@@ -101,6 +101,8 @@ def test_a_killed_core_is_reported_to_every_client_restarted_and_the_store_keeps
     health = http.get("/healthz")
     assert health.status_code == 503 and health.json()["status"] == "restarting"
     assert loader.engine is None and old.crashed
+    refused = http.post("/v1/chat/completions", json=question("Anyone there?", 4, False))
+    assert refused.status_code == 503 and "restarting" in refused.json()["error"]["message"]
 
     assert loader.wait(180), loader.error
     health = http.get("/healthz")
