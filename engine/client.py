@@ -35,6 +35,7 @@ import hashlib
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import threading
@@ -504,7 +505,11 @@ def _raise(exc: BaseException):
 
 def _core_main(conn, model, device, dtype, options: dict, blob_cache_bytes: int) -> None:
     """The child process: load the engine, say ``ready`` (or ``failed``), serve commands."""
-    # Ctrl-C in the terminal reaches the whole process group; the parent stops the core itself
+    # Signals sent to the server's process group (Ctrl-C in its terminal, a supervisor's SIGTERM)
+    # are the parent's to act on: it closes the core. The core leaves the group, and would ignore
+    # a Ctrl-C anyway; it exits by itself when the parent's end of the pipe closes.
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from .engine import Engine
 
