@@ -8,6 +8,7 @@ then ``ok`` again; a new question works, and the session store has lost nothing.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import threading
 
 import httpx
 import pytest
+from conftest import noise_png
 
 from app.chat import ChatOptions, ChatService
 from app.model_loader import ModelLoader
@@ -68,6 +70,13 @@ def test_a_killed_core_is_reported_to_every_client_restarted_and_the_store_keeps
     session = first.session
 
     http = httpx.Client(base_url=url, timeout=120)
+    picture = "data:image/png;base64," + base64.b64encode(noise_png(5)).decode()
+    asked = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture}},
+                                                       {"type": "text", "text": "What is it?"}]}],
+             "max_tokens": 3, "prompt_cache_key": "picture"}
+    states = [http.post("/v1/chat/completions", json=asked).json()["prism"]["telemetry"]["prefix_cache"]
+              for _ in range(2)]
+    assert states == ["miss", "hit"]  # an image over /v1 reaches the core (once), and its prefix is reused
     blocking: dict = {}
     caller = threading.Thread(target=lambda: blocking.update(
         response=http.post("/v1/chat/completions", json=question("Tell me everything.", LONG, False))))
@@ -124,3 +133,13 @@ def test_a_killed_core_is_reported_to_every_client_restarted_and_the_store_keeps
     with pytest.raises(ProcessLookupError):  # closing stops the restarted core too
         os.kill(new_pid, 0)
     http.close()
+
+
+def test_the_engine_option_and_its_variable():
+    assert parse_settings([], environ={}).engine == "in_process"
+    assert parse_settings(["--engine", "process"], environ={}).engine == "process"
+    assert parse_settings([], environ={"PRISM_ENGINE": "process"}).engine == "process"
+    assert parse_settings(["--engine", "in_process"], environ={"PRISM_ENGINE": "process"}).engine == "in_process"
+    for argv, environ in ((["--engine", "thread"], {}), ([], {"PRISM_ENGINE": "elsewhere"})):
+        with pytest.raises(SystemExit):
+            parse_settings(argv, environ=environ)
