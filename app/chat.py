@@ -312,7 +312,8 @@ class ChatService:
 
     Args:
         store: the session store.
-        engine_source: an object with an ``engine`` attribute (the :class:`~app.model_loader.ModelLoader`),
+        engine_source: an object with an ``engine`` attribute, an :class:`~engine.client.EngineClient` (the
+            :class:`~app.model_loader.ModelLoader`),
             None while the model is loading.
         max_upload_bytes: uploads larger than this are refused before being read.
 
@@ -342,6 +343,8 @@ class ChatService:
             state = getattr(self.engine_source, "state", "loading")
             if state == "failed":
                 raise ChatError(f"The model could not be loaded: {getattr(self.engine_source, 'error', '')}")
+            if state == "restarting":
+                raise ChatError("The engine stopped unexpectedly and is being restarted; try again in a moment.")
             raise ChatError("The model is still loading; try again in a moment (progress is shown in the terminal).")
         return engine
 
@@ -500,7 +503,7 @@ class ChatService:
         engine = self.engine_or_none()
         if engine is None:
             return None
-        minimum = int(engine.prompts.size.get("shortest_edge") or 0)
+        minimum = int(engine.min_image_pixels)
         if int(width) * int(height) >= minimum:
             return None
         return (f"{name} is only {int(width)}×{int(height)} pixels, under the model's minimum of {minimum:,} pixels: "

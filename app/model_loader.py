@@ -161,8 +161,12 @@ def choose_model(requested: str | None, data_dir: Path, *, probe_timeout: float 
 class ModelLoader:
     """Loads the engine in a background thread and reports its state.
 
-    ``state`` is ``"loading"``, ``"ready"`` or ``"failed"``. Tests can hand in a ready engine with
-    :meth:`ready`.
+    ``state`` is ``"loading"``, ``"ready"``, ``"restarting"`` or ``"failed"``. ``engine`` is an
+    :class:`~engine.client.EngineClient` (None unless ready): with ``--engine in_process`` an
+    :class:`~engine.client.InProcessClient`, with ``--engine process`` a
+    :class:`~engine.client.ProcessClient`, whose core process, should it die, is started again
+    with the same options (``restarting`` meanwhile; ``restarts`` counts them). Tests can hand in
+    a ready engine (an ``Engine`` is wrapped in an ``InProcessClient``) with :meth:`ready`.
     """
 
     def __init__(self, settings: Settings):
@@ -177,10 +181,16 @@ class ModelLoader:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready_event = threading.Event()
+        self.restarts = 0
+        self._closed = False
 
     @classmethod
     def ready(cls, engine, choice: ModelChoice, settings: Settings | None = None) -> ModelLoader:
         """A loader around an engine that is already loaded."""
+        from engine.client import EngineClient, InProcessClient
+
+        if not isinstance(engine, EngineClient):
+            engine = InProcessClient(engine)
         loader = cls(settings or Settings())
         loader.choice, loader.engine, loader.state, loader.stage = choice, engine, "ready", "ready"
         loader.load_seconds = 0.0
@@ -198,29 +208,72 @@ class ModelLoader:
         return self.state == "ready"
 
     def _load(self) -> None:
-        from engine import Engine
-
         try:
             self.stage = "choosing the model"
             choice = choose_model(self.settings.model, self.settings.data_path)
             self.choice = choice
             say(f"model: {choice.model_id} ({choice.reason})")
             self.stage = f"loading {choice.model_id}"
-            engine = Engine.from_pretrained(choice.source, device=self.settings.device, progress=True,
-                                            **self.settings.engine_options())
+            engine = self._build(choice)
         except BaseException as exc:  # shown in /healthz and on the page
-            log.exception("model loading failed")
-            with self._lock:
-                self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
-            say(f"loading the model FAILED: {self.error}")
-            self._ready_event.set()
+            self._failed(exc)
             return
+        self._ready(engine)
+
+    def _build(self, choice: ModelChoice):
+        """The engine client ``--engine`` names, loaded (blocks for the whole model load)."""
+        options = dict(device=self.settings.device, progress=True, **self.settings.engine_options())
+        if self.settings.engine == "process":
+            from engine.client import ProcessClient
+
+            return ProcessClient(choice.source, on_crash=self._crashed, **options)
+        from engine.client import InProcessClient
+
+        return InProcessClient.from_pretrained(choice.source, **options)
+
+    def _failed(self, exc: BaseException) -> None:
+        log.exception("model loading failed", exc_info=exc)
         with self._lock:
-            self.engine, self.state, self.stage = engine, "ready", "ready"
-            self.load_seconds = time.monotonic() - self.started_at
-        say(f"model ready: {choice.model_id} on {engine.device} ({engine.dtype}, KV {engine.options.kv_cache_dtype}) "
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+        say(f"loading the model FAILED: {self.error}")
+        self._ready_event.set()
+
+    def _ready(self, engine) -> None:
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self.engine, self.state, self.stage, self.error = engine, "ready", "ready", None
+                self.load_seconds = time.monotonic() - self.started_at
+        if closed:  # the server stopped while this engine loaded
+            engine.close()
+            return
+        say(f"model ready: {self.model_id} on {engine.device} ({engine.dtype}, KV {engine.options.kv_cache_dtype}) "
             f"after {self.load_seconds:.1f} s")
         self._ready_event.set()
+
+    def _crashed(self, client) -> None:
+        """The core process died (called from its client's reader thread, once every waiting
+        request has been failed): ``restarting`` until a new one is loaded with the same options."""
+        with self._lock:
+            if self._closed or self.engine is not client:
+                return
+            self.engine, self.state = None, "restarting"
+            self.stage = f"restarting the engine (its process {client.pid} stopped)"
+            self.restarts += 1
+            self.started_at = time.monotonic()
+            self._ready_event.clear()
+        say(f"the engine process {client.pid} stopped unexpectedly; restarting it ...")
+        client.close()
+        self._thread = threading.Thread(target=self._restart, name="prism-engine-restart", daemon=True)
+        self._thread.start()
+
+    def _restart(self) -> None:
+        try:
+            engine = self._build(self.choice)
+        except BaseException as exc:
+            self._failed(exc)
+            return
+        self._ready(engine)
 
     @property
     def model_id(self) -> str | None:
@@ -232,10 +285,13 @@ class ModelLoader:
 
     def status(self) -> dict:
         """What ``/healthz`` reports."""
-        out = {"status": {"loading": "loading", "ready": "ok", "failed": "error"}[self.state],
+        state = {"loading": "loading", "ready": "ok", "restarting": "restarting", "failed": "error"}
+        out = {"status": state[self.state],
                "model": self.model_id, "demo_model": self.demo, "stage": self.stage}
         if self.error:
             out["error"] = self.error
+        if self.restarts:
+            out["engine_restarts"] = self.restarts
         engine = self.engine
         if engine is not None and self.state == "ready":
             out.update(device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
@@ -248,8 +304,11 @@ class ModelLoader:
         return out
 
     def close(self) -> None:
-        """Stop the engine (running requests end with an error)."""
-        engine, self.engine = self.engine, None
+        """Stop the engine (running requests end with an error); an engine still loading or
+        restarting is closed once it is ready."""
+        with self._lock:
+            self._closed = True
+            engine, self.engine = self.engine, None
         if engine is not None:
             self.state, self.stage = "failed", "stopped"
             self.error = "the server is shutting down"

@@ -59,6 +59,7 @@ from starlette.requests import ClientDisconnect
 
 from engine import (
     Completion,
+    EngineAbortedError,
     EngineOverloadedError,
     InvalidImageError,
     InvalidRequestError,
@@ -267,7 +268,10 @@ def _sse_error(error: APIError) -> str:
 
 def _failure(exc: BaseException) -> APIError:
     """The 500 for a request that failed inside the engine (a bug is logged, and named only by
-    its type)."""
+    its type); the 503 ``aborted`` of one whose engine process died under it (retry: the app
+    restarts the engine)."""
+    if isinstance(exc, EngineAbortedError):
+        return APIError(503, f"the answer was stopped before it was finished: {exc}", "server_error", code="aborted")
     if isinstance(exc, PrismError):
         return APIError(500, f"the request failed: {exc}", "server_error")
     log.error("API request failed", exc_info=exc)
@@ -449,7 +453,9 @@ class OpenAIAPI:
                 raise APIError(503, "the server is shutting down", "server_error")
             engine = self.loader.engine
             if engine is None:
-                raise APIError(503, "the model is still loading; retry shortly", "server_error")
+                restarting = getattr(self.loader, "state", None) == "restarting"
+                why = "the engine is restarting (its process stopped)" if restarting else "the model is still loading"
+                raise APIError(503, f"{why}; retry shortly", "server_error")
             req = await run_in_threadpool(self._submit, engine, messages, sampling, salt)
         except APIError as exc:
             self.metrics.observe_rejected(exc.status)
@@ -504,6 +510,8 @@ class OpenAIAPI:
             raise _bad(str(exc), "messages") from None
         except EngineOverloadedError as exc:
             raise APIError(429, str(exc), "server_error") from None
+        except EngineAbortedError as exc:
+            raise _failure(exc) from None
         except PrismError as exc:
             raise APIError(500, str(exc), "server_error") from None
 

@@ -94,6 +94,7 @@ class Settings:
     keep_ratio: float = 0.6
     cache_scope: str = "session"
     tensor_parallel_size: int = 1
+    engine: str = "in_process"
     max_image_pixels: int = 50_000_000  # engine.media.ImageOptions' defaults (not imported: --help stays fast)
     max_upload_mb: int = 50
     max_images: int = 16
@@ -175,6 +176,9 @@ _OPTIONS = [
      "global: across all sessions (single-user setups)"),
     ("--tensor-parallel-size", "tensor_parallel_size", _positive_int, None,
      "GPUs of this host the model is split across (tensor parallel, one process per GPU); 1: one GPU"),
+    ("--engine", "engine", str, ("in_process", "process"),
+     "where the engine core runs: in_process (a thread of the web server's process) or process (a child "
+     "process the server talks to over a pipe, restarted if it dies; docs/ARCHITECTURE.md)"),
     ("--max-image-pixels", "max_image_pixels", _positive_int, None,
      "refuse images whose width x height is larger (decompression-bomb guard)"),
     ("--max-upload-mb", "max_upload_mb", _positive_int, None, "refuse image files larger than this many MiB"),

@@ -7,6 +7,7 @@ the :class:`PrismError` family.
 from .engine import Engine, EngineOptions, Forgotten
 from .errors import (
     CheckpointError,
+    EngineAbortedError,
     EngineOverloadedError,
     ImageDigestMismatchError,
     InvalidImageError,
@@ -23,6 +24,7 @@ from .serving.sampling import SamplingParams
 __all__ = [
     "CheckpointError",
     "Completion",
+    "EngineAbortedError",
     "Engine",
     "EngineOptions",
     "EngineOverloadedError",

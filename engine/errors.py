@@ -51,3 +51,9 @@ class RequestCancelledError(PrismError):
 class TensorParallelError(PrismError):
     """A tensor-parallel rank failed or died (``engine.parallel``); the engine cannot run steps any
     more and must be restarted. The message names the rank and how it ended."""
+
+
+class EngineAbortedError(PrismError):
+    """The engine core stopped before the request finished: its process died (a crash, or killed)
+    while the request was queued or running, or a request was sent to it after that. The app
+    restarts the core (:mod:`engine.client`); asking again then works."""

@@ -4,7 +4,8 @@ Every ``import`` / ``from ... import`` of the project's modules (at any depth: l
 functions count too) is read with :mod:`ast`, relative imports resolved, and each rule checked:
 data flows browser -> ``app`` -> ``engine`` -> ``ops``; inside ``engine`` the wings point one way
 (``model`` at the bottom, then ``cache``, ``graphs``, ``inputs``, then the serving core, and only
-``engine/engine.py`` on top of them all). A broken rule names the module and the line.
+``engine/engine.py`` on top of them all, then ``engine/client.py``, the interface the app talks to).
+A broken rule names the module and the line.
 """
 
 from __future__ import annotations
@@ -73,15 +74,17 @@ RULES = [
     ("engine.serving", ("engine.parallel",),
      "the serving core is the single-process path; tensor parallelism wraps it from outside"),
     ("engine.parallel", ("engine.inputs",), "rank 0 encodes images; the parallel wing only carries features"),
+    ("app", ("engine.engine",),
+     "the app talks to an EngineClient (engine.client: in-process or the core in a child process), not to Engine"),
 ]
-#: Top-level modules a wing must never import: the public API and the shims (``engine.errors`` is
-#: shared by all).
-TOP = ("engine.engine", "engine.options", "engine.media", "engine.tiny", "engine.hub")
+#: Top-level modules a wing must never import: the public API, the engine clients and the shims
+#: (``engine.errors`` is shared by all).
+TOP = ("engine.engine", "engine.options", "engine.media", "engine.client", "engine.tiny", "engine.hub")
 #: The engine's public modules, all that ``sessions/`` and ``app/`` may import of it
 #: (docs/ARCHITECTURE.md): the package root (``Engine``, ``EngineOptions``, ``SamplingParams``, ...),
-#: ``engine.media`` (validating uploads), ``engine.errors`` and the shims ``engine.tiny`` and
-#: ``engine.hub``. The wings are the engine's internals.
-PUBLIC = ("engine", "engine.media", "engine.errors", "engine.tiny", "engine.hub")
+#: ``engine.media`` (validating uploads), ``engine.client`` (what the app talks to), ``engine.errors``
+#: and the shims ``engine.tiny`` and ``engine.hub``. The wings are the engine's internals.
+PUBLIC = ("engine", "engine.media", "engine.client", "engine.errors", "engine.tiny", "engine.hub")
 
 
 def violations(who: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -99,7 +102,8 @@ def test_import_directions(who, forbidden, why):
 @pytest.mark.parametrize("wing", WINGS)
 def test_wings_never_import_the_public_api_or_the_shims(wing):
     """A wing imports its peers and ``engine.errors``, never the package root (which imports the
-    whole engine), ``engine.engine``, ``engine.options`` or the shims."""
+    whole engine), ``engine.engine``, ``engine.options``, ``engine.client`` (which wraps the engine
+    from outside, in this process or another) or the shims."""
     who = f"engine.{wing}"
     assert any(within(name, who) for name in MODULES), f"no wing {who}"
     bad = [f"{name} (line {line}) imports {target}"
@@ -160,7 +164,7 @@ def test_the_wings_form_no_cycle():
 
 def test_engine_top_level_is_small():
     """The folder listing shows the architecture: the wings, and at most a handful of modules
-    beside them (``__init__``, ``engine``, ``options``, ``errors`` and the shims)."""
+    beside them (``__init__``, ``engine``, ``options``, ``errors``, ``client`` and the shims)."""
     top = sorted(p.name for p in (ROOT / "engine").glob("*.py"))
     assert len(top) <= TOP_LEVEL_LIMIT, top
     for wing in WINGS:

@@ -495,4 +495,38 @@ MUTANTS: list[Mutant] = [
         "            if False:",
         ("tests/test_eviction_index.py::test_make_room_evicts_what_the_full_sort_would_in_its_order",),
     ),
+    # ---------------------------------------------------------------- the core in a child process
+    Mutant(
+        "core-resends-known-images",
+        "the engine process is sent an image's bytes with every request, not once per content key",
+        "engine/client.py",
+        "            keys.touch(key)\n            if not resend:\n                return\n",
+        "            keys.touch(key)\n",
+        ("tests/test_engine_process.py::test_an_image_is_sent_once_then_named_by_its_key_and_the_second_question_hits",),
+    ),
+    Mutant(
+        "core-keys-not-touched",
+        "the engine process does not refresh an image key a request names: its LRU and the parent's "
+        "part, and a request names bytes the child has dropped",
+        "engine/client.py",
+        "        if key in seen or key not in new:\n            if key in keys:\n                keys.touch(key)\n",
+        "        if key in seen or key not in new:\n            pass\n",
+        ("tests/test_engine_process.py::test_both_sides_keep_the_same_keys_and_every_reference_resolves",),
+    ),
+    Mutant(
+        "healthz-ok-while-restarting",
+        "/healthz answers ok (200) while the engine process is being restarted after a crash",
+        "app/model_loader.py",
+        '"restarting": "restarting", "failed": "error"}',
+        '"restarting": "ok", "failed": "error"}',
+        ("tests/test_app_engine_process.py",),
+    ),
+    Mutant(
+        "core-crash-is-a-500",
+        "a /v1 request whose engine process died answers 500 like an engine bug, not 503 aborted",
+        "app/openai_api.py",
+        "    if isinstance(exc, EngineAbortedError):\n",
+        "    if False:\n",
+        ("tests/test_app_engine_process.py",),
+    ),
 ]
