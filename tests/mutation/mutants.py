@@ -203,9 +203,10 @@ MUTANTS: list[Mutant] = [
         "api-ignores-disconnect",
         "the OpenAI API keeps generating for a client that has gone away",
         "app/openai_api.py",
-        "if await request.is_disconnected():",
-        "if False and await request.is_disconnected():",
-        ("tests/test_app_openai.py::test_client_disconnect_cancels_the_request",),
+        "            await _until_disconnected(request)\n",
+        "            await asyncio.Event().wait()\n",
+        ("tests/test_app_openai.py::test_client_disconnect_cancels_the_request",
+         "tests/test_app_openai.py::test_a_client_that_disconnects_before_a_whole_answer_over_http_cancels_its_request"),
     ),
     Mutant(
         "image-route-normalises-dot-segments",
