@@ -534,8 +534,8 @@ class OpenAIAPI:
                     finished = True
                     self.metrics.observe(item)
                 yield item
-        except BaseException as exc:
-            if isinstance(exc, Exception) and handle.done:  # the error the engine failed the request with
+        except Exception:
+            if handle.done:  # the error the engine failed the request with (not a reader gone)
                 finished = True
                 self.metrics.observe_failure("error")
             raise
