@@ -30,14 +30,16 @@ summary (``runs``).
 once under ``--workdir`` (16 GB, bfloat16); ``--model demo`` (the default) builds the tiny demo
 checkpoint.
 
-Wheels it needs (the H200 image has torch and transformers but no Gradio, maybe no web stack):
+Wheels it needs besides the engine's own (torch, transformers, tokenizers, safetensors,
+huggingface_hub, jinja2, tqdm, pillow; the H200 image has those, but maybe not the web stack):
 ``fastapi`` (with ``starlette``, ``pydantic``, ``pydantic-core``, ``annotated-types``,
-``typing-inspection``, ``anyio``, ``sniffio``, ``idna``), ``uvicorn`` (with ``h11``, ``click``),
-``httpx`` (with ``httpcore``, ``certifi``), ``python-multipart``, ``prometheus-client``,
-``sqlite-utils`` (with ``sqlite-fts4``, ``tabulate``, ``click-default-group``, ``pluggy``,
-``python-dateutil``, ``six``), ``platformdirs``, ``markdown-it-py`` (with ``mdurl``), ``av`` (the
-engine's video support) and ``dashscope``'s tokenizer ranks for the tiny/shape checkpoints
-(:mod:`engine.tiny`). Gradio is not needed: the server runs with ``--ui off``.
+``annotated-doc``, ``typing-inspection``, ``anyio``, ``sniffio``, ``idna``), ``uvicorn`` (with
+``h11``, ``click``), ``httpx`` (with ``httpcore``, ``certifi``), ``python-multipart``,
+``prometheus-client``, ``sqlite-utils`` (with ``sqlite-fts4``, ``tabulate``,
+``click-default-group``, ``pluggy``, ``python-dateutil``, ``six``: the server's session store) and
+``platformdirs``; for ``--model demo`` and ``--shape``, ``dashscope``'s tokenizer ranks
+(:mod:`engine.tiny`). Not needed: Gradio (the server runs with ``--ui off``), ``markdown-it-py``
+(the chat pages only) and ``av`` (video only).
 """
 
 from __future__ import annotations

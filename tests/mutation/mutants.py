@@ -454,4 +454,21 @@ MUTANTS: list[Mutant] = [
         "return True",
         ("tests/test_app_security.py::test_a_gradio_session_id_reads_nothing_without_its_owners_cookie",),
     ),
+    Mutant(
+        "handle-async-exit-keeps-running",
+        "an event loop that stops reading a request's handle early leaves the request running (its pages held)",
+        "engine/serving/handle.py",
+        "                self.cancel(wait=False)\n",
+        "                pass\n",
+        ("tests/test_handle.py::test_closing_an_event_loops_iteration_early_cancels_without_blocking",
+         "tests/test_handle.py::test_an_event_loop_leaving_an_engine_stream_early_frees_its_pages"),
+    ),
+    Mutant(
+        "headless-mounts-pages",
+        "--ui off still serves the web UI's page routes (share links, images, static files)",
+        "app/server.py",
+        'headless = settings.ui == "off"',
+        "headless = False",
+        ("tests/test_app_routes.py::test_ui_off_serves_only_the_api_metrics_and_health_without_importing_gradio",),
+    ),
 ]
