@@ -4,14 +4,16 @@ Run by hand (not a test)::
 
     python benchmarks/bench_http.py --quick --repeats 3 --out docs/cpu/bench_http_v1.json   # CPU, tiny demo
     python benchmarks/bench_http.py --device cuda --shape 8b --out bench_http_8b.json   # H200, 8B shape
-    python benchmarks/bench_http.py --model /models/Qwen3-VL-2B-Instruct --device cuda --engine process
+    python benchmarks/bench_http.py --device cuda --shape 8b --engine in_process process   # both cores
 
 Two phases on the same machine, one after the other (never both loaded at once, so each has the
 whole device): first the engine API in this process (:meth:`engine.Engine.submit`, each stream read
 with ``async for`` over its :class:`~engine.RequestHandle` on one event loop), then the same
-requests through a server started as a subprocess, ``python launch.py --ui off`` (``--engine`` is
-passed through when given: it exists once the engine-client work of issue 32.4 has landed), read
-by an httpx client streaming server-sent events from this process. Both build the engine from the
+requests through a server started as a subprocess, ``python launch.py --ui off``, read by an httpx
+client streaming server-sent events from this process. ``--engine`` is passed through to
+``launch.py`` when given (the option exists once the engine-client work of issue 32.4 has landed);
+given several values (``--engine in_process process``), the HTTP phase runs once per value, in the
+same run, so the two cores are compared on the same machine and load. Both build the engine from the
 same checkpoint folder with the same options (:meth:`app.settings.Settings.engine_options` of the
 same arguments).
 
@@ -309,15 +311,21 @@ def ratio(a, b):
 
 
 def report(engine: dict, http: dict, levels) -> tuple[dict, str]:
-    rows, lines = {}, ["| streams | TPOT p50 engine API | TPOT p50 /v1 HTTP | HTTP / API | hit TTFT p50 engine API "
-                       "| hit TTFT p50 /v1 HTTP | HTTP / API |", "|---|---|---|---|---|---|---|"]
-    for n in map(str, levels):
-        e, h = engine[n], http[n]
-        rows[n] = {"tpot_ratio": ratio(h["tpot_ms_p50"], e["tpot_ms_p50"]),
-                   "ttft_ratio": ratio(h["ttft_ms_p50"], e["ttft_ms_p50"])}
-        lines.append(f"| {n} | {e['tpot_ms_p50']:.2f} ms | {h['tpot_ms_p50']:.2f} ms | {rows[n]['tpot_ratio']:.2f}x "
-                     f"| {e['ttft_ms_p50']:.1f} ms | {h['ttft_ms_p50']:.1f} ms | {rows[n]['ttft_ratio']:.2f}x |")
-    return rows, "\n".join(lines)
+    """Ratios HTTP / engine API per server ``--engine`` and level, and the markdown table.
+    ``http``: ``{engine label: {level: summary}}``."""
+    ratios, lines = {}, ["| streams | server | TPOT p50 engine API | TPOT p50 /v1 HTTP | HTTP / API "
+                         "| hit TTFT p50 engine API | hit TTFT p50 /v1 HTTP | HTTP / API |",
+                         "|---|---|---|---|---|---|---|---|"]
+    for label, levels_of in http.items():
+        ratios[label] = {}
+        for n in map(str, levels):
+            e, h = engine[n], levels_of[n]
+            row = ratios[label][n] = {"tpot_ratio": ratio(h["tpot_ms_p50"], e["tpot_ms_p50"]),
+                                      "ttft_ratio": ratio(h["ttft_ms_p50"], e["ttft_ms_p50"])}
+            lines.append(f"| {n} | {label} | {e['tpot_ms_p50']:.2f} ms | {h['tpot_ms_p50']:.2f} ms "
+                         f"| {row['tpot_ratio']:.2f}x | {e['ttft_ms_p50']:.1f} ms | {h['ttft_ms_p50']:.1f} ms "
+                         f"| {row['ttft_ratio']:.2f}x |")
+    return ratios, "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="demo", help="checkpoint folder or Hub id; 'demo': the tiny demo model")
     p.add_argument("--shape", choices=("8b", "2b"), help="random weights at a real model's shapes instead")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--engine", help="passed to launch.py as --engine (in_process or process), when given")
+    p.add_argument("--engine", nargs="+", metavar="VALUE",
+                   help="launch.py's --engine for the server (in_process, process), once the option exists; "
+                        "several values: one HTTP phase for each, in the same run (default: launch.py's default)")
     p.add_argument("--kv-cache-bytes", help="passed to both engines (launch.py's --kv-cache-bytes)")
     p.add_argument("--levels", type=int, nargs="+", default=list(LEVELS), help="concurrent streams")
     p.add_argument("--rounds", type=int, default=5, help="rounds per level (each starts all its streams at once)")
@@ -350,33 +360,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_cache_bytes:
         server_argv += ["--kv-cache-bytes", args.kv_cache_bytes]
     settings = parse_settings(server_argv, {})  # the server's own options, for the in-process engine too
-    if args.engine:
-        server_argv += ["--engine", args.engine]
+    servers = {value or "default": server_argv + (["--engine", value] if value else [])
+               for value in args.engine or [None]}
     image = IMAGE.read_bytes()
     data_dir = workdir / "server-data"
     data_dir.mkdir(exist_ok=True)
 
-    pooled = {"engine": {str(n): [] for n in args.levels}, "http": {str(n): [] for n in args.levels}}
+    def summaries(records_of: dict) -> dict:
+        return {n: summarise(records) for n, records in records_of.items()}
+
+    pooled_engine = {str(n): [] for n in args.levels}
+    pooled_http = {label: {str(n): [] for n in args.levels} for label in servers}
     runs = []
     for k in range(args.repeats):
         print(f"repeat {k + 1} of {args.repeats}", flush=True)
-        got = {"engine": engine_phase(folder, settings, image, args),
-               "http": http_phase(server_argv, data_dir, image, args)}
-        for side, levels in got.items():
-            for n, records in levels.items():
-                pooled[side][n] += records
-        summaries = {side: {n: summarise(r) for n, r in levels.items()} for side, levels in got.items()}
-        runs.append({**summaries, "ratios_http_over_engine_api": report(summaries["engine"], summaries["http"],
-                                                                        args.levels)[0]})
-    engine = {n: summarise(r) for n, r in pooled["engine"].items()}
-    http = {n: summarise(r) for n, r in pooled["http"].items()}
+        engine_run = engine_phase(folder, settings, image, args)
+        http_run = {label: http_phase(argv, data_dir, image, args) for label, argv in servers.items()}
+        for n, records in engine_run.items():
+            pooled_engine[n] += records
+        for label, levels_of in http_run.items():
+            for n, records in levels_of.items():
+                pooled_http[label][n] += records
+        engine_summary = summaries(engine_run)
+        http_summary = {label: summaries(levels_of) for label, levels_of in http_run.items()}
+        runs.append({"engine_api": engine_summary, "http": http_summary,
+                     "ratios_http_over_engine_api": report(engine_summary, http_summary, args.levels)[0]})
+    engine = summaries(pooled_engine)
+    http = {label: summaries(levels_of) for label, levels_of in pooled_http.items()}
     ratios, table = report(engine, http, args.levels)
     import torch
 
     result = {
         "what": "streaming through /v1 over HTTP (launch.py --ui off, a subprocess) vs the engine API in-process",
         "model": args.shape and f"random {args.shape} shape" or args.model, "device": args.device,
-        "engine_option": args.engine or "in_process (launch.py default)", "server_argv": server_argv,
+        "servers": {label: argv for label, argv in servers.items()},
         "rounds": args.rounds, "max_tokens": args.max_tokens, "levels": args.levels, "repeats": args.repeats,
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "torch": torch.__version__,
