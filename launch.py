@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     host = settings.host
     if host in ("127.0.0.1", "::1", "0.0.0.0", "::"):
         host = "localhost"  # 0.0.0.0 listens on every interface; localhost is one of them
-    url = f"http://{host}:{settings.port}/"
+    url = f"http://{host}:{settings.port}/" + ("v1" if settings.ui == "off" else "")
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):

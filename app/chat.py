@@ -245,11 +245,12 @@ class ActiveTurn:
     """A question being answered. Iterate it for :class:`TurnView` snapshots (one per text delta,
     then the final one); :meth:`ChatService.stop` ends it early with the text so far.
     ``replaced``: how many earlier turns it replaced (an edited or regenerated turn and the ones
-    after it; 0 for a new question)."""
+    after it; 0 for a new question). ``handle``: the engine's
+    :class:`~engine.serving.handle.RequestHandle` of the answer (None with ``error``)."""
 
-    def __init__(self, service: ChatService, session: Session, turn, request=None, error: str | None = None):
+    def __init__(self, service: ChatService, session: Session, turn, handle=None, error: str | None = None):
         self.service, self.session, self.turn = service, session, turn
-        self.request, self.error = request, error
+        self.handle, self.error = handle, error
         self.replaced = 0
         self.text = ""
         self.final: TurnView | None = None
@@ -260,13 +261,10 @@ class ActiveTurn:
             self.service._forget(self.session.id, None, self.turn.id)
             yield self.final
             return
-        req, engine = self.request, self.service.engine_or_none()
+        handle = self.handle
         try:
             yield TurnView(self.turn.id, self.turn.question, "", "streaming", line="generating ...")
-            while True:
-                item = req.outbox.get()
-                if isinstance(item, BaseException):
-                    raise item
+            for item in handle:  # raises the error the request failed with
                 if isinstance(item, Completion):
                     self.service.observe(item)
                     self.final = self._record(completion=item)
@@ -284,11 +282,10 @@ class ActiveTurn:
             self.final = self._record(error=f"internal error: {exc}")
             yield self.final
         finally:
-            self.service._forget(self.session.id, req, self.turn.id)
+            self.service._forget(self.session.id, handle, self.turn.id)
             if self.final is None:  # the reader went away (browser closed): free the engine at once
                 self.service.observe(None, "abort")
-                if engine is not None:
-                    engine.cancel(req)  # returns once its KV pages are free
+                handle.cancel()  # returns once its KV pages are free
                 self._record(cancelled=True)
 
     def _record(self, *, completion: Completion | None = None, error: str | None = None,
@@ -578,14 +575,15 @@ class ChatService:
             return ActiveTurn(self, session, turn, error="An image of this chat is missing on the server.")
         try:
             sampling = options.sampling()
-            req = engine.submit(build_messages(images, question, history), sampling, cache_salt=session.cache_salt)
+            handle = engine.submit(build_messages(images, question, history), sampling,
+                                   cache_salt=session.cache_salt)
         except ImageDigestMismatchError:  # the stored file no longer holds the bytes it is named by
             return ActiveTurn(self, session, turn, error="An image of this chat is damaged on the server.")
         except PrismError as exc:
             return ActiveTurn(self, session, turn, error=str(exc))
         with self._lock:
-            self._active.setdefault(session.id, []).append(req)
-        return ActiveTurn(self, session, turn, request=req)
+            self._active.setdefault(session.id, []).append(handle)
+        return ActiveTurn(self, session, turn, handle=handle)
 
     def edit(self, session_id: str | None, owner: str, turn_id, question: str,
              options: ChatOptions | None = None) -> ActiveTurn:
@@ -656,12 +654,10 @@ class ChatService:
         if self.session(session_id, owner) is None:
             return False
         with self._lock:
-            requests = list(self._active.get(session_id, []))
-        engine = self.engine_or_none()
-        for req in requests:
-            if engine is not None:
-                engine.cancel(req, wait=False)
-        return bool(requests)
+            handles = list(self._active.get(session_id, []))
+        for handle in handles:
+            handle.cancel(wait=False)
+        return bool(handles)
 
     def _refuse_if_busy(self, session_id: str) -> None:
         """Raise ChatError(:data:`BUSY`) while an answer of the session is started or streaming."""
@@ -677,20 +673,18 @@ class ChatService:
     def cancel_all(self) -> int:
         """Cancel every answer in progress (shutdown)."""
         with self._lock:
-            requests = [r for reqs in self._active.values() for r in reqs]
-        engine = self.engine_or_none()
-        for req in requests:
-            if engine is not None:
-                engine.cancel(req, wait=False)
-        return len(requests)
+            handles = [h for active in self._active.values() for h in active]
+        for handle in handles:
+            handle.cancel(wait=False)
+        return len(handles)
 
-    def _forget(self, session_id: str, req, turn_id: int) -> None:
+    def _forget(self, session_id: str, handle, turn_id: int) -> None:
         with self._lock:
             self._active_turns.discard(turn_id)
-            reqs = self._active.get(session_id, [])
-            if req in reqs:
-                reqs.remove(req)
-            if not reqs:
+            handles = self._active.get(session_id, [])
+            if handle in handles:
+                handles.remove(handle)
+            if not handles:
                 self._active.pop(session_id, None)
 
     # ------------------------------------------------------------------ the image viewer

@@ -45,7 +45,6 @@ import hashlib
 import hmac
 import json
 import logging
-import queue
 import re
 import secrets
 import time
@@ -85,8 +84,6 @@ MAX_PARTS = 1024
 #: a million tiny parts is refused before it is all built in memory).
 MAX_JSON_OBJECTS = 4096
 _DATA_URL_RE = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[^,;]*)*?),(?P<data>.*)$", re.DOTALL)
-_POLL_S = 0.01
-_DISCONNECT_CHECK_S = 0.25
 
 
 class APIError(Exception):
@@ -321,6 +318,14 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+async def _until_disconnected(request: Request) -> None:
+    """Return once the client of ``request`` has gone away: its ASGI ``receive`` (which, once the
+    body has been read, answers only at a disconnect) says ``http.disconnect``. Awaited, never
+    polled; cancel the task awaiting it when the answer is done."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
@@ -362,11 +367,10 @@ class OpenAIAPI:
         """Cancel every API request in progress (shutdown): their streams end at once, as aborted
         (see the module docstring), and later requests get 503."""
         self._stopping = True
-        engine, requests = self.loader.engine, list(self._active)
-        for req in requests:
-            if engine is not None:
-                engine.cancel(req, wait=False)
-        return len(requests)
+        handles = list(self._active)
+        for handle in handles:
+            handle.cancel(wait=False)
+        return len(handles)
 
     def authorize(self, request: Request) -> bytes | None:
         """The digest of the client's API key, or None when no keys are configured.
@@ -456,26 +460,26 @@ class OpenAIAPI:
                 restarting = getattr(self.loader, "state", None) == "restarting"
                 why = "the engine is restarting (its process stopped)" if restarting else "the model is still loading"
                 raise APIError(503, f"{why}; retry shortly", "server_error")
-            req = await run_in_threadpool(self._submit, engine, messages, sampling, salt)
+            handle = await run_in_threadpool(self._submit, engine, messages, sampling, salt)
         except APIError as exc:
             self.metrics.observe_rejected(exc.status)
             return exc.response()
         rid = "chatcmpl-" + secrets.token_hex(12)
         if stream:
-            return StreamingResponse(self._sse(request, engine, req, rid, include_usage),
+            return StreamingResponse(self._sse(request, handle, rid, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, engine, req, rid)
+        return await self._complete(request, handle, rid)
 
     def _aborted(self) -> APIError:
         """The error of an answer cancelled before its end (503: retry, elsewhere or later)."""
         why = "the server is shutting down" if self._stopping else "it was cancelled in the engine"
         return APIError(503, f"the answer was stopped before it was finished: {why}", "server_error", code="aborted")
 
-    async def _complete(self, request: Request, engine, req, rid: str):
+    async def _complete(self, request: Request, handle, rid: str):
         """The non-streaming answer: the whole completion, or the error that ended it."""
         try:
-            async for item in self._items(request, engine, req):
+            async for item in self._items(request, handle):
                 if isinstance(item, Completion):
                     if _finish_reason(item) == "abort":
                         return self._aborted().response()
@@ -515,38 +519,40 @@ class OpenAIAPI:
         except PrismError as exc:
             raise APIError(500, str(exc), "server_error") from None
 
-    async def _items(self, request: Request, engine, req) -> AsyncIterator:
-        """The request's deltas and completion (an error from the engine is raised); cancels it if
-        the client goes away or we stop early. Counts the outcome in :attr:`metrics`."""
-        finished = False
-        last_check = time.monotonic()
-        self._active.add(req)
+    async def _items(self, request: Request, handle) -> AsyncIterator:
+        """The deltas and completion of ``handle`` (a :class:`~engine.RequestHandle`; an error
+        from the engine is raised), read without polling. Cancels the request if the client goes
+        away (seen by :func:`_until_disconnected`) or we stop reading early; nothing more is
+        yielded to a client that is gone. Counts the outcome in :attr:`metrics`."""
+        finished = gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            await _until_disconnected(request)
+            gone = True
+            handle.cancel(wait=False)  # the engine ends it at once: the loop below sees its completion
+
+        self._active.add(handle)
+        watcher = asyncio.ensure_future(watch())
         try:
-            while True:
-                try:
-                    item = req.outbox.get_nowait()
-                except queue.Empty:
-                    if time.monotonic() - last_check > _DISCONNECT_CHECK_S:
-                        last_check = time.monotonic()
-                        if await request.is_disconnected():
-                            return
-                    await asyncio.sleep(_POLL_S)
-                    continue
-                if isinstance(item, BaseException):
-                    finished = True
-                    self.metrics.observe_failure("error")
-                    raise item
+            async for item in handle:
+                if gone:
+                    return
                 if isinstance(item, Completion):
                     finished = True
                     self.metrics.observe(item)
                 yield item
-                if finished:
-                    return
+        except Exception:
+            if handle.done:  # the error the engine failed the request with (not a reader gone)
+                finished = True
+                self.metrics.observe_failure("error")
+            raise
         finally:
-            self._active.discard(req)
+            watcher.cancel()
+            self._active.discard(handle)
             if not finished:
                 self.metrics.observe_failure("abort")
-                engine.cancel(req, wait=False)
+                handle.cancel(wait=False)
 
     def _completion_body(self, rid: str, completion: Completion) -> dict:
         return {
@@ -557,7 +563,7 @@ class OpenAIAPI:
             "prism": {"telemetry": completion.telemetry.to_dict()},
         }
 
-    async def _sse(self, request: Request, engine, req, rid: str, include_usage: bool):
+    async def _sse(self, request: Request, handle, rid: str, include_usage: bool):
         created, model = int(time.time()), self._model_id()
 
         def chunk(delta: dict, finish: str | None = None, **extra) -> str:
@@ -567,7 +573,7 @@ class OpenAIAPI:
 
         yield chunk({"role": "assistant", "content": ""})
         try:
-            async for item in self._items(request, engine, req):
+            async for item in self._items(request, handle):
                 if isinstance(item, str):
                     yield chunk({"content": item})
                     continue

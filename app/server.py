@@ -1,5 +1,6 @@
 """The FastAPI app: health, images by hash, share links, static files, the OpenAI API, and the
-Gradio page mounted at ``/``.
+Gradio page mounted at ``/``; headless (``--ui off``): health, metrics and the OpenAI API only,
+without importing Gradio.
 
 Routes (ours are registered before Gradio's mount, so they take precedence):
 
@@ -36,7 +37,7 @@ from http.cookies import SimpleCookie
 from pathlib import Path
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.requests import cookie_parser
@@ -63,8 +64,9 @@ from .metrics import Metrics
 from .model_loader import ModelLoader
 from .openai_api import APIError, OpenAIAPI
 from .settings import Settings
-from .ui import OWNER_COOKIE, PrismUI, theme
 
+#: The cookie that carries a browser's owner key.
+OWNER_COOKIE = "prism_owner"
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 STATIC_URL = "/prism-static"
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
@@ -145,6 +147,10 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
                *, mount_ui: bool = True) -> FastAPI:
     """Build the whole web app. ``mount_ui=False`` leaves out the Gradio page (API tests).
 
+    With ``settings.ui == "off"`` (``--ui off``) the app is headless: ``/v1``, ``/metrics`` and
+    ``/healthz`` only. Every page route (the chat, share links, images, the prefix viewer, static
+    files) is a 404, no owner cookie is set, and Gradio is never imported.
+
     The app's :class:`~app.metrics.Metrics` (its own registry) counts the chat's and the API's
     requests: it is attached to ``chat`` here."""
     chat = chat or ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
@@ -165,6 +171,9 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     app.state.chat, app.state.loader, app.state.store, app.state.metrics = chat, loader, store, metrics
     api = OpenAIAPI(loader, max_image_bytes=settings.max_upload_bytes, api_keys=settings.api_keys,
                     cors_origins=settings.cors_origins, metrics=metrics, max_media=settings.media_per_request)
+
+    headless = settings.ui == "off"
+    pages = APIRouter()  # the web UI's own routes, left out when headless
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD for load balancers' health checks
     def healthz():
@@ -194,7 +203,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
             # other origins' pages cannot even load it (an <img> there would tell whether we own it)
             "Cross-Origin-Resource-Policy": "same-origin"})
 
-    @app.get("/images/{sha:path}")
+    @pages.get("/images/{sha:path}")
     def image(sha: str, request: Request):
         """An uploaded image by its SHA-256, for an owner of a session holding it; anything else
         (another owner's image, no cookie, not 64 lowercase hex digits) is the same 404."""
@@ -202,7 +211,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
             return _not_found()
         return image_response(sha, "private, max-age=31536000, immutable")
 
-    @app.get("/s/{token}/images/{sha}")
+    @pages.get("/s/{token}/images/{sha}")
     def shared_image(token: str, sha: str):
         """An image of a shared session while its share is live (not cached by the browser, so a
         revoked link stops showing it)."""
@@ -211,7 +220,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
             return _not_found()
         return image_response(sha, "no-store")
 
-    @app.get("/sessions/{session_id}/prefix")
+    @pages.get("/sessions/{session_id}/prefix")
     def session_prefix(session_id: str, request: Request):
         """What the session's cached compact prefix kept of each image, for its owner; anything
         else (another owner's session, no cookie, an id that is not one) is the same 404."""
@@ -220,7 +229,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
             return _not_found()
         return _private_json(chat.prefix_view(session))
 
-    @app.get("/s/{token}/prefix")
+    @pages.get("/s/{token}/prefix")
     def shared_prefix(token: str):
         """The same for a shared session while its share is live (read-only: it only reads)."""
         share = store.resolve_share(token)
@@ -229,7 +238,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
             return _not_found()
         return _private_json(chat.prefix_view(session))
 
-    @app.get("/s/{token}", response_class=HTMLResponse)
+    @pages.get("/s/{token}", response_class=HTMLResponse)
     def shared(token: str):
         """The read-only view of a shared session (404 for an unknown or revoked token)."""
         share = store.resolve_share(token)
@@ -241,7 +250,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
                                  demo=loader.demo)
         return HTMLResponse(page, headers=_PRIVATE)
 
-    @app.post("/s/{token}/fork")
+    @pages.post("/s/{token}/fork")
     def fork(token: str, request: Request):
         """Copy a "continue" share into the visitor's sessions (titled as a copy) and open it."""
         share = store.resolve_share(token)
@@ -253,12 +262,14 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
             return HTMLResponse(render.not_found_page(), status_code=404, headers=_PRIVATE)
         return RedirectResponse(f"/?session={session.id}", status_code=303, headers=_PRIVATE)
 
-    app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="prism-static")
+    if not headless:
+        app.include_router(pages)
+        app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="prism-static")
     app.mount("/v1", api.app)
     app.state.openai = api
-    app.add_middleware(OwnerCookieMiddleware)
-
-    if mount_ui:
+    if not headless:
+        app.add_middleware(OwnerCookieMiddleware)
+    if mount_ui and not headless:
         _mount_ui(app, settings, chat, loader)
     # added last = runs first: headers on every page, then origin, then body size
     app.add_middleware(BodySizeLimit, caps=BodyCaps.from_limits(settings.max_upload_bytes, settings.max_images))
@@ -271,6 +282,8 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
 def _mount_ui(app: FastAPI, settings: Settings, chat: ChatService, loader: ModelLoader) -> None:
     """Mount the Gradio page at ``/``, with the payload check a mounted Gradio app lacks."""
     import gradio as gr
+
+    from .ui import PrismUI, theme
 
     ui = PrismUI(chat, loader)
     blocks = ui.build()

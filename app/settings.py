@@ -86,6 +86,7 @@ class Settings:
     device: str = "auto"
     host: str = "127.0.0.1"
     port: int = 7860
+    ui: str = "on"
     data_dir: Path | None = None
     kv_cache_bytes: int | None = None
     kv_cache_dtype: str = "fp8_e4m3"
@@ -155,6 +156,9 @@ _OPTIONS = [
     ("--device", "device", str, ("auto", "cpu", "cuda"), "where the model runs (auto: CUDA when available)"),
     ("--host", "host", str, None, "address to listen on (0.0.0.0 exposes the app to your network)"),
     ("--port", "port", _port, None, "TCP port to listen on"),
+    ("--ui", "ui", str, ("on", "off"),
+     "on: the web chat at / beside the API; off: a headless server of /v1, /metrics and /healthz only "
+     "(every page route is a 404, Gradio is not even imported)"),
     ("--data-dir", "data_dir", Path, None,
      "folder for the session database, uploaded images and the demo model (default: a per-user folder)"),
     ("--kv-cache-bytes", "kv_cache_bytes", parse_bytes, None,

@@ -28,10 +28,10 @@ from . import render
 from .chat import ChatError, ChatOptions, ChatService, TurnView
 from .gradio_guard import UploadFolder
 from .model_loader import ModelLoader
+from .server import OWNER_COOKIE
 
 log = logging.getLogger(__name__)
 
-OWNER_COOKIE = "prism_owner"
 #: Most answers streamed at once through the page (each holds a worker thread while it streams).
 CHAT_CONCURRENCY = 48
 #: Max tokens per answer, the settings slider's default (tokens).

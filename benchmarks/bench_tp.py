@@ -99,13 +99,8 @@ def tiny_checkpoint(workdir: pathlib.Path) -> pathlib.Path:
 
 def run_together(engine, prompts: list, sampling, salts: list[str]) -> list:
     """Submit every prompt at once, then wait for each; their completions in order."""
-    from engine.serving.outputs import Completion
-
-    reqs = [engine.submit(p, sampling, cache_salt=s) for p, s in zip(prompts, salts, strict=True)]
-    done = []
-    for req in reqs:
-        done.append(next(item for item in engine.loop.stream(req) if isinstance(item, Completion)))
-    return done
+    handles = [engine.submit(p, sampling, cache_salt=s) for p, s in zip(prompts, salts, strict=True)]
+    return [handle.result() for handle in handles]
 
 
 def measure(engine, args, photos, tag: str) -> dict:

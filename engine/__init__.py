@@ -1,7 +1,7 @@
 """Prism's inference engine for Qwen3-VL.
 
-Public API: :class:`Engine`, :class:`SamplingParams`, :class:`Completion`, :class:`Telemetry` and
-the :class:`PrismError` family.
+Public API: :class:`Engine`, :class:`SamplingParams`, :class:`RequestHandle` (what
+``Engine.submit`` returns), :class:`Completion`, :class:`Telemetry` and the :class:`PrismError` family.
 """
 
 from .engine import Engine, EngineOptions, Forgotten
@@ -18,6 +18,7 @@ from .errors import (
     TensorParallelError,
 )
 from .inputs.prompts import media_first_messages
+from .serving.handle import RequestHandle
 from .serving.outputs import Completion, Telemetry
 from .serving.sampling import SamplingParams
 
@@ -35,6 +36,7 @@ __all__ = [
     "InvalidRequestError",
     "InvalidVideoError",
     "PrismError",
+    "RequestHandle",
     "SamplingParams",
     "Telemetry",
     "TensorParallelError",

@@ -373,14 +373,6 @@ def _picklable_output(item):
         return PrismError(f"an output of the engine could not be sent: {type(exc).__name__}: {exc}")
 
 
-def _as_handle(engine, got) -> RequestHandle:
-    """A :class:`RequestHandle` for what ``engine.submit`` returned (a handle, or a request whose
-    ``outbox`` is its channel)."""
-    if isinstance(got, RequestHandle):
-        return got
-    return RequestHandle(got.id, got.outbox, partial(engine.cancel, got), prompt_tokens=got.num_prompt)
-
-
 class _Core:
     """The child's side: the engine, the command loop (main thread), the calls (a thread pool) and
     the forwarding of outputs (one asyncio loop in a thread, one coroutine per request)."""
@@ -448,7 +440,7 @@ class _Core:
             self.reply(close_cid, lambda: None)
 
     def submit(self, rid: int, messages, sampling, salt) -> int:
-        handle = _as_handle(self.engine, self.engine.submit(messages, sampling, cache_salt=salt))
+        handle = self.engine.submit(messages, sampling, cache_salt=salt)
         self.handles[rid] = handle
         asyncio.run_coroutine_threadsafe(self.forward(rid, handle), self.loop)
         return handle.prompt_tokens
@@ -527,15 +519,6 @@ def _core_main(conn, model, device, dtype, options: dict, blob_cache_bytes: int)
 # ---------------------------------------------------------------------------------------- the parent
 
 
-class _RemoteHandle(RequestHandle):
-    """A :class:`RequestHandle` of a request in the child. ``outbox`` is its channel, as
-    ``Request.outbox`` was (kept for one release; iterate the handle instead)."""
-
-    @property
-    def outbox(self) -> OutputChannel:
-        return self._channel
-
-
 class ProcessClient(EngineClient):
     """The engine core in a child process, behind the :class:`EngineClient` interface.
 
@@ -609,7 +592,7 @@ class ProcessClient(EngineClient):
             with self._lock:
                 self._channels.pop(rid, None)
             raise
-        return _RemoteHandle(rid, channel, partial(self._cancel, rid), prompt_tokens=prompt_tokens)
+        return RequestHandle(rid, channel, partial(self._cancel, rid), prompt_tokens=prompt_tokens)
 
     def cancel(self, handle, wait: bool = True) -> None:
         handle.cancel(wait)

@@ -38,6 +38,7 @@ from .model.hub import resolve_checkpoint
 from .model.qwen3_vl import Qwen3VL, eos_token_ids, load_model
 from .model.vision import EncodeCounter, VisionFeatures
 from .options import EngineOptions, pick_device, pick_dtype
+from .serving.handle import RequestHandle
 from .serving.intake import Intake
 from .serving.loop import EngineLoop
 from .serving.outputs import Completion
@@ -257,10 +258,12 @@ class Engine:
             PrismError: the engine is closed, or the request failed inside the engine.
             TensorParallelError: a tensor-parallel rank failed (now, or before).
         """
-        for item in self.stream(messages, sampling, cache_salt=cache_salt):
-            if isinstance(item, Completion):
-                return item
-        raise RuntimeError("stream ended without a completion")  # pragma: no cover
+        handle = self.submit(messages, sampling, cache_salt=cache_salt)
+        try:
+            return handle.result()
+        finally:
+            if not handle.done:  # interrupted while waiting (KeyboardInterrupt): free its pages
+                handle.cancel(wait=False)
 
     def stream(
         self, messages, sampling: SamplingParams | None = None, *, cache_salt: str | None = None
@@ -272,12 +275,20 @@ class Engine:
         dropping it) cancels the request and frees its KV pages. ``cache_salt`` and errors are
         those of :meth:`generate`; input errors are raised here, before iteration starts.
         """
-        return self.loop.stream(self.submit(messages, sampling, cache_salt=cache_salt))
+        return iter(self.submit(messages, sampling, cache_salt=cache_salt))
 
-    def submit(self, messages, sampling: SamplingParams | None = None, *, cache_salt: str | None = None) -> Request:
-        """Validate and queue a request; its outputs arrive on ``request.outbox``.
+    def submit(self, messages, sampling: SamplingParams | None = None, *,
+               cache_salt: str | None = None) -> RequestHandle:
+        """Validate and queue a request; read its outputs through the returned handle.
 
-        Raises: as :meth:`generate`, except failures inside the engine loop.
+        Iterate the :class:`~engine.serving.handle.RequestHandle` (``for`` in a thread, ``async
+        for`` in an event loop) for the deltas and the :class:`Completion`, or call its
+        ``result()``; its ``prompt_tokens`` is the prompt's length, known now; its ``cancel()``
+        (or :meth:`cancel`) stops the request. The handle's ``outbox`` (formerly
+        ``Request.outbox``, what this method returned before) still works for one release, with a
+        DeprecationWarning.
+
+        Raises: as :meth:`generate`, except failures inside the engine loop (the handle raises those).
         """
         # close() drops self.model and self.intake; a submit racing it (prompt building is slow)
         # reads intake once, so it says "engine is closed" instead of failing on a dropped part.
@@ -291,14 +302,23 @@ class Engine:
         prompt = self.prompts.build(messages, salt)
         req = intake.request(prompt, sampling or SamplingParams(), salt, submitted)
         self.loop.submit(req)
-        return req
+        return RequestHandle(req.id, req.outbox, functools.partial(self.loop.cancel, req),
+                             prompt_tokens=req.num_prompt, request=req)
 
-    def cancel(self, req: Request, wait: bool = True) -> None:
-        """Stop ``req``; its KV pages are freed before the engine's next step.
+    def cancel(self, handle: RequestHandle, wait: bool = True) -> None:
+        """Stop the request of ``handle`` (what :meth:`submit` returned); its KV pages are freed
+        before the engine's next step. The same as ``handle.cancel(wait)``.
 
-        With ``wait`` the call returns once the pages are free.
+        With ``wait`` the call returns once the pages are free. A
+        :class:`~engine.serving.request.Request` (what :meth:`submit` returned before) is still
+        accepted for one release, with a DeprecationWarning.
         """
-        self.loop.cancel(req, wait)
+        if isinstance(handle, Request):
+            warnings.warn("Engine.cancel(Request) is deprecated and goes in the next release: pass the "
+                          "RequestHandle that Engine.submit returns", DeprecationWarning, stacklevel=2)
+            self.loop.cancel(handle, wait)
+            return
+        handle.cancel(wait)
 
     def stats(self) -> dict:
         """Engine counters: KV pool pages (total, used, free, page size, capacity in tokens),

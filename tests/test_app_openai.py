@@ -7,7 +7,6 @@ import asyncio
 import base64
 import json
 import pathlib
-import queue
 import time
 
 import pytest
@@ -18,7 +17,8 @@ from app.model_loader import ModelChoice, ModelLoader
 from app.openai_api import OpenAIAPI
 from app.server import create_app
 from app.settings import Settings
-from engine import Completion, PrismError, SamplingParams
+from engine import Completion, PrismError, RequestHandle, SamplingParams
+from engine.serving.handle import OutputChannel
 from sessions import SessionStore
 
 
@@ -181,44 +181,132 @@ def test_model_loading_gives_503(tmp_path):
 
 
 class GoneClient:
-    """A request whose client has disconnected."""
+    """A request whose client has disconnected (its ASGI receive says so)."""
 
     headers: dict = {}
 
-    async def is_disconnected(self) -> bool:
-        return True
+    async def receive(self) -> dict:
+        return {"type": "http.disconnect"}
+
+
+def wait_settled(engine) -> None:
+    """Return once the engine runs and queues nothing (a hang guard, not a timing)."""
+    deadline = time.monotonic() + 60
+    while (engine.stats()["running"] or engine.stats()["waiting"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_client_disconnect_cancels_the_request(engine):
     """A client that has gone away gets nothing more: the stream stops before the answer is
     complete and the engine request is cancelled, long before its 2000 tokens."""
     api = OpenAIAPI(types_loader(engine), max_image_bytes=1 << 20)
-    req = engine.submit([{"role": "user", "content": "Talk for a long time"}],
-                        SamplingParams(max_tokens=2000, ignore_eos=True))
+    handle = engine.submit([{"role": "user", "content": "Talk for a long time"}],
+                           SamplingParams(max_tokens=2000, ignore_eos=True))
 
     async def consume():
-        seen = []
-        async for item in api._items(GoneClient(), engine, req):
-            seen.append(item)
-        return seen
+        return [item async for item in api._items(GoneClient(), handle)]
 
     seen = asyncio.run(consume())
     assert not any(isinstance(item, Completion) for item in seen)  # stopped before the end
-    done = wait_for_completion(req)
-    assert req.cancelled and done.finish_reason == "cancelled"
-    assert len(done.token_ids) < 2000
-    deadline = time.monotonic() + 30  # a hang guard, not a timing
-    while engine.stats()["running"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_settled(engine)
+    req = handle.request
+    assert req.cancelled and len(req.generated) < 2000
     assert engine.stats()["running"] == 0
+    assert api.metrics.requests.labels("abort")._value.get() == 1
 
 
-def wait_for_completion(req) -> Completion:
-    """The request's final :class:`Completion` (deltas still queued are skipped)."""
-    while True:
-        item = req.outbox.get(timeout=60)
-        if isinstance(item, Completion):
-            return item
+class RecordingEngine:
+    """The engine, with every handle its ``submit`` returned kept in :attr:`handles`."""
+
+    def __init__(self, engine):
+        self._engine, self.handles = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def submit(self, *args, **kwargs):
+        handle = self._engine.submit(*args, **kwargs)
+        self.handles.append(handle)
+        return handle
+
+
+@pytest.fixture
+def live_server(tmp_path, engine):
+    """``(base_url, recording_engine, api)``: the app without its UI on a real uvicorn server (a
+    thread, an OS-chosen port), so that a client closing its connection is a real disconnect."""
+    import threading
+
+    import uvicorn
+
+    recording = RecordingEngine(engine)
+    settings = Settings(data_dir=tmp_path, max_upload_mb=2)
+    store = SessionStore(tmp_path)
+    loader = ModelLoader.ready(recording, ModelChoice("tiny", "tiny-test", False, "test"), settings)
+    app = create_app(settings, store, loader, mount_ui=False)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", recording, app.state.openai
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        store.close()
+
+
+LONG = {"messages": [{"role": "user", "content": "Talk for a long time"}], "max_tokens": 2000, "temperature": 0}
+
+
+def assert_cancelled_and_freed(engine, handle, api) -> None:
+    wait_settled(engine)
+    req = handle.request
+    assert req.cancelled and len(req.generated) < 2000  # stopped by the disconnect, not by its end
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["pages_used"] == stats["cache_pages"], stats  # its pages are free
+    assert api.metrics.requests.labels("abort")._value.get() == 1
+    assert api.metrics.requests.labels("length")._value.get() == 0
+
+
+def test_a_client_that_disconnects_mid_stream_over_http_cancels_its_request(live_server, engine):
+    """Over a real connection: a streaming client that reads one delta and closes the connection
+    gets its engine request cancelled and its KV pages freed (no timed poll finds it: the server's
+    ASGI receive says ``http.disconnect``)."""
+    import httpx
+
+    url, recording, api = live_server
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while '"content": ""' in (line := next(lines)) or not line:  # the role chunk and blank lines
+                pass
+            assert '"content"' in line  # the first text delta: the request runs
+    (handle,) = recording.handles
+    assert_cancelled_and_freed(engine, handle, api)
+
+
+def test_a_client_that_disconnects_before_a_whole_answer_over_http_cancels_its_request(live_server, engine):
+    """The same without streaming: the client closes its socket while its answer is computed."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url, recording, api = live_server
+    body = json.dumps(LONG).encode()
+    split = urlsplit(url)
+    with socket.create_connection((split.hostname, split.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 60  # a hang guard: wait until the request runs in the engine
+        while not (recording.handles and recording.handles[0].request.generated) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert recording.handles and recording.handles[0].request.generated, "the request never ran"
+    (handle,) = recording.handles
+    assert_cancelled_and_freed(engine, handle, api)
 
 
 def types_loader(engine):
@@ -251,19 +339,20 @@ def test_a_model_that_is_not_served_is_a_404_model_not_found(client):
 
 # ---------------------------------------------------------------------------------- issue 22: cut short
 class PresentClient:
-    """A request whose client stays connected."""
+    """A request whose client stays connected (its ASGI receive never answers)."""
 
     headers: dict = {}
 
-    async def is_disconnected(self) -> bool:
-        return False
+    async def receive(self) -> dict:
+        await asyncio.Event().wait()  # cancelled when the answer is done
+        raise AssertionError("unreachable")
 
 
-def sse_events(api, engine, req, include_usage=False, midway=None) -> list:
-    """Every server-sent event of ``req``'s stream, parsed (``"[DONE]"`` kept as the string);
+def sse_events(api, handle, include_usage=False, midway=None) -> list:
+    """Every server-sent event of ``handle``'s stream, parsed (``"[DONE]"`` kept as the string);
     ``midway()`` is called once the first text delta has been sent."""
     async def read():
-        stream = api._sse(PresentClient(), engine, req, "chatcmpl-test", include_usage)
+        stream = api._sse(PresentClient(), handle, "chatcmpl-test", include_usage)
         lines = [await anext(stream), await anext(stream)]  # the role chunk, then the first delta
         if midway is not None:
             midway()
@@ -288,10 +377,10 @@ def test_a_stream_cut_short_by_a_shutdown_does_not_end_like_a_finished_answer(en
     its last chunk has vLLM's ``finish_reason: "abort"``, then an error event (code ``aborted``,
     which the OpenAI SDK raises), then ``[DONE]``; and the server refuses new requests (503)."""
     api = OpenAIAPI(types_loader(engine), max_image_bytes=1 << 20)
-    req = engine.submit([{"role": "user", "content": "Talk for a long time"}],
-                        SamplingParams(max_tokens=2000, ignore_eos=True))
+    handle = engine.submit([{"role": "user", "content": "Talk for a long time"}],
+                           SamplingParams(max_tokens=2000, ignore_eos=True))
     cancelled = []
-    events = sse_events(api, engine, req, include_usage=True, midway=lambda: cancelled.append(api.cancel_all()))
+    events = sse_events(api, handle, include_usage=True, midway=lambda: cancelled.append(api.cancel_all()))
     assert cancelled == [1]
     assert events[-1] == "[DONE]"
     assert finish_reasons(events) == ["abort"]
@@ -305,18 +394,12 @@ def test_a_stream_cut_short_by_a_shutdown_does_not_end_like_a_finished_answer(en
     assert refused.status_code == 503 and b"shutting down" in refused.body
 
 
-class FakeRequest:
-    """Stands in for an engine request whose outbox holds ``items`` (deltas, then an error)."""
-
-    def __init__(self, *items):
-        self.outbox = queue.Queue()
-        for item in items:
-            self.outbox.put(item)
-
-
-class NoEngine:
-    def cancel(self, req, wait=True):
-        pass
+def handle_of(*items) -> RequestHandle:
+    """A handle whose channel already holds ``items`` (deltas, then an error), of no engine."""
+    channel = OutputChannel()
+    for item in items:
+        channel.put(item)
+    return RequestHandle(0, channel, lambda wait: None, prompt_tokens=0)
 
 
 @pytest.mark.parametrize("failure", [PrismError("the engine stopped"), RuntimeError("a bug")])
@@ -326,7 +409,7 @@ def test_a_stream_that_fails_in_the_engine_ends_with_an_error_event_only(failure
     PrismError (a bug) broke the stream off with no event at all, which clients read as a normal
     end."""
     api = OpenAIAPI(types_loader(None), max_image_bytes=1 << 20)
-    events = sse_events(api, NoEngine(), FakeRequest("Hel", "lo", failure))
+    events = sse_events(api, handle_of("Hel", "lo", failure))
     assert events[-1] == "[DONE]" and finish_reasons(events) == []
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
     assert text == "Hello"
@@ -341,13 +424,13 @@ def test_non_streaming_answers_cut_short_get_an_error_status(engine):
     failure in the engine a 500, both in OpenAI's error shape; before, a cancelled answer came
     back as a 200 with ``finish_reason: "stop"`` and a bug escaped as an unhandled exception."""
     api = OpenAIAPI(types_loader(engine), max_image_bytes=1 << 20)
-    req = engine.submit([{"role": "user", "content": "Talk for a long time"}],
-                        SamplingParams(max_tokens=2000, ignore_eos=True))
-    engine.cancel(req)
-    r = asyncio.run(api._complete(PresentClient(), engine, req, "chatcmpl-test"))
+    handle = engine.submit([{"role": "user", "content": "Talk for a long time"}],
+                           SamplingParams(max_tokens=2000, ignore_eos=True))
+    engine.cancel(handle)
+    r = asyncio.run(api._complete(PresentClient(), handle, "chatcmpl-test"))
     assert r.status_code == 503 and json.loads(r.body)["error"]["code"] == "aborted"
     for failure in (PrismError("the engine stopped"), RuntimeError("a bug")):
-        r = asyncio.run(api._complete(PresentClient(), NoEngine(), FakeRequest("Hel", failure), "chatcmpl-test"))
+        r = asyncio.run(api._complete(PresentClient(), handle_of("Hel", failure), "chatcmpl-test"))
         err = json.loads(r.body)["error"]
         assert r.status_code == 500 and err["type"] == "server_error" and "the request failed" in err["message"]
 
@@ -362,8 +445,9 @@ class JSONRequest:
     async def body(self) -> bytes:
         return self._body
 
-    async def is_disconnected(self) -> bool:
-        return False
+    async def receive(self) -> dict:
+        await asyncio.Event().wait()  # connected until the answer is done
+        raise AssertionError("unreachable")
 
 
 # ------------------------------------------------------------------------------------------------

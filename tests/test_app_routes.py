@@ -253,3 +253,81 @@ def test_shared_images_are_served_by_hash_under_the_share_token(env):
     for sha in env.session.image_shas:
         assert f'src="/s/{token}/images/{sha}"' in html and f'src="/images/{sha}"' not in html
         assert visitor.get(f"/s/{token}/images/{sha}").status_code == 200
+
+
+# ---------------------------------------------------------------------------------- --ui off
+_HEADLESS_SCRIPT = r'''
+import json, sys
+from pathlib import Path
+
+from app.settings import parse_settings
+
+data, model = Path(sys.argv[1]), sys.argv[2]
+settings = parse_settings(["--data-dir", str(data), "--model", model, "--device", "cpu"], {"PRISM_UI": "off"})
+from fastapi.testclient import TestClient
+
+from app.model_loader import ModelLoader
+from app.server import create_app
+from sessions import SessionStore
+
+store = SessionStore(data)
+loader = ModelLoader(settings)
+loader.start()
+assert loader.wait(300), loader.status()
+app = create_app(settings, store, loader)
+out = {"ui": settings.ui, "gradio_after_create": "gradio" in sys.modules}
+sha = "0" * 64
+with TestClient(app) as client:
+    out["pages"] = {path: client.get(path).status_code for path in
+                    ("/", "/gradio_api/info", "/s/abc", "/s/abc/prefix", f"/images/{sha}", f"/s/abc/images/{sha}",
+                     "/sessions/abc/prefix", "/prism-static/prism.css", "/config")}
+    out["fork"] = client.post("/s/abc/fork").status_code
+    out["healthz"] = client.get("/healthz").status_code
+    out["metrics"] = client.get("/metrics").status_code
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0}
+    r = client.post("/v1/chat/completions", json=body)
+    out["completion"] = [r.status_code, r.json()["usage"]["completion_tokens"] if r.status_code == 200 else r.text]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        out["stream_last"] = [line for line in s.iter_lines() if line][-1]
+    out["cookies"] = list(client.cookies.keys())
+out["gradio_at_end"] = "gradio" in sys.modules
+loader.close()
+store.close()
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_ui_off_serves_only_the_api_metrics_and_health_without_importing_gradio(tmp_path, demo_ckpt):
+    """``--ui off`` (here through ``PRISM_UI``): in a fresh interpreter, the app built by the real
+    loader on the demo model answers /v1 (whole and streamed), /metrics and /healthz; every page
+    route of the web UI is a 404, no owner cookie is handed out, and ``gradio`` is never imported
+    (the H200 image has no Gradio)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _HEADLESS_SCRIPT, str(tmp_path / "data"), str(demo_ckpt)],
+                          capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["ui"] == "off"
+    assert out["gradio_after_create"] is False and out["gradio_at_end"] is False
+    assert set(out["pages"].values()) == {404}, out["pages"]
+    assert out["fork"] == 404
+    assert out["healthz"] == 200 and out["metrics"] == 200
+    assert out["completion"][0] == 200 and out["completion"][1] >= 1, out["completion"]
+    assert out["stream_last"] == "data: [DONE]"
+    assert out["cookies"] == []
+
+
+def test_ui_is_on_unless_turned_off(tmp_path):
+    assert parse_settings([], {}).ui == "on"
+    assert parse_settings(["--ui", "off"], {}).ui == "off"
+    assert parse_settings(["--ui", "on"], {"PRISM_UI": "off"}).ui == "on"  # the command line wins
+    with pytest.raises(SystemExit):
+        parse_settings([], {"PRISM_UI": "headless"})

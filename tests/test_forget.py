@@ -22,14 +22,9 @@ def ask(engine, image: bytes, question: str, salt: str):
     return engine.generate(media_first_messages([image], question), GREEDY, cache_salt=salt)
 
 
-def completion_of(req) -> Completion:
+def completion_of(handle) -> Completion:
     """The request's completion (its deltas are skipped); raises what it failed with."""
-    while True:
-        item = req.outbox.get(timeout=60)
-        if isinstance(item, BaseException):
-            raise item
-        if isinstance(item, Completion):
-            return item
+    return handle.result(timeout=60)
 
 
 def test_a_forgotten_session_starts_from_scratch_and_another_keeps_its_caches(tiny_engine_factory):
@@ -85,7 +80,7 @@ def test_forget_waits_for_the_salts_queued_and_running_requests(tiny_engine_fact
 
     done = engine.forget("victim")
 
-    assert first.status.name == second.status.name == "FINISHED"
+    assert first.request.status.name == second.request.status.name == "FINISHED"
     for req in (first, second):
         finished = completion_of(req)
         assert finished.finish_reason == "length" and len(finished.token_ids) == 6

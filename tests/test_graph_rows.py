@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine import Completion, SamplingParams, media_first_messages
+from engine import SamplingParams, media_first_messages
 from engine.model.attention import PagedStep
 from ops import AttentionMetadata
 
@@ -119,15 +119,14 @@ def test_decode_rows_and_a_prefill_share_one_step(tiny_engine_factory, photos, m
     state = {"sent": None}
 
     def execute(batch):
-        if state["sent"] is None and first.generated:
+        if state["sent"] is None and first.request.generated:
             state["sent"] = graphed.submit(short, GREEDY)
         return real(batch)
 
     monkeypatch.setattr(graphed.loop.runner, "execute", execute)
-    done = [item for item in graphed.loop.stream(first) if isinstance(item, Completion)]
-    second = [item for item in graphed.loop.stream(state["sent"]) if isinstance(item, Completion)]
+    done, second = first.result(), state["sent"].result()
 
-    assert [done[0].token_ids, second[0].token_ids] == [c.token_ids for c in want]
+    assert [done.token_ids, second.token_ids] == [c.token_ids for c in want]
     n_short = len(graphed.prompts.build(short).input_ids)
     assert any(len(c) == n_short + 1 for c in rows.calls), [len(c) for c in rows.calls]
 

@@ -54,21 +54,15 @@ LONG_Q = "Please list, one by one and in great detail, every object, colour, sha
 # ------------------------------------------------------------------------------------------------
 
 
-def wait_done(req, timeout: float = 120.0) -> Completion:
-    """The completion of a submitted request (deltas skipped; errors raised)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        item = req.outbox.get(timeout=max(0.1, deadline - time.monotonic()))
-        if isinstance(item, BaseException):
-            raise item
-        if isinstance(item, Completion):
-            return item
+def wait_done(handle, timeout: float = 120.0) -> Completion:
+    """The completion of a submitted request's handle (deltas skipped; errors raised)."""
+    return handle.result(timeout=timeout)
 
 
 def run(engine, messages, salt: str | None = "s", sampling: SamplingParams = SP):
-    """Submit, wait, and return ``(completion, request)`` (the request carries its prefix key)."""
-    req = engine.submit(messages, sampling, cache_salt=salt)
-    return wait_done(req), req
+    """Submit, wait, and return ``(completion, request)`` (the engine's request carries its prefix key)."""
+    handle = engine.submit(messages, sampling, cache_salt=salt)
+    return wait_done(handle), handle.request
 
 
 def gen(engine, messages, salt: str | None = "s", sampling: SamplingParams = SP) -> Completion:
@@ -444,11 +438,11 @@ def test_stale_prefix_falls_back_to_a_cold_run(make, photos):
     img = photos["astronaut"]
     assert gen(engine, media_first_messages([img], Q1)).telemetry.prefix_cache == "miss"
     blocker = engine.submit([{"role": "user", "content": "Count."}], SamplingParams(max_tokens=4000, ignore_eos=True))
-    poll(lambda: blocker.status is Status.RUNNING)
+    poll(lambda: blocker.request.status is Status.RUNNING)
     messages = media_first_messages([img], Q2)
     waiting = engine.submit(messages, SP, cache_salt="s")
-    poll(lambda: waiting.telemetry.prefix_cache == "hit")  # looked up at intake, waiting for a slot
-    assert waiting.status is Status.WAITING
+    poll(lambda: waiting.request.telemetry.prefix_cache == "hit")  # looked up at intake, waiting for a slot
+    assert waiting.request.status is Status.WAITING
     engine.clear_prefix_cache()
     assert engine.stats()["cache_entries"] == 0
     engine.cancel(blocker)

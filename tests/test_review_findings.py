@@ -61,21 +61,15 @@ def token_bytes(make):
                                    model_dtype=torch.float32)
 
 
-def wait_done(req, timeout: float = 30.0) -> Completion:
-    """The request's completion (deltas skipped, errors raised); fails instead of hanging."""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"request {req.id} did not finish in {timeout} s (status {req.status}, " \
-                              f"preempted {req.telemetry.preempted} times)"
-        try:
-            item = req.outbox.get(timeout=min(remaining, 1.0))
-        except Exception:  # queue.Empty: check the deadline again
-            continue
-        if isinstance(item, BaseException):
-            raise item
-        if isinstance(item, Completion):
-            return item
+def wait_done(handle, timeout: float = 30.0) -> Completion:
+    """The completion of ``handle`` (a RequestHandle; deltas skipped, errors raised); fails instead
+    of hanging."""
+    try:
+        return handle.result(timeout=timeout)
+    except TimeoutError:
+        req = handle.request
+        raise AssertionError(f"request {handle.id} did not finish in {timeout} s (status {req.status}, "
+                             f"preempted {req.telemetry.preempted} times)") from None
 
 
 def run(engine, messages, sampling=SP, salt="s", timeout: float = 30.0) -> Completion:
@@ -230,8 +224,9 @@ def run_behind_an_older_request(eng, messages, sampling, evict_when=None):
     while it waits after preemption, the prefix cache is cleared right then. Returns its Completion."""
     with close_on_failure(eng):
         older = eng.submit([{"role": "user", "content": "Count."}], SamplingParams(max_tokens=70, ignore_eos=True))
-        poll(lambda: older.status is Status.RUNNING, what="the older request to run")
-        req = eng.submit(messages, sampling, cache_salt="s")
+        poll(lambda: older.request.status is Status.RUNNING, what="the older request to run")
+        handle = eng.submit(messages, sampling, cache_salt="s")
+        req = handle.request
         if evict_when is not None:
             def waiting_and_evicted():
                 with eng.loop.paused():
@@ -241,7 +236,7 @@ def run_behind_an_older_request(eng, messages, sampling, evict_when=None):
                 return False
 
             poll(waiting_and_evicted, what="the preempted request to wait (and its entry to be evicted)")
-        done = wait_done(req)
+        done = wait_done(handle)
         wait_done(older)
     return done
 
@@ -447,7 +442,7 @@ def _cancel_after_step(eng, monkeypatch, when):
         out = real(batch)
         for req, _ in batch.items:
             if not cancelled and when(req):
-                eng.cancel(req, wait=False)  # taken up by the loop before its next step
+                eng.loop.cancel(req, wait=False)  # taken up by the loop before its next step
                 cancelled.append(req)
         return out
 
@@ -496,10 +491,10 @@ def test_cancel_a_hit_while_it_waits(make, photos):
     img = photos["astronaut"]
     run(eng, media_first_messages([img], Q1))
     blocker = eng.submit([{"role": "user", "content": "Count."}], SamplingParams(max_tokens=4000, ignore_eos=True))
-    poll(lambda: blocker.status is Status.RUNNING, what="the blocker to run")
+    poll(lambda: blocker.request.status is Status.RUNNING, what="the blocker to run")
     waiting = eng.submit(media_first_messages([img], Q2), SP, cache_salt="s")
-    poll(lambda: waiting.match is not None, what="the intake lookup")
-    assert waiting.status is Status.WAITING
+    poll(lambda: waiting.request.match is not None, what="the intake lookup")
+    assert waiting.request.status is Status.WAITING
     eng.cancel(waiting)
     done = wait_done(waiting)
     assert done.finish_reason == "cancelled" and done.telemetry.cached_tokens == 0
@@ -525,7 +520,8 @@ def test_prefix_and_extension_survive_eviction_while_attached(make, photos):
     t1 = run(eng, media_first_messages([img], Q1))
     messages = media_first_messages([img], Q2, history=[(Q1, t1.text)])
     sampling = SamplingParams(max_tokens=60, ignore_eos=True)
-    req = eng.submit(messages, sampling, cache_salt="s")
+    handle = eng.submit(messages, sampling, cache_salt="s")
+    req = handle.request
     poll(lambda: req.attached is not None, what="the second turn to attach")
     assert req.attached.parent is not None  # an extension
     entries = eng.stats()["cache_entries"]
@@ -533,7 +529,7 @@ def test_prefix_and_extension_survive_eviction_while_attached(make, photos):
     with eng.loop.paused():
         assert req.attached is not None and req.attached.alive and req.attached.parent.alive
     assert eng.stats()["cache_entries"] >= 2 and entries >= 2
-    done = wait_done(req)
+    done = wait_done(handle)
     assert done.telemetry.conversation_reuse_tokens > 0
     assert done.token_ids == cold(make, messages, sampling).token_ids
     assert_pool_settled(eng)
@@ -609,7 +605,7 @@ def test_many_threads_generate_stream_cancel_stats_and_clear(make, photos, token
                     req = eng.submit(cases[i], SamplingParams(max_tokens=50, ignore_eos=True), cache_salt=salt)
                     time.sleep(rng.random() * 0.01)
                     eng.cancel(req)
-                    assert req.status is Status.FINISHED
+                    assert req.request.status is Status.FINISHED
                 elif op == "stats":
                     s = eng.stats()
                     assert s["pages_used"] + s["pages_free"] == s["pages_total"]

@@ -401,31 +401,32 @@ def test_closing_a_stream_frees_its_pages(cases, engine):
 
 def test_cancel_from_another_thread(cases, engine):
     free_before = engine.stats()["pages_free"]
-    req = engine.submit(cases["text"], SamplingParams(max_tokens=1000, ignore_eos=True))
-    first = req.outbox.get(timeout=30)
+    handle = engine.submit(cases["text"], SamplingParams(max_tokens=1000, ignore_eos=True))
+    reading = iter(handle)
+    first = next(reading)
     assert isinstance(first, str)
-    call_with_timeout(lambda: engine.cancel(req))
-    items = []
-    while not items or not isinstance(items[-1], (Completion, BaseException)):
-        items.append(req.outbox.get(timeout=30))
+    call_with_timeout(lambda: engine.cancel(handle))
+    items = list(reading)
     done = items[-1]
     assert isinstance(done, Completion) and done.finish_reason == "cancelled"
     assert 1 <= len(done.token_ids) < 1000
     assert first + "".join(items[:-1]) == done.text
     assert engine.stats()["pages_free"] == free_before
-    engine.cancel(req)  # cancelling a finished request is a no-op
+    engine.cancel(handle)  # cancelling a finished request is a no-op
     assert_pool_idle(engine)
 
 
 def test_cancel_a_waiting_request(cases, tiny_engine_factory):
     eng = tiny_engine_factory(**BASE, max_num_seqs=1)
     busy = eng.submit(cases["text"], SamplingParams(max_tokens=1000, ignore_eos=True))
-    assert isinstance(busy.outbox.get(timeout=30), str)
+    busy_reading = iter(busy)  # kept: a dropped iterator cancels its request
+    assert isinstance(next(busy_reading), str)
     queued = eng.submit(cases["one_photo"], GREEDY)
     wait_until(lambda: eng.stats()["waiting"] == 1, what="a waiting request")
     eng.cancel(queued)
-    assert queued.outbox.get(timeout=30).finish_reason == "cancelled"
-    assert queued.telemetry.vision_encoder_ran is False and queued.tokens == queued.prompt.input_ids
+    assert queued.result(timeout=30).finish_reason == "cancelled"
+    req = queued.request
+    assert req.telemetry.vision_encoder_ran is False and req.tokens == req.prompt.input_ids
     eng.cancel(busy)
     assert_pool_idle(eng)
     eng.close()
@@ -518,18 +519,15 @@ def test_oversized_requests_are_refused_at_submission(cases, engine, tiny_engine
 def test_a_full_queue_refuses_the_excess(cases, tiny_engine_factory):
     eng = tiny_engine_factory(**BASE, max_num_seqs=1, max_waiting=2)
     slow = eng.submit(cases["text"], SamplingParams(max_tokens=5000, ignore_eos=True))
-    assert isinstance(slow.outbox.get(timeout=30), str)  # running
+    slow_reading = iter(slow)  # kept: a dropped iterator cancels its request
+    assert isinstance(next(slow_reading), str)  # running
     queued = [eng.submit(cases["text"], GREEDY) for _ in range(2)]
     assert eng.stats()["waiting"] == 2
     with pytest.raises(EngineOverloadedError, match="busy"):
         eng.submit(cases["text"], GREEDY)
     eng.cancel(slow)  # the queue drains: the waiting two complete
-    for req in queued:
-        done = req.outbox
-        items = []
-        while not items or not isinstance(items[-1], (Completion, BaseException)):
-            items.append(done.get(timeout=30))
-        assert isinstance(items[-1], Completion) and items[-1].finish_reason == "length"
+    for handle in queued:
+        assert handle.result(timeout=30).finish_reason == "length"
     assert eng.generate(cases["text"], GREEDY).finish_reason == "length"  # accepted again
     assert_pool_idle(eng)
     eng.close()
@@ -610,7 +608,7 @@ def test_an_internal_error_spares_the_requests_sharing_its_step(cases, alone, en
     jobs = [lambda: engine.generate(bad_messages, GREEDY), lambda: engine.generate(cases["one_photo"], GREEDY),
             lambda: engine.generate(cases["text"], GREEDY)]
     bad, photo, text = run_threads(jobs)
-    assert isinstance(plug.outbox.get(timeout=30), (str, Completion))
+    assert isinstance(plug.result(timeout=30), Completion)
     assert max(len(b) for b in batches) >= 3, batches
     assert isinstance(bad, PrismError) and "simulated device failure" in str(bad)
     assert isinstance(photo, Completion) and photo.token_ids == alone("one_photo").token_ids
@@ -717,11 +715,12 @@ def test_telemetry_and_stats(cases, photos, tiny_engine_factory):
     # while one request runs and another waits
     one_seq = tiny_engine_factory(**BASE, max_num_seqs=1)
     busy = one_seq.submit(cases["text"], SamplingParams(max_tokens=1000, ignore_eos=True))
-    assert isinstance(busy.outbox.get(timeout=30), str)
+    busy_reading = iter(busy)  # kept: a dropped iterator cancels its request
+    assert isinstance(next(busy_reading), str)
     queued = one_seq.submit(cases["text"], GREEDY)
     wait_until(lambda: one_seq.stats()["waiting"] == 1, what="one waiting request")
     live = one_seq.stats()
-    assert live["running"] == 1 and live["pages_used"] == len(busy.block_table) > 0
+    assert live["running"] == 1 and live["pages_used"] == len(busy.request.block_table) > 0
     assert live["pages_used"] + live["pages_free"] == live["pages_total"]
     one_seq.cancel(queued)
     one_seq.cancel(busy)

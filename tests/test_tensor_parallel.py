@@ -120,7 +120,7 @@ def test_tp2_batched_requests_equal_tp1(dense_pair):
                                                                ("gold", "Which colour is it?"))]
     expected = [tp1.generate(m, SP, cache_salt=f"batch{i}").token_ids for i, m in enumerate(prompts)]
     reqs = [tp2.submit(m, SP, cache_salt=f"batch{i}") for i, m in enumerate(prompts)]  # one loop, batched
-    got = [[item for item in tp2.loop.stream(r) if isinstance(item, Completion)][0].token_ids for r in reqs]
+    got = [r.result().token_ids for r in reqs]
     assert got == expected
 
 
@@ -204,7 +204,7 @@ def test_killing_a_rank_gives_every_waiting_caller_a_clear_error(fp8_pair):
         except PrismError as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=drain, args=(it,)) for it in (running, *(tp2.loop.stream(r) for r in waiting))]
+    threads = [threading.Thread(target=drain, args=(it,)) for it in (running, *(iter(r) for r in waiting))]
     for t in threads:
         t.start()
     for t in threads:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -51,7 +52,10 @@ class OutputChannel:
             waiters, self._waiters = self._waiters, []
             self._cv.notify_all()
         for loop, future in waiters:
-            loop.call_soon_threadsafe(_wake, future)
+            try:
+                loop.call_soon_threadsafe(_wake, future)
+            except RuntimeError:  # that event loop is closed: its reader is gone, the writer goes on
+                pass
 
     def get(self, block: bool = True, timeout: float | None = None) -> Output:
         """The next item, waiting for it with ``block`` (at most ``timeout`` seconds).
@@ -73,6 +77,7 @@ class OutputChannel:
         return self.get(block=False)
 
     def empty(self) -> bool:
+        """Whether no item is waiting to be read."""
         with self._cv:
             return not self._items
 
@@ -114,19 +119,33 @@ class RequestHandle:
             :meth:`cancel` (later calls are no-ops).
         prompt_tokens: the prompt's length in tokens (visual placeholders included), known at
             submission, before anything is decoded.
+        request: the engine's own :class:`~engine.serving.request.Request` behind the handle when
+            the engine runs in this process, else None.
 
     Attributes:
         id, prompt_tokens: as given.
+        request: as given: for tests and tools that inspect the loop's state (its fields belong to
+            the loop thread: read them under ``engine.loop.paused()``); not a stable API.
     """
 
     def __init__(self, request_id: int, channel: OutputChannel, cancel: Callable[[bool], None], *,
-                 prompt_tokens: int):
+                 prompt_tokens: int, request: Any = None):
         self.id = request_id
         self.prompt_tokens = prompt_tokens
+        self.request = request
         self._channel = channel
         self._cancel = cancel
         self._cancelled = False
         self._final: Output | None = None
+
+    @property
+    def outbox(self) -> OutputChannel:
+        """Deprecated (kept for one release): the request's raw channel, as ``Request.outbox`` was;
+        iterate the handle, or call :meth:`result`, instead."""
+        warnings.warn("RequestHandle.outbox (formerly Request.outbox) is deprecated and goes in the next "
+                      "release: iterate the handle (for / async for) or call result()", DeprecationWarning,
+                      stacklevel=2)
+        return self._channel
 
     @property
     def done(self) -> bool:

@@ -90,7 +90,8 @@ class EngineLoop:
             yield
 
     def submit(self, req: Request) -> None:
-        """Queue a request; its outputs arrive on ``req.outbox``.
+        """Queue a request; its outputs arrive on ``req.outbox`` (read through the
+        :class:`~engine.serving.handle.RequestHandle` that ``Engine.submit`` makes of it).
 
         Raises:
             PrismError: the loop is closed.
@@ -124,21 +125,6 @@ class EngineLoop:
         with self._cv:
             pending = [r for r in (*self._inbox, *self.scheduler.waiting, *self.scheduler.running) if r.salt == salt]
             self._cv.wait_for(lambda: all(r.status is Status.FINISHED for r in pending) or not self._thread.is_alive())
-
-    def stream(self, req: Request) -> Iterator[str | Completion]:
-        """Yield ``req``'s text deltas, then its :class:`Completion`; raise the error it failed with.
-        Closing the iterator early cancels the request."""
-        try:
-            while True:
-                item = req.outbox.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, Completion):
-                    return
-        finally:
-            if req.status is not Status.FINISHED:
-                self.cancel(req)
 
     def counters(self) -> dict:
         """The loop's part of :meth:`Engine.stats() <engine.Engine.stats>`: running and waiting

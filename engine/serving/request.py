@@ -35,7 +35,9 @@ class Request:
 
     ``tokens`` is the prompt followed by the generated tokens. ``num_computed`` counts the tokens
     whose K/V is stored in the pages of ``block_table``; the rest are prefilled in later steps.
-    Deltas, the final completion or an exception go to ``outbox`` for the caller's thread.
+    Deltas, the final completion or an exception go to ``outbox``, the
+    :class:`~engine.serving.handle.OutputChannel` its caller reads through a
+    :class:`~engine.serving.handle.RequestHandle`.
     """
 
     prompt: Prompt
