@@ -11,6 +11,8 @@ prefills, then admissions in arrival order; the prefix's kept tokens under the u
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from engine.cache.compaction import CompactionConfig
@@ -39,12 +41,16 @@ KEPT = (0, 1, 2, 3, 5, 7, 9, 11, 12)
 
 
 class FakeStream:
-    """A text stream that shows each token as ``<id>``; ``stop_on`` ends the request."""
+    """A text stream that shows each token as ``<id>``; ``stop_on`` ends the request; ``probe()``
+    (if set) runs at each push."""
 
     def __init__(self, stop_on: int | None = None):
         self.text, self.stopped, self.stop_on = "", False, stop_on
+        self.probe = None
 
     def push(self, token: int) -> str:
+        if self.probe is not None:
+            self.probe()
         if token == self.stop_on:
             self.stopped = True
             return ""
@@ -326,3 +332,30 @@ def test_engine_loop_step_runs_one_iteration_and_a_stop_ends_the_request_in_that
     assert loop.step() is True and runner.plans[-1].finished == [req.id]  # the runner drops its state
     assert loop.close() is True
     assert isinstance(other.outbox.get_nowait(), str)
+
+
+def test_detokenisation_runs_outside_the_loop_lock():
+    """While a token is pushed through the text stream another thread can take the loop's lock
+    (``paused()``: stats, a clear) instead of waiting for the detokeniser."""
+    sched = make(num_pages=8, budget=8)
+    req = request([1, 2, 3], max_tokens=2)
+    loop = EngineLoop(sched, FakeRunner({req.id: [7, 8]}), None, eos_token_ids={0}, start=False)
+    free = []
+
+    def take_and_give_back():
+        took = loop._cv.acquire(blocking=False)
+        if took:
+            loop._cv.release()
+        free.append(took)
+
+    def probe():
+        other = threading.Thread(target=take_and_give_back)
+        other.start()
+        other.join()
+
+    req.stream.probe = probe
+    loop.submit(req)
+    assert loop.step() and loop.step()
+    assert free == [True, True]
+    assert req.status is Status.FINISHED and req.outbox.get_nowait() == "<7>"
+    loop.close()

@@ -203,7 +203,7 @@ class EngineLoop:
             sampled = self._apply(plan, output)
         # Detokenisation runs outside the lock; the stream of a request is only ever touched by
         # this thread. A stop string still ends its request in this step (below).
-        ends = [(req, reason) for req, token in sampled if (reason := self._deliver(req, token)) is not None]
+        ends = [(req, reason) for req, token in sampled if (reason := self._deliver(req, token))]
         with self._cv:
             for req, reason in ends:
                 self._finish(req, None, reason)
