@@ -325,11 +325,13 @@ def test_engine_loop_step_runs_one_iteration_and_a_stop_ends_the_request_in_that
     done = req.outbox.get_nowait()
     assert isinstance(done, Completion) and done.finish_reason == "stop" and done.token_ids == [7, 8, 9]
     assert [[r.num_tokens for r in p.runs] for p in runner.plans] == [[3], [1], [1]]
-    assert loop.step() is False and runner.plans[-1].finished == []  # no work: no plan
+    # no work, but the runner is told to drop the finished request's state (and only once)
+    assert loop.step() is False and runner.plans[-1].finished == [req.id] and runner.plans[-1].runs == []
+    assert loop.step() is False and len(runner.plans) == 4
     other = request([4, 5])
     runner.script[other.id] = [6]
     loop.submit(other)
-    assert loop.step() is True and runner.plans[-1].finished == [req.id]  # the runner drops its state
+    assert loop.step() is True and runner.plans[-1].finished == []
     assert loop.close() is True
     assert isinstance(other.outbox.get_nowait(), str)
 

@@ -181,7 +181,7 @@ class EngineLoop:
         """
         with self._cv:
             self._intake()
-            if not self.scheduler.has_work():
+            if not (self.scheduler.has_work() or self.scheduler.has_news()):
                 return False
             # scheduling evicts and attaches cache entries: never beside stats() or a clear
             plan = self.scheduler.schedule()
@@ -291,6 +291,7 @@ class EngineLoop:
                 with self._cv:
                     self._cv.wait_for(
                         lambda: self._stopping or self._inbox or self._cancels or self.scheduler.has_work()
+                        or self.scheduler.has_news()
                     )
                     if self._stopping:
                         break

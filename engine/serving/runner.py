@@ -115,7 +115,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ one plan
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one plan: the data moves, then the encoder (a failure fails its own request: its
-        run is left out), then the token scores asked for, then the forward and sampling.
+        run is left out), then the forward and sampling, then the token scores asked for.
 
         Raises:
             Exception: whatever the forward raised (the plan's requests then fail).
@@ -124,15 +124,17 @@ class ModelRunner:
         out = StepOutput()
         self._encode(plan, out)
         runs = [run for run in plan.runs if run.req_id not in out.failed]
-        for req_id in plan.scores:
-            if req_id not in out.failed:
-                seq = self._seqs[req_id]
-                out.scores[req_id] = self.scorer(seq.info.prompt, self.features.get(req_id, {}))
         features = {run.req_id: f for run in runs if (f := self._run_features(run)) is not None}
         sampled = self._launch(plan, runs, features)
         for req_id, token in sampled:
             out.sampled[req_id] = token
             self._seqs[req_id].tokens.append(token)
+        # after the forward: under tensor parallelism every rank has then taken the plan (its data
+        # moves included) whatever the scores do
+        for req_id in plan.scores:
+            if req_id not in out.failed:
+                seq = self._seqs[req_id]
+                out.scores[req_id] = self.scorer(seq.info.prompt, self.features.get(req_id, {}))
         return out
 
     def take(self, plan: StepPlan) -> None:

@@ -86,6 +86,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_news(self) -> bool:
+        """Whether the next plan has something for the runner even without work: requests that
+        finished since the last plan (their state and features to drop), or data moves."""
+        return bool(self._ended or self.pool.orders)
+
     def add(self, request: Request) -> None:
         self._requests[request.id] = request
         self.waiting.append(request)
