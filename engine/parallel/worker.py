@@ -92,8 +92,8 @@ def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeC
         message = conn.recv()
         kind = message[0]
         if kind == "plan":
-            plan, named, shape = message[1]
             plan: StepPlan
+            plan, named, shape = message[1]
             runner.take(plan)
             copies += sum(isinstance(order, PageCopy) for order in plan.kv_orders)
             moves += sum(not isinstance(order, PageCopy) for order in plan.kv_orders)
