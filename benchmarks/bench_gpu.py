@@ -181,9 +181,9 @@ def record_steps(engine):
     steps = []
     execute = runner.execute
 
-    def timed(batch):
-        out = execute(batch)
-        steps.append((time.perf_counter(), [n for _, n in batch.items]))
+    def timed(plan):
+        out = execute(plan)
+        steps.append((time.perf_counter(), [run.num_tokens for run in plan.runs]))
         return out
 
     runner.execute = timed

@@ -125,15 +125,11 @@ class Engine:
         self.namespace = "|".join([f"model={model_id}", f"config={config_sha}", self.prompts.namespace(),
                                    f"dtype={model.dtype}", f"kv={options.kv_cache_dtype}"])
         t = cfg.text
-        pool_class, world = PagePool, 1
-        if parallel is not None:
-            from .parallel.pool import MirroredPagePool
-
-            pool_class, world = MirroredPagePool, parallel.world
+        world = parallel.world if parallel is not None else 1
         pool_shape = dict(num_layers=t.num_hidden_layers, num_kv_heads=t.num_key_value_heads // world,
                           head_dim=t.head_dim, page_size=options.page_size, kv_cache_dtype=options.kv_cache_dtype,
                           model_dtype=model.dtype)
-        self.pool = pool_class.sized(options.kv_budget(model.device), **pool_shape, device=model.device)
+        self.pool = PagePool.sized(options.kv_budget(model.device), **pool_shape, device=model.device)
         self.max_model_len = min(options.max_model_len or t.max_position_embeddings, self.pool.capacity_tokens)
         self.prompts.max_prompt_tokens = self.max_model_len - 1  # one token at least left to generate
         steps = options.pressure_steps()
@@ -152,7 +148,6 @@ class Engine:
             graph_spec = dict(decode_rows=max(options.max_num_seqs, options.graph_max_tokens),
                               max_model_len=self.max_model_len, prefill=options.prefill_graphs)
         if parallel is not None:  # workers build their pools and capture beside rank 0 (paired collectives)
-            self.pool.group = parallel
             parallel.start_workers({**pool_shape, "num_pages": self.pool.num_pages}, graph_spec)
         if graph_spec is not None:
             decode_graphs, prefill_graphs = capture_step_graphs(model, self.pool, **graph_spec)
@@ -163,14 +158,16 @@ class Engine:
         self._vision_counter = EncodeCounter(model.visual)
         self.vision = VisionLookup(encoder, VisionCache(options.vision_cache_bytes), self.namespace,
                                    cfg.vision.spatial_merge_size, model.device)
+        scorer = reuse.token_scores if reuse is not None else None
         if parallel is None:
-            runner = ModelRunner(model, self.pool, self.vision.encode_items, decode_graphs, prefill_graphs)
+            runner = ModelRunner(model, self.pool, self.vision.encode_items, decode_graphs, prefill_graphs,
+                                 scorer=scorer)
         else:
             from .parallel.runner import ParallelRunner
 
             parallel.wait_ready()
             runner = ParallelRunner(model, self.pool, self.vision.encode_items, decode_graphs, prefill_graphs,
-                                    group=parallel)
+                                    scorer=scorer, group=parallel)
         warm_up_kernels(self.pool.layers[0], model.language_model.layers[0].self_attn.heads, self.dtype)
         self.intake = Intake(self.tokenizer, model.device, self.max_model_len, reuse)
         self.loop = EngineLoop(scheduler, runner, reuse, eos_token_ids=self.eos_token_ids,

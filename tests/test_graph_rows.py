@@ -118,10 +118,10 @@ def test_decode_rows_and_a_prefill_share_one_step(tiny_engine_factory, photos, m
     real = graphed.loop.runner.execute
     state = {"sent": None}
 
-    def execute(batch):
+    def execute(plan):
         if state["sent"] is None and first.request.generated:
             state["sent"] = graphed.submit(short, GREEDY)
-        return real(batch)
+        return real(plan)
 
     monkeypatch.setattr(graphed.loop.runner, "execute", execute)
     done, second = first.result(), state["sent"].result()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache.kv_pool import OutOfPagesError, PagePool
+from engine.cache.kv_pool import OutOfPagesError, PageCopy, PagePool, SlotMove
 from ops import dequantize_fp8, store_kv
 
 LAYERS, HKV, D, PAGE = 2, 2, 8, 4
@@ -145,6 +145,11 @@ def test_fork_last_copies_a_shared_partly_filled_page(kv_cache_dtype):
     pool.fork_last(second)  # `second` is about to append: it needs a private last page
 
     fresh = second[-1]
+    # the data copy is an order (the step plan carries it to the runner), not done yet
+    assert pool.orders == [PageCopy(shared_last, fresh)]
+    for order in pool.take_orders():
+        pool.apply(order)
+    assert pool.orders == []
     assert fresh != shared_last and fresh not in first
     assert second[:-1] == first[:-1], "only the last page is copied"
     assert first == [first[0], shared_last], "the other holder's table is unchanged"
@@ -163,7 +168,7 @@ def test_fork_last_copies_a_shared_partly_filled_page(kv_cache_dtype):
     # an unshared last page is not copied
     before = list(second)
     pool.fork_last(second)
-    assert second == before and pool.num_used == 3
+    assert second == before and pool.num_used == 3 and pool.orders == []
     pool.release(first)
     pool.release(second)
     assert pool.num_free == 6
@@ -178,6 +183,8 @@ def test_fork_last_copy_dequantises_like_the_original():
     other = list(table)
     pool.incref(other)
     pool.fork_last(other)
+    (order,) = pool.take_orders()
+    pool.apply(order)
     for layer in pool.layers:
         for cache, scale in ((layer.k_cache, layer.k_scale), (layer.v_cache, layer.v_scale)):
             a = dequantize_fp8(cache[table[0], :, :3], scale[table[0], :, :3])  # [head, offset, dim]
@@ -193,7 +200,7 @@ def test_fork_last_without_a_free_page_changes_nothing():
     before, table_before = snapshot(pool), list(b)
     with pytest.raises(OutOfPagesError):
         pool.fork_last(b)
-    assert snapshot(pool) == before and b == table_before
+    assert snapshot(pool) == before and b == table_before and pool.orders == []
     pool.check([a, b])
 
 
@@ -289,3 +296,39 @@ def test_pool_move_slots_moves_every_layer_like_the_per_layer_reference(kv_cache
 
     for page in table:
         assert _equal(_page_state(pool, page), _page_state(expected, page)), page
+
+
+# ------------------------------------------------------------------------------------------------
+# page arithmetic and the kept-slot move
+# ------------------------------------------------------------------------------------------------
+
+
+def test_pages_for_and_slot_are_the_page_arithmetic():
+    pool = make_pool(num_pages=6)  # PAGE tokens a page
+    assert [pool.pages_for(n) for n in (0, 1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE)] == [0, 1, 1, 1, 2, 3]
+    table = [5, 2, 4]
+    # physical token i lives at page table[i // PAGE], offset i % PAGE: slot page * PAGE + offset
+    assert [pool.slot(table, i) for i in (0, PAGE - 1, PAGE, 2 * PAGE + 1)] == [
+        5 * PAGE, 5 * PAGE + PAGE - 1, 2 * PAGE, 4 * PAGE + 1]
+
+
+def _token_state(pool: PagePool, table: list[int], i: int) -> list[torch.Tensor]:
+    """Every layer's K and V of physical token ``i`` of ``table`` (head-major pages)."""
+    page, offset = table[i // PAGE], i % PAGE
+    return [t[page, :, offset].clone() for layer in pool.layers for t in (layer.k_cache, layer.v_cache)]
+
+
+def test_keep_slots_orders_the_move_and_releases_the_pages_past_the_kept_tokens():
+    pool = make_pool(num_pages=6, kv_cache_dtype="auto")
+    table = pool.allocate(3)
+    _fill(pool, table, 0, 3 * PAGE, seed=5)
+    kept = [1, PAGE, PAGE + 2, 2 * PAGE + 3]  # four tokens: one page
+    want = [_token_state(pool, table, i) for i in kept]
+    pages = pool.keep_slots(table, kept)
+    assert pages == table[:1] and pool.num_used == 1 and pool.refcount[table[0]] == 1
+    (move,) = pool.take_orders()
+    assert move == SlotMove(tuple(pool.slot(table, i) for i in kept), tuple(pool.slot(table, i) for i in range(4)))
+    pool.apply(move)
+    assert all(_equal(_token_state(pool, pages, i), w) for i, w in enumerate(want))
+    pool.release(pages)
+    pool.check([])

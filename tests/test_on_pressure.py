@@ -74,7 +74,10 @@ def add_dense(cache: PrefixCache, key: str, hits: int = 0):
 
 
 def stored_positions(cache: PrefixCache, entry) -> list[int]:
-    """The logical positions the entry's slots hold, read back from the pool's K."""
+    """The logical positions the entry's slots hold, read back from the pool's K, once the slot
+    moves the cache ordered are applied (what the runner does first in the next step)."""
+    for order in cache.pool.take_orders():
+        cache.pool.apply(order)
     k = cache.pool.layers[0].k_cache
     return [int(k[entry.pages[i // PAGE], 0, i % PAGE, 0]) for i in range(entry.kv_len)]
 
@@ -249,19 +252,22 @@ def oracles(tiny_engine_factory):
 
 
 def guard_moves(engine) -> list[tuple[int, int]]:
-    """Wrap the pool's ``move_slots`` so that a move touching a page in a running request's block
-    table fails the step (and so the test); returns the list of (slots moved, pages they span)."""
+    """Wrap the pool's ``keep_slots`` (the one place a compaction orders its slot moves) so that a
+    move touching a page in a running request's block table, when it is decided, fails the step
+    (and so the test); returns the list of (slots moved, pages they span). The move runs at the
+    start of the next step, before any forward: a page freed by it and handed to a request of that
+    step is written by that step only after the move read it."""
     pool, scheduler, moves = engine.pool, engine.loop.scheduler, []
-    original = pool.move_slots
+    original = pool.keep_slots
 
-    def checked(src, dst):
-        touched = {s // pool.page_size for s in (*src, *dst)}
+    def checked(table, kept):
+        touched = {table[i // pool.page_size] for i in (*kept, *range(len(kept)))}
         for req in scheduler.running:
             assert not touched & set(req.block_table), "a running request's prefix pages moved"
-        moves.append((len(src), len(touched)))
-        original(src, dst)
+        moves.append((len(kept), len(touched)))
+        return original(table, kept)
 
-    pool.move_slots = checked
+    pool.keep_slots = checked
     return moves
 
 

@@ -434,19 +434,22 @@ def test_two_sessions_share_images_under_global_scope(make, photos):
 
 def _cancel_after_step(eng, monkeypatch, when):
     """Make the loop cancel (without waiting) the request for which ``when(req)`` holds right
-    after a step computed it; returns the list of cancelled requests."""
-    real = eng.loop.runner.execute
+    after a step computed it (the scheduler's update applied); returns the list of cancelled
+    requests."""
+    scheduler = eng.loop.scheduler
+    real = scheduler.update
     cancelled = []
 
-    def execute(batch):
-        out = real(batch)
-        for req, _ in batch.items:
-            if not cancelled and when(req):
+    def update(plan, output):
+        out = real(plan, output)
+        for run in plan.runs:
+            req = scheduler.request(run.req_id)
+            if req is not None and not cancelled and when(req):
                 eng.loop.cancel(req, wait=False)  # taken up by the loop before its next step
                 cancelled.append(req)
         return out
 
-    monkeypatch.setattr(eng.loop.runner, "execute", execute)
+    monkeypatch.setattr(scheduler, "update", update)
     return cancelled
 
 

@@ -251,10 +251,10 @@ def test_mixed_batch_from_three_threads_equals_alone(cases, alone, engine, monke
         submitted.append(req)
         return req
 
-    def execute(batch):
+    def execute(plan):
         wait_until(lambda: len(submitted) == 3, what="three submissions")
-        sizes.append(len(batch.items))
-        return real_execute(batch)
+        sizes.append(len(plan.runs))
+        return real_execute(plan)
 
     monkeypatch.setattr(engine, "submit", submit)
     monkeypatch.setattr(engine.loop.runner, "execute", execute)
@@ -589,16 +589,16 @@ def test_an_internal_error_spares_the_requests_sharing_its_step(cases, alone, en
     plug_running, batches = threading.Event(), []
     real_schedule = engine.loop.scheduler.schedule
 
-    def execute(batch):
+    def execute(plan):
         if not plug_running.is_set():
             plug_running.set()
             wait_until(lambda: engine.stats()["waiting"] == 3, what="three queued requests")
-        return real_execute(batch)
+        return real_execute(plan)
 
     def schedule():
-        batch = real_schedule()
-        batches.append([r.id for r, _ in batch.items])
-        return batch
+        plan = real_schedule()
+        batches.append([run.req_id for run in plan.runs])
+        return plan
 
     monkeypatch.setattr(engine.loop.runner, "encode_vision", encode)
     monkeypatch.setattr(engine.loop.runner, "execute", execute)

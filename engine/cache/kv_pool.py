@@ -9,12 +9,20 @@ indices) serves all layers.
 Pages carry reference counts so that several sequences and cached prefixes can share them; a page
 with more than one reference is never written. Writers that need to append to a shared, partly
 filled last page first take a private copy (copy-on-write, :meth:`PagePool.fork_last`).
+
+Bookkeeping and data are apart: the scheduling side allocates, shares and releases pages, and the
+data moves it decides (a copy-on-write page copy, a compaction's slot moves) are recorded as
+orders (:class:`PageCopy`, :class:`SlotMove`) instead of run at once. The scheduler hands them to
+the runner in its step plan, which applies them (:meth:`PagePool.apply`) before that step's
+forward, on every tensor-parallel rank alike. An order is applied before any forward that follows
+its decision, so it reads the pool as it was when it was decided.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +36,27 @@ KV_DTYPES = ("fp8_e4m3", "auto")
 
 class OutOfPagesError(PrismError):
     """The pool has fewer free pages than asked for."""
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """Copy page ``src``'s K/V (and scales) onto page ``dst`` in every layer (copy-on-write)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class SlotMove:
+    """Move the K/V (and scales) of slots ``src`` to slots ``dst`` in every layer (compaction);
+    slot ``s`` is ``page * page_size + offset``; the two may overlap."""
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+
+#: A data move of the pool, decided on the scheduling side and applied by the runner.
+KVOrder = PageCopy | SlotMove
 
 
 class PagePool:
@@ -76,6 +105,7 @@ class PagePool:
         )
         self.refcount = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low indices first
+        self.orders: list[KVOrder] = []  # data moves decided, not yet handed to a step plan
 
     # ------------------------------------------------------------------ sizing
     @classmethod
@@ -101,6 +131,15 @@ class PagePool:
     @property
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
+
+    # ------------------------------------------------------------------ page arithmetic
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold ``num_tokens`` tokens (0 for 0)."""
+        return -(-num_tokens // self.page_size)
+
+    def slot(self, block_table, phys: int) -> int:
+        """Pool slot of physical token ``phys`` of a sequence whose pages are ``block_table``."""
+        return block_table[phys // self.page_size] * self.page_size + phys % self.page_size
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -156,7 +195,8 @@ class PagePool:
         return self.refcount[page] > 1
 
     def fork_last(self, block_table: list[int]) -> None:
-        """Copy-on-write: give ``block_table`` a private copy of its last page if it is shared.
+        """Copy-on-write: give ``block_table`` a private copy of its last page if it is shared
+        (the page is replaced in the list; the data copy is recorded as a :class:`PageCopy` order).
 
         Raises:
             OutOfPagesError: no free page for the copy.
@@ -164,13 +204,38 @@ class PagePool:
         if not block_table or not self.is_shared(block_table[-1]):
             return
         (fresh,) = self.allocate(1)
-        self.copy_page(block_table[-1], fresh)
+        self.orders.append(PageCopy(block_table[-1], fresh))
         self.release([block_table[-1]])
         block_table[-1] = fresh
 
+    def keep_slots(self, block_table: list[int], kept: list[int]) -> list[int]:
+        """Compaction of one sequence's pages: physical tokens ``kept`` (increasing) move to the
+        front (physical ``0 .. k - 1``, recorded as a :class:`SlotMove` order), the pages past the
+        first ``pages_for(k)`` are released. Returns the pages kept (a new list; ``block_table``
+        is not changed)."""
+        k = len(kept)
+        self.orders.append(SlotMove(tuple(self.slot(block_table, i) for i in kept),
+                                    tuple(self.slot(block_table, i) for i in range(k))))
+        keep = self.pages_for(k)
+        self.release(block_table[keep:])
+        return list(block_table[:keep])
+
+    def take_orders(self) -> list[KVOrder]:
+        """The data moves decided since the last call, in the order decided (the list is emptied)."""
+        orders, self.orders = self.orders, []
+        return orders
+
+    def apply(self, order: KVOrder) -> None:
+        """Run one data move (:class:`PageCopy` or :class:`SlotMove`) on this pool's tensors."""
+        if isinstance(order, PageCopy):
+            self.copy_page(order.src, order.dst)
+        else:
+            self.move_slots(list(order.src), list(order.dst))
+
     def copy_page(self, src: int, dst: int) -> None:
         """Copy page ``src``'s K/V (and scales) onto page ``dst`` in every layer (data only: no
-        reference count changes). Under tensor parallelism every rank's pool does the same copy."""
+        reference count changes). Under tensor parallelism every rank's pool does the same copy
+        (from the step plan's orders)."""
         layer_base = torch.arange(self.num_layers) * self.num_pages
         dev = self._k.device
         copy_pages(self._all, (layer_base + src).to(dev), (layer_base + dst).to(dev))

@@ -24,7 +24,8 @@ conversation extensions (lowest value first); then it compacts a prefix entry on
 entry no request reads (``users == 0``, no live extension: the slots are moved in place, so a
 reader would see them move); then it evicts whole entries by value as above. A compaction keeps the
 entry's key (a later hit on the same images finds it), moves the kept slots to the front of its
-pages (:meth:`~engine.cache.kv_pool.PagePool.move_slots`), frees the pages past them, drops its
+pages (:meth:`~engine.cache.kv_pool.PagePool.keep_slots`: a slot-move order the next step plan
+carries to the runner), frees the pages past them, drops its
 extensions (their KV attended to the tokens that are gone) and records what it kept.
 
 What a prefix kept: each prefix entry records which logical prefix tokens its KV still holds
@@ -271,7 +272,7 @@ class PrefixCache:
         entry.users += 1
         entry.hits += 1
         entry.last_used = next(_clock)
-        pages = entry.pages[: -(-match.kv_len // self.pool.page_size)]
+        pages = entry.pages[: self.pool.pages_for(match.kv_len)]
         self.pool.incref(pages)
         return pages
 
@@ -433,7 +434,7 @@ class PrefixCache:
         those it keeps now, with the entry's stored selector scores; None when the step would
         free no page."""
         kept = self.step_keeps(entry, step)
-        return kept if -(-len(kept) // self.pool.page_size) < len(entry.pages) else None
+        return kept if self.pool.pages_for(len(kept)) < len(entry.pages) else None
 
     def step_keeps(self, entry: PrefixEntry, step: int) -> torch.Tensor:
         """The logical positions (int64 ``[k]``, increasing) step ``step`` of
@@ -471,22 +472,17 @@ class PrefixCache:
             self.evict(child)
         if any(self.pool.refcount[p] != 1 for p in entry.pages):
             raise RuntimeError("compaction of a prefix entry holding shared pages")
-        page = self.pool.page_size
         # physical slot i holds logical entry.kept.positions[i]: where each kept token is now
         src = torch.searchsorted(entry.kept.positions, kept).tolist()
-        table = entry.pages
-        self.pool.move_slots([table[i // page] * page + i % page for i in src],
-                             [table[i // page] * page + i % page for i in range(len(src))])
-        keep_pages = -(-len(src) // page)
-        freed = table[keep_pages:]
-        self.pool.release(freed)
-        entry.pages = table[:keep_pages]
+        before = len(entry.pages)
+        entry.pages = self.pool.keep_slots(entry.pages, src)
+        freed = before - len(entry.pages)
         entry.kv_len = len(src)
         cfg = self.pressure_steps[step]
         entry.record_kept(KeptTokens(kept, cfg.method, cfg.keep_ratio))
         self.stats.pressure_compactions += 1
-        self.stats.pressure_pages_freed += len(freed)
-        return len(freed)
+        self.stats.pressure_pages_freed += freed
+        return freed
 
     def evict(self, entry: PrefixEntry) -> None:
         self._remove(entry)

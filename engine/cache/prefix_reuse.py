@@ -7,13 +7,16 @@
    longest cached run for the prompt (its prefix, or a conversation extension of it) is kept as the
    request's ``match`` and counted as a hit; no entry is a miss.
 3. **Attach** (scheduler, at admission, :meth:`PrefixReuse.attach`): the matched entry's pages
-   join the request's block table read-only (references taken; a partly filled last page is copied
-   by the scheduler before it is written). An entry evicted since the lookup is dropped
+   start the request's block table read-only (references taken, the pages returned for the
+   scheduler to install; a partly filled last page is copied by the scheduler before it is
+   written). An entry evicted since the lookup is dropped
    (:meth:`PrefixReuse.drop`: reported ``stale``, the hit taken back) and the prompt computed cold.
-4. **Compact and cache** (loop, after the step that computed a cold prefix,
-   :meth:`PrefixReuse.after_step`): the prefix's kept visual tokens are moved together, the pages
-   beyond them freed, and the compact prefix cached. Under ``mode="on_pressure"`` the prefix is
-   cached dense instead; the cache compacts it later, only when pages run short
+4. **Compact and cache** (scheduler, in the update after the step that computed a cold prefix,
+   :meth:`PrefixReuse.compact_and_cache`): the prefix's kept visual tokens are moved together (a
+   slot-move order the next step plan carries), the pages beyond them freed, and the compact
+   prefix cached; the request's new table and offset are returned for the scheduler to install.
+   Under ``mode="on_pressure"`` the prefix is cached dense instead; the cache compacts it later,
+   only when pages run short
    (:meth:`PrefixCache.make_room <engine.cache.prefix_cache.PrefixCache.make_room>`), under the
    same key. A hit reports which form it used (telemetry ``prefix_form``).
 5. **Keep the conversation** (loop, when a request finishes, :meth:`PrefixReuse.keep_conversation`):
@@ -23,14 +26,18 @@
 For a caller, :meth:`PrefixReuse.prefix_info` reports which visual tokens a salt's cached prefix
 kept, per image (read from :attr:`PrefixEntry.kept <engine.cache.prefix_cache.PrefixEntry.kept>`).
 
-Requests are duck-typed (:class:`CachingRequest`): this module never imports the serving core.
-Every method but :meth:`PrefixReuse.key` runs under the engine loop's lock.
+Requests are duck-typed (:class:`CachingRequest`): this module never imports the serving core,
+and it writes none of a request's KV state (``num_computed``, ``block_table``, ``kv_offset``, the
+attached entry): it returns what they become. It writes the lookup's outcome (``match``) and the
+prefix telemetry it decides. Every method but :meth:`PrefixReuse.key` runs under the engine loop's
+lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -61,10 +68,25 @@ class CachingRequest(Protocol):
     match: Match | None
     attached: PrefixEntry | None
     cold_prefix: bool
-    vision: dict
 
     @property
     def kv_len(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """What :meth:`PrefixReuse.compact_and_cache` made of a request's cold prefix.
+
+    Attributes:
+        block_table: the request's pages now (the kept ones; the others were released).
+        kv_offset: logical tokens the compaction removed.
+        entry: the cache entry the request now reads (references held by the cache), or None when
+            an entry of that key was cached meanwhile.
+    """
+
+    block_table: list[int]
+    kv_offset: int
+    entry: PrefixEntry | None
 
 
 class PrefixReuse:
@@ -146,9 +168,8 @@ class PrefixReuse:
 
     def drop(self, req: CachingRequest) -> None:
         """Give up the request's match (computed cold instead): report it "stale" and take back the
-        hit counted at intake. Review fix: only a match found at intake was counted (and reported)
-        as a hit; a preempted request's own re-lookup (kept while it waited) has nothing to take
-        back."""
+        hit counted at intake. Only a match found at intake was counted (and reported) as a hit: a
+        preempted request's own re-lookup (kept while it waited) has nothing to take back."""
         req.match = None
         if not req.telemetry.preempted:
             req.telemetry.prefix_cache = "stale"
@@ -167,75 +188,66 @@ class PrefixReuse:
         finally:
             match.entry.users -= 1
 
-    def attach(self, req: CachingRequest, match: Match) -> None:
-        """Attach the matched entry's pages (read-only, references taken) as the start of the
-        request's block table; its first ``match.length`` tokens count as computed."""
-        req.block_table = self.cache.acquire(match)
-        req.attached = match.entry
-        req.num_computed = match.length
-        req.kv_offset = match.entry.kv_offset
+    def attach(self, req: CachingRequest, match: Match) -> list[int]:
+        """Take the matched entry for ``req`` (a user, references on its pages) and report the
+        hit. Returns the pages that start the request's block table (read-only); the scheduler
+        installs them, with ``match.length`` tokens computed and the entry's ``kv_offset``."""
+        pages = self.cache.acquire(match)
         self._report_hit(req, match)
+        return pages
 
     def _report_hit(self, req: CachingRequest, match: Match) -> None:
         entry, tel = match.entry, req.telemetry
         if not tel.preempted:  # a re-admission after preemption saves nothing new for the user
             self.cache.stats.tokens_saved += match.length
-            # Review fix: set at the first admission only. A re-admission's match is not prompt
-            # reuse: it may run into the request's own generated tokens (cached_tokens >
-            # prompt_tokens) or be the request's own prefix (a "miss" reporting cached tokens).
+            # Set at the first admission only: a re-admission's match is not prompt reuse. It may
+            # run into the request's own generated tokens (cached_tokens > prompt_tokens) or be
+            # the request's own prefix (a "miss" reporting cached tokens).
             tel.cached_tokens = match.length
             tel.conversation_reuse_tokens = match.length - entry.prefix_len
         base = entry if entry.parent is None else entry.parent
         tel.visual_tokens_kept = base.visual_kept
-        tel.prefix_pages = self._pages(entry.prefix_len - entry.kv_offset)
+        tel.prefix_pages = self.pool.pages_for(entry.prefix_len - entry.kv_offset)
         tel.prefix_pages_dense = entry.dense_pages
         tel.prefix_form = "compact" if entry.compact else "dense"
 
-    def detach(self, req: CachingRequest) -> None:
-        """The request no longer uses the entry it attached (its page references are its own to
-        release)."""
-        if req.attached is not None:
-            self.cache.release_user(req.attached)
-            req.attached = None
+    def detach(self, entry: PrefixEntry) -> None:
+        """A request no longer uses ``entry``, which it attached (its page references are its own
+        to release)."""
+        self.cache.release_user(entry)
 
     def make_room(self, pages_needed: int) -> bool:
         """Evict unused entries until ``pages_needed`` pages are free; whether that succeeded."""
         return self.cache.make_room(pages_needed)
 
     # ------------------------------------------------------------------ after a step
-    def after_step(self, items: Iterable[tuple[CachingRequest, int]]) -> None:
-        """Compact and cache the public prefix of the requests whose step just computed it."""
-        for req, _ in items:
-            if req.cold_prefix and req.num_computed == req.prompt.prefix_len:
-                self.compact_and_cache(req)
+    @property
+    def needs_scores(self) -> bool:
+        """Whether compacting a cold prefix needs token scores (computed from its vision
+        features by the runner, which holds them: :meth:`token_scores`)."""
+        return bool(self.compaction.score_names)
 
-    def compact_and_cache(self, req: CachingRequest) -> None:
-        """Keep the prefix's selected tokens (moved to the front of its pages, the pages beyond
-        released), then cache the compact prefix and attach the request to it. Under
-        ``"on_pressure"`` every token is kept: the prefix is cached dense."""
-        page = self.pool.page_size
+    def compact_and_cache(self, req: CachingRequest, scores: dict | None = None) -> Compacted:
+        """Keep the prefix's selected tokens (moved to the front of its pages: a
+        :class:`~engine.cache.kv_pool.SlotMove` order; the pages beyond released), then cache the
+        compact prefix. Under ``"on_pressure"`` every token is kept: the prefix is cached dense.
+        ``scores``: the prefix's token scores (:meth:`token_scores`; None when the selector needs
+        none). Returns the request's new table, offset and entry (:class:`Compacted`)."""
         n = req.prompt.prefix_len
-        scores = self.token_scores(req)
         dense = self.mode == "on_pressure" or self.compaction.method is None
         kept = torch.arange(n) if dense else self.compaction.kept_positions(n, req.prompt.spans, scores)
         k = len(kept)
+        table = list(req.block_table)
         if k < n:
-            table = req.block_table
-            self.pool.move_slots([table[i // page] * page + i % page for i in kept.tolist()],
-                                 [table[i // page] * page + i % page for i in range(k)])
-            keep_pages = -(-k // page)
-            self.pool.release(table[keep_pages:])
-            del table[keep_pages:]
-        req.kv_offset = n - k
-        req.cold_prefix = False
+            table = self.pool.keep_slots(table, kept.tolist())
         visual_kept = k - (n - req.prompt.num_visual_tokens)
         tel = req.telemetry
         tel.visual_tokens_kept = visual_kept
-        tel.prefix_pages = len(req.block_table)
-        tel.prefix_pages_dense = self._pages(n)
+        tel.prefix_pages = len(table)
+        tel.prefix_pages_dense = self.pool.pages_for(n)
         tel.prefix_form = "dense" if k == n else "compact"
         entry = self.cache.add_prefix(
-            req.prefix_key, req.salt, req.tokens[:n], req.block_table, k, tel.prefix_pages_dense, visual_kept,
+            req.prefix_key, req.salt, req.tokens[:n], table, k, tel.prefix_pages_dense, visual_kept,
             images=req.prompt.image_keys, spans=req.prompt.spans,
         )
         if entry is not None:
@@ -243,19 +255,19 @@ class PrefixReuse:
             entry.record_kept(KeptTokens(kept, method, self.compaction.keep_ratio if method else 1.0))
             entry.scores = scores
             entry.users += 1
-            req.attached = entry
+        return Compacted(table, n - k, entry)
 
-    def token_scores(self, req: CachingRequest) -> dict | None:
+    def token_scores(self, prompt, vision: dict) -> dict | None:
         """The prefix's :data:`~engine.cache.compaction.TokenScores` the configured selector needs
-        (see :mod:`engine.cache.token_scores`; ``4 * prefix_len`` bytes per score), from the
-        request's vision features, before anything is dropped; None when it needs none."""
+        (see :mod:`engine.cache.token_scores`; ``4 * prefix_len`` bytes per score), from the vision
+        features of ``prompt``'s images (``vision``: :class:`~engine.model.vision.VisionFeatures`
+        by ``(kind, index)``), before anything is dropped; None when it needs none."""
         names = self.compaction.score_names
         if not names:
             return None
-        prompt = req.prompt
         n = prompt.prefix_len
-        device = next(iter(req.vision.values())).embeds.device
-        offsets, features = span_features(prompt.spans, req.vision, 0, n, device)
+        device = next(iter(vision.values())).embeds.device
+        offsets, features = span_features(prompt.spans, vision, 0, n, device)
         spans = self.compaction.compacted_spans(prompt.spans)
         return prefix_scores(names, n, spans, media_hashes(prompt), features, offsets)
 
@@ -284,11 +296,8 @@ class PrefixReuse:
             return
         if req.num_computed <= len(entry.tokens) or req.kv_offset != entry.kv_offset:
             return
-        pages = req.block_table[: self._pages(req.kv_len)]
+        pages = req.block_table[: self.pool.pages_for(req.kv_len)]
         self.cache.add_extension(entry, req.tokens[: req.num_computed], pages, req.kv_len)
-
-    def _pages(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.pool.page_size)
 
 
 def kept_by_image(entry: PrefixEntry, kept: KeptTokens | None = None) -> list[dict]:

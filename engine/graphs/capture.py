@@ -61,7 +61,7 @@ def capture_step_graphs(model, pool, *, decode_rows: int, max_model_len: int, pr
     from .decode import DecodeGraphs  # needs Triton: imported only where graphs run
     from .prefill import PrefillGraphs
 
-    decode = DecodeGraphs(model, pool, decode_rows, max_pages_per_seq=-(-max_model_len // pool.page_size),
+    decode = DecodeGraphs(model, pool, decode_rows, max_pages_per_seq=pool.pages_for(max_model_len),
                           max_seq_len=max_model_len)
     decode.capture()
     prefill_graphs = None

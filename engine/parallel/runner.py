@@ -1,13 +1,14 @@
-"""Rank 0's model runner under tensor parallelism: before each forward (eager, a decode-graph
-replay or a prefill-graph replay) it sends the step's plan to the workers and broadcasts the
-step's vision features, so every rank runs the same step on its shard and the decoder's
-all-reduces pair up. Scheduling, vision and sampling stay on rank 0 (:class:`ModelRunner`)."""
+"""Rank 0's model runner under tensor parallelism: before each step's forward it sends the step
+plan to the workers (one message kind, ``("plan", plan, features)``) and broadcasts the step's
+vision features it names, so every rank applies the same data moves and runs the same step on its
+shard, and the decoder's all-reduces pair up. Scheduling, vision and sampling stay on rank 0
+(:class:`ModelRunner`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from ..serving.runner import ModelRunner, StepInputs
+from ..model.vision import VisionFeatures
+from ..serving.plan import ScheduledRun, StepPlan
+from ..serving.runner import ModelRunner, RunFeatures
 from .group import TensorParallelGroup, feature_shape
 
 
@@ -19,24 +20,16 @@ class ParallelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.group = group
 
-    def forward(self, inputs: StepInputs, *, head: bool = True):
-        # Tensors cross the pipe as lists: pickling a tensor through torch.multiprocessing would
-        # move it to shared memory; vision features follow as a broadcast on the model device.
-        features, visual = None, None
-        if inputs.visual is not None:
-            rows, features = inputs.visual
-            visual = (rows.tolist(), feature_shape(features))
-        plan = replace(inputs, positions=inputs.positions.tolist(), visual=visual)
-        return self.group.step(("forward", plan), features,
-                               lambda: super(ParallelRunner, self).forward(inputs, head=head))
-
-    def replay_decode(self, ids, positions, slots, seq_lens, tables):
-        plan = ("decode", (ids, positions, slots, seq_lens, [list(t) for t in tables]))  # positions: lists
-        return self.group.step(plan, None, lambda: super(ParallelRunner, self).replay_decode(
-            ids, positions, slots, seq_lens, tables))
-
-    def replay_prefill(self, ids, positions, slots, rows, features):
-        shape = feature_shape(features) if features is not None else None
-        plan = ("prefill", (ids, positions.tolist(), slots, rows.tolist(), shape))
-        return self.group.step(plan, features, lambda: super(ParallelRunner, self).replay_prefill(
-            ids, positions, slots, rows, features))
+    def _launch(self, plan: StepPlan, runs: list[ScheduledRun], features: dict[int, RunFeatures]):
+        # The plan goes out after rank 0's encoder ran, without the runs whose encoding failed;
+        # the features follow as one broadcast on the model device, in run order, each run's
+        # visual-token offsets named in the message (tensors cross the pipe as lists: through
+        # torch.multiprocessing they would move to shared memory).
+        named = [(run.req_id, features[run.req_id][0].tolist()) for run in runs if run.req_id in features]
+        parts = [features[req_id][1] for req_id, _ in named]
+        step = VisionFeatures.concat(parts) if parts else None
+        message = ("plan", (plan.for_worker(runs), named, feature_shape(step) if step is not None else None))
+        if not runs:
+            self.group.send(message)
+            return []
+        return self.group.step(message, step, lambda: super(ParallelRunner, self)._launch(plan, runs, features))

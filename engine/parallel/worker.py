@@ -2,11 +2,13 @@
 :meth:`~engine.parallel.group.TensorParallelGroup.launch`.
 
 It loads the checkpoint, keeps its shard (:mod:`engine.parallel.sharding`), builds its own KV pool
-(its KV heads only, rank 0's page count) and then only executes what rank 0 sends, in order: a
-forward on given token ids, positions, block tables and slots (eager, or a replay of its own step
-graphs), a page copy (copy-on-write), a slot move (compaction). It decides nothing: no scheduler,
-no prefix cache, no sampling, no vision encoder (rank 0 encodes each image once and broadcasts the
-features). Pages are only storage here; which page holds what is rank 0's bookkeeping.
+(its KV heads only, rank 0's page count) and then only executes the step plans rank 0 sends, in
+order (:class:`~engine.serving.plan.StepPlan`, the same plan rank 0's runner executes, less the
+runs whose encoding failed): the plan's data moves (copy-on-write page copies, compaction's slot
+moves), then the forward of its runs (eager, or a replay of its own step graphs, chosen from the
+plan as rank 0 chooses). It decides nothing: no scheduler, no prefix cache, no sampling, no vision
+encoder (rank 0 encodes each image once and broadcasts the features the plan message names).
+Pages are only storage here; which page holds what is rank 0's bookkeeping.
 
 A worker exits when rank 0 says stop, when its pipe closes (rank 0 died) or when its parent
 process is gone; an error of its own is sent to rank 0 and ends the process, which rank 0's
@@ -28,7 +30,8 @@ from ..cache.kv_pool import PagePool
 from ..graphs.capture import capture_step_graphs
 from ..model.qwen3_vl import Qwen3VL, load_model
 from ..model.vision import EncodeCounter
-from ..serving.runner import ModelRunner, StepInputs
+from ..serving.plan import PageCopy, StepPlan
+from ..serving.runner import ModelRunner
 from .group import Collectives, WorkerSpec, receive_features
 from .sharding import shard_decoder
 
@@ -88,29 +91,22 @@ def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeC
     while True:
         message = conn.recv()
         kind = message[0]
-        if kind == "forward":
-            inputs: StepInputs = message[1]
-            inputs.positions = torch.tensor(inputs.positions, dtype=torch.long)
-            if inputs.visual is not None:
-                rows, shape = inputs.visual
-                inputs.visual = (torch.tensor(rows, dtype=torch.long), receive_features(collectives, shape, device))
-            runner.forward(inputs, head=False)
-            steps += 1
-        elif kind == "decode":
-            runner.replay_decode(*message[1])
-            steps += 1
-        elif kind == "prefill":
-            ids, positions, slots, rows, shape = message[1]
-            features = receive_features(collectives, shape, device) if shape is not None else None
-            runner.replay_prefill(ids, torch.tensor(positions, dtype=torch.long), slots,
-                                  torch.tensor(rows, dtype=torch.long), features)
-            steps += 1
-        elif kind == "copy":
-            runner.pool.copy_page(*message[1])
-            copies += 1
-        elif kind == "move":
-            runner.pool.move_slots(*message[1])
-            moves += 1
+        if kind == "plan":
+            plan: StepPlan
+            plan, named, shape = message[1]
+            runner.take(plan)
+            copies += sum(isinstance(order, PageCopy) for order in plan.kv_orders)
+            moves += sum(not isinstance(order, PageCopy) for order in plan.kv_orders)
+            features = {}
+            if shape is not None:  # rank 0's features of the runs named, in that order
+                received, first = receive_features(collectives, shape, device), 0
+                for req_id, rows in named:
+                    picked = torch.arange(first, first + len(rows), device=device)
+                    features[req_id] = (torch.tensor(rows, dtype=torch.long), received.select(picked))
+                    first += len(rows)
+            if plan.runs:
+                runner.compute(plan.runs, features, head=False)
+                steps += 1
         elif kind == "counters":
             conn.send(("counters", {"vision_images_encoded": counter.images, "steps": steps, "page_copies": copies,
                                  "slot_moves": moves}))

@@ -1,16 +1,19 @@
 """The serving loop: one background thread that takes requests in, runs steps and hands results out.
 
-Each iteration takes the new requests from the inbox (their prefix lookup happens here) and the
-cancellations, then runs one step: the scheduler plans it (a :class:`~engine.serving.batch.Batch`),
-the runner encodes the images the step reaches and executes it, the prefix cache compacts and
-caches prefixes computed by it, and every sampled token is accepted (streamed, or the request
-finished). A finished request releases its pages and, after a normal end, keeps its conversation
-as a prefix-cache extension.
+One iteration is :meth:`EngineLoop.step`: it takes the new requests from the inbox (their prefix
+lookup happens here) and the cancellations, the scheduler plans a step (a
+:class:`~engine.serving.plan.StepPlan`, data), the runner executes it (data moves, encoder,
+forward, sampling) and returns a :class:`~engine.serving.plan.StepOutput`, the scheduler updates
+the requests from the two (and compacts and caches a prefix the step completed), and every
+sampled token is delivered (streamed, or the request finished). A finished request releases its
+pages and, after a normal end, keeps its conversation as a prefix-cache extension. The thread only
+drives :meth:`~EngineLoop.step`.
 
 One lock (a condition variable) guards the inbox, the scheduler's queues and the prefix cache; the
-model runs outside it. :meth:`EngineLoop.paused` holds it from outside. The loop is given
-everything it uses at construction and never calls back into the :class:`~engine.Engine` that owns
-it.
+model and the detokeniser run outside it. :meth:`EngineLoop.paused` holds it from outside. The
+loop is given everything it uses at construction and never calls back into the
+:class:`~engine.Engine` that owns it. Per-step telemetry is written here alone (the runner reports
+timings in its output; what a prefix hit reused is reported by the prefix cache, which decides it).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from contextlib import contextmanager
 
 from ..cache.prefix_reuse import PrefixReuse
 from ..errors import EngineOverloadedError, PrismError, TensorParallelError
-from .batch import Batch
 from .outputs import Completion
+from .plan import StepOutput, StepPlan
 from .request import Request, Status
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -50,6 +53,7 @@ class EngineLoop:
         reuse: the prefix cache's bookkeeping, or None when prefix caching is off.
         eos_token_ids: tokens that end generation (unless a request ignores them).
         debug_checks: check the pool's page accounting after every step (slow; for tests).
+        start: start the loop thread (default); with False the caller drives :meth:`step`.
 
     Attributes:
         scheduler, runner: as given (dropped by :meth:`close`); tests may replace their methods.
@@ -57,7 +61,7 @@ class EngineLoop:
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, reuse: PrefixReuse | None, *,
-                 eos_token_ids: set[int], debug_checks: bool = False):
+                 eos_token_ids: set[int], debug_checks: bool = False, start: bool = True):
         self.scheduler, self.runner, self.reuse = scheduler, runner, reuse
         self.eos_token_ids = eos_token_ids
         self.debug_checks = debug_checks
@@ -69,7 +73,8 @@ class EngineLoop:
         self.steps = 0
         self.tokens_generated = 0
         self._thread = threading.Thread(target=self._run, name="prism-engine", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     # ------------------------------------------------------------------ from callers' threads
     @property
@@ -141,9 +146,128 @@ class EngineLoop:
                 return False
             self._closed = self._stopping = True
             self._cv.notify_all()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
+        else:  # never started: fail what is queued here
+            self._fail_all("the engine was closed before the request finished")
         self.scheduler = self.runner = self.reuse = None
         return True
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> bool:
+        """One iteration: intake (prefix lookups) and cancellations, then one step planned,
+        executed, applied to the requests, and its tokens and completions delivered. Returns
+        whether a step computed anything (False: no work, or nothing fits now: pages are held by
+        requests about to finish). Call it from one thread only: the loop thread, or the caller
+        of a loop built with ``start=False``.
+
+        Raises:
+            Exception: a failure outside the model step (scheduling, bookkeeping, a failed debug
+                check); a failing step itself fails its requests only.
+        """
+        with self._cv:
+            self._intake()
+            if not (self.scheduler.has_work() or self.scheduler.has_news()):
+                return False
+            # scheduling evicts and attaches cache entries: never beside stats() or a clear
+            plan = self.scheduler.schedule()
+            self._note_scheduled(plan)
+        if plan.is_empty():
+            return False
+        try:
+            output = self.runner.execute(plan)
+        except Exception as exc:  # one bad step fails its requests only; the loop goes on
+            log.exception("engine step failed")
+            with self._cv:
+                for run in plan.runs:
+                    req = self.scheduler.request(run.req_id)
+                    if req is not None:
+                        self._finish(req, _step_error(exc))
+                self._cv.notify_all()
+            return bool(plan.runs)
+        with self._cv:
+            sampled = self._apply(plan, output)
+        # Detokenisation runs outside the lock; the stream of a request is only ever touched by
+        # this thread. A stop string still ends its request in this step (below).
+        ends = [(req, reason) for req, token in sampled if (reason := self._deliver(req, token))]
+        with self._cv:
+            for req, reason in ends:
+                self._finish(req, None, reason)
+            if self.debug_checks:
+                self._check_pages()
+            self._cv.notify_all()
+        return bool(plan.runs)
+
+    def _intake(self) -> None:
+        """Take the inbox (each request's prefix is looked up here) and the cancellations. Holds
+        the lock."""
+        for req in self._inbox:
+            if self.reuse is not None:
+                self.reuse.look_up(req)
+            self.scheduler.add(req)
+        self._inbox.clear()
+        for req in self._cancels:
+            self._finish(req, None)
+        self._cancels.clear()
+        self._cv.notify_all()
+
+    def _apply(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, int]]:
+        """The scheduler's update from the step, its telemetry, and the requests whose encoding
+        failed finished. Holds the lock. Returns the sampled tokens to deliver."""
+        for req_id, exc in output.failed.items():
+            log.error("vision encoder failed for request %s: %r", req_id, exc)
+        if any(run.req_id not in output.failed for run in plan.runs):
+            self.steps += 1
+        self._note_step(plan, output)
+        sampled = self.scheduler.update(plan, output)
+        for req_id, exc in output.failed.items():
+            req = self.scheduler.request(req_id)
+            if req is not None:
+                self._finish(req, PrismError(f"internal error while running the request: {exc}"))
+        now = time.perf_counter()
+        for req, _ in sampled:
+            self.tokens_generated += 1
+            if req.first_token_at is None:
+                req.first_token_at = now
+                req.telemetry.ttft_ms = (now - req.submitted) * 1e3
+        return sampled
+
+    def _deliver(self, req: Request, token: int) -> str | None:
+        """Stream ``token`` of ``req`` (already appended to its tokens); the finish reason when it
+        ends the request (EOS, a stop string, ``max_tokens``), else None. Outside the lock."""
+        if token in self.eos_token_ids and not req.sampling.ignore_eos:
+            return "stop"
+        delta = req.stream.push(token)
+        if delta:
+            req.outbox.put(delta)
+        if req.stream.stopped:
+            return "stop"
+        if len(req.generated) >= req.sampling.max_tokens:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ telemetry
+    def _note_scheduled(self, plan: StepPlan) -> None:
+        now = time.perf_counter()
+        for run in plan.runs:
+            req = self.scheduler.request(run.req_id)
+            if req.first_scheduled is None:
+                req.first_scheduled = now
+                req.telemetry.queue_ms = (now - req.submitted) * 1e3
+
+    def _note_step(self, plan: StepPlan, output: StepOutput) -> None:
+        for run in plan.runs:
+            req = self.scheduler.request(run.req_id)
+            if req is None:
+                continue
+            tel = req.telemetry
+            if run.req_id in output.vision_ms:
+                tel.vision_ms += output.vision_ms[run.req_id]
+                tel.vision_encoder_ran = True
+            if run.req_id in output.failed:
+                continue
+            if run.num_tokens > 1 or run.end - 1 < req.num_prompt:  # prefill (or recompute), not a decode step
+                tel.computed_tokens += run.num_tokens
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
@@ -153,20 +277,12 @@ class EngineLoop:
                 with self._cv:
                     self._cv.wait_for(
                         lambda: self._stopping or self._inbox or self._cancels or self.scheduler.has_work()
+                        or self.scheduler.has_news()
                     )
                     if self._stopping:
                         break
-                    for req in self._inbox:
-                        if self.reuse is not None:
-                            self.reuse.look_up(req)
-                        self.scheduler.add(req)
-                    self._inbox.clear()
-                    for req in self._cancels:
-                        self._finish(req, None)
-                    self._cancels.clear()
-                    self._cv.notify_all()
-                if self.scheduler.has_work():
-                    self._step()
+                if not self.step() and self.scheduler.has_work():
+                    time.sleep(0.001)  # nothing fits right now: pages are held by requests about to finish
         except Exception as exc:
             # A bug outside the model step (scheduling, bookkeeping, a failed debug check) used to
             # end this thread silently, leaving every caller blocked forever on its outbox. Stop
@@ -175,6 +291,9 @@ class EngineLoop:
             reason = f"internal engine error, the engine stopped: {exc!r}"
             with self._cv:
                 self._stopping = self._closed = True
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
         with self._cv:
             for req in [*self.scheduler.running, *self.scheduler.waiting, *self._inbox]:
                 try:
@@ -185,74 +304,11 @@ class EngineLoop:
             self._inbox.clear()
             self._cv.notify_all()
 
-    def _step(self) -> None:
-        with self._cv:  # scheduling evicts and attaches cache entries: never beside stats() or a clear
-            batch = self.scheduler.schedule()
-        if not batch.items:
-            time.sleep(0.001)  # nothing fits right now: pages are held by requests about to finish
-            return
-        now = time.perf_counter()
-        for req, _ in batch.items:
-            if req.first_scheduled is None:
-                req.first_scheduled = now
-                req.telemetry.queue_ms = (now - req.submitted) * 1e3
-        # Vision first, request by request: a failing encode fails its own request only, not
-        # every request sharing the step (which the error handler below would fail).
-        for req, exc in self.runner.encode_pending(batch):
-            log.error("vision encoder failed for request %s: %r", req.id, exc)
-            with self._cv:
-                self._finish(req, PrismError(f"internal error while running the request: {exc}"))
-                self._cv.notify_all()
-            batch.items = [(r, n) for r, n in batch.items if r is not req]
-        if not batch.items:
-            return
-        try:
-            sampled = self.runner.execute(batch)
-        except Exception as exc:  # one bad step fails its requests only; the loop goes on
-            log.exception("engine step failed")
-            with self._cv:
-                for req, _ in batch.items:
-                    self._finish(req, _step_error(exc))
-                self._cv.notify_all()
-            return
-        self._after_step(batch, sampled)
-
-    def _after_step(self, batch: Batch, sampled: list[tuple[Request, int]]) -> None:
-        for req, n in batch.items:
-            if n > 1 or req.num_computed - 1 < req.num_prompt:  # prefill (or recompute), not a decode step
-                req.telemetry.computed_tokens += n
-        with self._cv:
-            self.steps += 1
-            if self.reuse is not None:
-                self.reuse.after_step(batch.items)
-            for req, token in sampled:
-                self._accept(req, token)
-            if self.debug_checks:
-                self._check_pages()
-            self._cv.notify_all()
-
     def _check_pages(self) -> None:
         holders = [r.block_table for r in self.scheduler.running]
         if self.reuse is not None:
             holders += self.reuse.cache.holders()
         self.scheduler.pool.check(holders)
-
-    def _accept(self, req: Request, token: int) -> None:
-        now = time.perf_counter()
-        req.tokens.append(token)
-        self.tokens_generated += 1
-        if req.first_token_at is None:
-            req.first_token_at = now
-            req.telemetry.ttft_ms = (now - req.submitted) * 1e3
-        if token in self.eos_token_ids and not req.sampling.ignore_eos:
-            return self._finish(req, None, "stop")
-        delta = req.stream.push(token)
-        if delta:
-            req.outbox.put(delta)
-        if req.stream.stopped:
-            return self._finish(req, None, "stop")
-        if len(req.generated) >= req.sampling.max_tokens:
-            return self._finish(req, None, "length")
 
     def _finish(self, req: Request, error: BaseException | None, reason: str | None = None) -> None:
         """Free the request's pages and deliver its completion (or error). Holds the lock."""

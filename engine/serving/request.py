@@ -7,11 +7,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from ..cache.prefix_cache import Match, PrefixEntry
 from ..inputs.prompts import Prompt
-from ..model.vision import VisionFeatures
 from .detokenize import TextStream
 from .handle import OutputChannel
 from .outputs import Telemetry
@@ -38,6 +35,9 @@ class Request:
     Deltas, the final completion or an exception go to ``outbox``, the
     :class:`~engine.serving.handle.OutputChannel` its caller reads through a
     :class:`~engine.serving.handle.RequestHandle`.
+    Its KV state (``num_computed``, ``block_table``, ``status``, ``kv_offset``, ``attached``,
+    ``cold_prefix``) is written by the :class:`~engine.serving.scheduler.Scheduler` alone; the
+    runner never sees a request, only the step plan (its vision features live in the runner).
     """
 
     prompt: Prompt
@@ -52,7 +52,6 @@ class Request:
     status: Status = Status.WAITING
     outbox: OutputChannel = field(default_factory=OutputChannel)
     telemetry: Telemetry = field(default_factory=Telemetry)
-    vision: dict[tuple[str, int], VisionFeatures] = field(default_factory=dict)  # per image / video
     cancelled: bool = False
     finish_reason: str | None = None
     first_scheduled: float | None = None
@@ -91,11 +90,6 @@ class Request:
         """Tokens physically stored in the block table's pages."""
         return self.num_computed - self.kv_offset
 
-    def slot(self, logical: int, page_size: int) -> int:
-        """Pool slot of logical token ``logical`` (at or after the stored part)."""
-        phys = logical - self.kv_offset
-        return self.block_table[phys // page_size] * page_size + phys % page_size
-
     def visual_items_in(self, start: int, end: int) -> list[tuple[str, int]]:
         """``(kind, item)`` of the images / videos with tokens among ``start .. end - 1``."""
         items = []
@@ -104,22 +98,3 @@ class Request:
             if span.start < end and span.end > start and key not in items:
                 items.append(key)
         return items
-
-    def position_lists(self, start: int, end: int) -> list[list[int]]:
-        """:meth:`positions` as three Python lists; generated tokens take no tensor op (decode's
-        per-step host path)."""
-        if start >= self.num_prompt:
-            row = list(range(start + self.prompt.rope_delta, end + self.prompt.rope_delta))
-            return [row, row, row]
-        return self.positions(start, end).tolist()
-
-    def positions(self, start: int, end: int) -> torch.Tensor:
-        """Logical M-RoPE positions ``[3, end - start]`` of tokens ``start .. end - 1``."""
-        n = self.num_prompt
-        parts = []
-        if start < n:
-            parts.append(self.prompt.positions[:, start : min(end, n)])
-        if end > n:
-            idx = torch.arange(max(start, n), end) + self.prompt.rope_delta
-            parts.append(idx.unsqueeze(0).expand(3, -1))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

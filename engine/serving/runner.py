@@ -1,10 +1,18 @@
-"""Executes one scheduled step on the model: builds the flat batch, runs the decoder over the
-paged KV pool, and samples the next token of every request that reached the end of its tokens."""
+"""Executes one step plan on the model: applies the pool's data moves, encodes the images the step
+first reaches, builds the flat batch, runs the decoder over the paged KV pool, and samples the next
+token of every run that reached the end of its tokens.
+
+The runner never sees a :class:`~engine.serving.request.Request`: it keeps its own state per
+request id (the prompt's positions, the tokens it sampled, the sampler) and the encoder's outputs
+per request id, given by the plans (:class:`~engine.serving.plan.NewRequest` once, then
+:class:`~engine.serving.plan.ScheduledRun` each step) and dropped when a plan lists the request as
+finished. Vision features survive preemption, so recomputation never reruns the encoder.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,19 +23,20 @@ from ..model.attention import PagedStep
 from ..model.decoder import VisualInjection
 from ..model.qwen3_vl import Qwen3VL
 from ..model.vision import VisionFeatures, span_features
-from .batch import Batch
-from .request import Request
+from .plan import NewRequest, ScheduledRun, StepOutput, StepPlan
 
 #: A prefill rides the decode graph only while its rows' attention reads stay small: each row reads
 #: its sequence's whole KV, so (new tokens x KV length) is bounded, in tokens (64 rows over 1k-token
 #: contexts). Longer ones are cheaper as one eager prefill, which reads the context once.
 GRAPH_PREFILL_READS = 1 << 16
 
+#: The visual tokens of one run: int64 ``[V]`` offsets within the run's tokens and their features.
+RunFeatures = tuple[torch.Tensor, VisionFeatures]
+
 
 @dataclass
 class StepInputs:
-    """What an eager step feeds the model, on the host: everything a tensor-parallel worker needs
-    to run the same step on its shard (:mod:`engine.parallel`).
+    """What an eager step feeds the model, on the host.
 
     Attributes:
         ids: the step's ``T`` token ids, flat (sequences without cached context first).
@@ -48,66 +57,142 @@ class StepInputs:
     logit_rows: list[int]
 
 
+@dataclass
+class _Sequence:
+    """The runner's own state of one request."""
+
+    info: NewRequest
+    positions: torch.Tensor  # int64 [3, num_prompt], CPU
+    tokens: list[int] = field(default_factory=list)  # prompt + sampled (rank 0's repetition penalty)
+
+    def position_lists(self, start: int, end: int) -> list[list[int]]:
+        """:meth:`positions_of` as three Python lists; generated tokens take no tensor op
+        (decode's per-step host path)."""
+        if start >= self.info.num_prompt:
+            delta = self.info.rope_delta
+            row = list(range(start + delta, end + delta))
+            return [row, row, row]
+        return self.positions_of(start, end).tolist()
+
+    def positions_of(self, start: int, end: int) -> torch.Tensor:
+        """Logical M-RoPE positions ``[3, end - start]`` of tokens ``start .. end - 1``."""
+        n = self.info.num_prompt
+        parts = []
+        if start < n:
+            parts.append(self.positions[:, start : min(end, n)])
+        if end > n:
+            idx = torch.arange(max(start, n), end) + self.info.rope_delta
+            parts.append(idx.unsqueeze(0).expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
 class ModelRunner:
-    """Runs batches on ``model`` with K/V in ``pool``.
+    """Runs step plans on ``model`` with K/V in ``pool``.
 
     ``encode_vision(prompt, salt, items) -> (features by item, encoder ran)`` computes the features
     of some of a request's images / videos (``(kind, index)`` keys; see
-    :meth:`engine.inputs.vision_features.VisionLookup.encode_items`). It runs when a step first
-    reaches an image's tokens; the features stay with the request (also across preemption), so
-    recomputation never reruns the encoder.
+    :meth:`engine.inputs.vision_features.VisionLookup.encode_items`); None on a tensor-parallel
+    worker, which receives rank 0's. ``scorer(prompt, features by item) -> scores`` computes the
+    token scores of a prefix the plan asks for (:meth:`PrefixReuse.token_scores
+    <engine.cache.prefix_reuse.PrefixReuse.token_scores>`), or None.
+
+    Attributes:
+        features: the encoder-output store, ``{request id: {(kind, index): VisionFeatures}}``.
     """
 
-    def __init__(self, model: Qwen3VL, pool: PagePool, encode_vision, graphs=None, prefill_graphs=None):
+    def __init__(self, model: Qwen3VL, pool: PagePool, encode_vision, graphs=None, prefill_graphs=None, *,
+                 scorer=None):
         self.model = model
         self.pool = pool
         self.encode_vision = encode_vision
+        self.scorer = scorer
         self.device = model.device
         self.graphs = graphs  # DecodeGraphs for pure decode steps on CUDA, or None
         self.prefill_graphs = prefill_graphs  # PrefillGraphs for short cold prompts alone in a step, or None
+        self._seqs: dict[int, _Sequence] = {}
+        self.features: dict[int, dict[tuple[str, int], VisionFeatures]] = {}
 
-    def execute(self, batch: Batch) -> list[tuple[Request, int]]:
-        """Run one step. Returns ``(request, sampled token)`` for requests that produced a token.
+    # ------------------------------------------------------------------ one plan
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one plan: the data moves, then the encoder (a failure fails its own request: its
+        run is left out), then the forward and sampling, then the token scores asked for.
 
-        K/V of the step's tokens are stored; ``num_computed`` advances.
+        Raises:
+            Exception: whatever the forward raised (the plan's requests then fail).
         """
-        if self.graphs is not None and self._fits_graph(batch):
-            return self._run_graph(batch)
-        if self.prefill_graphs is not None and self._fits_prefill_graph(batch):
-            return self._run_prefill_graph(batch)
-        page = self.pool.page_size
+        self.take(plan)
+        out = StepOutput()
+        self._encode(plan, out)
+        runs = [run for run in plan.runs if run.req_id not in out.failed]
+        features = {run.req_id: f for run in runs if (f := self._run_features(run)) is not None}
+        sampled = self._launch(plan, runs, features)
+        for req_id, token in sampled:
+            out.sampled[req_id] = token
+            self._seqs[req_id].tokens.append(token)
+        # after the forward: under tensor parallelism every rank has then taken the plan (its data
+        # moves included) whatever the scores do
+        for req_id in plan.scores:
+            if req_id not in out.failed:
+                seq = self._seqs[req_id]
+                out.scores[req_id] = self.scorer(seq.info.prompt, self.features.get(req_id, {}))
+        return out
+
+    def take(self, plan: StepPlan) -> None:
+        """The plan's bookkeeping on this rank: drop the finished requests' state and features,
+        keep the new ones', apply the pool's data moves in order."""
+        for req_id in plan.finished:
+            self._seqs.pop(req_id, None)
+            self.features.pop(req_id, None)
+        for new in plan.new:
+            positions = new.positions
+            if not isinstance(positions, torch.Tensor):  # a worker's copy
+                positions = torch.tensor(positions, dtype=torch.long)
+            self._seqs[new.req_id] = _Sequence(new, positions, list(new.token_ids))
+        for order in plan.kv_orders:
+            self.pool.apply(order)
+
+    def _launch(self, plan: StepPlan, runs: list[ScheduledRun], features: dict[int, RunFeatures]):
+        """The forward of ``runs`` and its samples (tensor parallelism sends the plan first)."""
+        return self.compute(runs, features) if runs else []
+
+    def compute(self, runs: list[ScheduledRun], features: dict[int, RunFeatures], *, head: bool = True):
+        """The forward of ``runs`` (decode graphs, a prefill graph or eager), ``features`` by
+        request id. Returns ``(request id, sampled token)`` for the runs with ``sample`` set;
+        with ``head=False`` (a tensor-parallel worker, whose rank 0 samples) nothing."""
+        if self.graphs is not None and self._fits_graph(runs):
+            return self._run_graph(runs, head)
+        if self.prefill_graphs is not None and self._fits_prefill_graph(runs):
+            return self._run_prefill_graph(runs[0], features.get(runs[0].req_id), head)
         # Sequences with no cached context first: their rows attend to the step's own K/V.
-        items = sorted(batch.items, key=lambda item: item[0].kv_len > 0)
+        ordered = sorted(runs, key=lambda run: run.kv_len > 0)
         ids, positions, logit_rows, samplers = [], [], [], []
         vis_rows, vis_parts = [], []
         parts: dict[bool, tuple[list, list, list, list]] = {True: ([], [], [], []), False: ([], [], [], [])}
         offset = 0
-        for req, n in items:
-            start, end = req.num_computed, req.num_computed + n
-            query_lens, seq_lens, tables, slots = parts[req.kv_len == 0]
-            ids.extend(req.tokens[start:end])
-            positions.append(req.positions(start, end))
-            slots.extend(req.slot(i, page) for i in range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end - req.kv_offset)
-            tables.append(req.block_table)
-            rows, features = self._vision(req, start, end)
-            if features is not None:
-                vis_rows.append(rows + offset)
-                vis_parts.append(features)
-            if end == len(req.tokens):
-                logit_rows.append(offset + n - 1)
-                samplers.append(req)
-            offset += n
+        for run in ordered:
+            seq = self._seqs[run.req_id]
+            query_lens, seq_lens, tables, slots = parts[run.kv_len == 0]
+            ids.extend(run.token_ids)
+            positions.append(seq.positions_of(run.start, run.end))
+            slots.extend(self.pool.slot(run.block_table, i - run.kv_offset) for i in range(run.start, run.end))
+            query_lens.append(run.num_tokens)
+            seq_lens.append(run.end - run.kv_offset)
+            tables.append(list(run.block_table))
+            found = features.get(run.req_id)
+            if found is not None:
+                vis_rows.append(found[0] + offset)
+                vis_parts.append(found[1])
+            if run.sample:
+                logit_rows.append(offset + run.num_tokens - 1)
+                samplers.append(run.req_id)
+            offset += run.num_tokens
         visual = None
         if vis_rows:
             visual = (torch.cat(vis_rows), VisionFeatures.concat(vis_parts))
         inputs = StepInputs(ids, torch.cat(positions, dim=1), parts[True] if parts[True][0] else None,
                             parts[False] if parts[False][0] else None, visual, logit_rows)
-        logits = self.forward(inputs)
-        for req, n in batch.items:
-            req.num_computed += n
-        return self._sample(samplers, logits, None)
+        logits = self.forward(inputs, head=head)
+        return self._sample(samplers, logits, None) if head else []
 
     def forward(self, inputs: StepInputs, *, head: bool = True) -> torch.Tensor:
         """The model on one eager step's inputs: float32 logits ``[len(inputs.logit_rows), vocab]``,
@@ -127,6 +212,77 @@ class ModelRunner:
                 return self.model.language_model(*args)
         return self.model(*args, torch.tensor(inputs.logit_rows, device=dev, dtype=torch.long))
 
+    def _sample(self, req_ids: list[int], logits: torch.Tensor, greedy: torch.Tensor | None):
+        """Next token of each request: greedy rows from one batched argmax (one host sync),
+        the others through their own sampler."""
+        infos = [self._seqs[i].info for i in req_ids]
+        own_sampler = [not s.sampling.greedy or s.sampling.repetition_penalty != 1.0 for s in infos]
+        if greedy is None and not all(own_sampler):
+            greedy = logits.argmax(dim=-1)
+        greedy_ids = greedy.tolist() if greedy is not None else []
+        out = []
+        for i, (req_id, info) in enumerate(zip(req_ids, infos, strict=True)):
+            if not own_sampler[i]:
+                out.append((req_id, greedy_ids[i]))
+                continue
+            seen = None
+            if info.sampling.repetition_penalty != 1.0:
+                seen = torch.tensor(self._seqs[req_id].tokens, device=self.device)
+            out.append((req_id, info.sampler(logits[i], seen)))
+        return out
+
+    # ------------------------------------------------------------------ graph replays
+    def _fits_graph(self, runs: list[ScheduledRun]) -> bool:
+        """A step replays the captured decode graph when it is text only and has at most
+        ``graphs.max_batch`` new tokens. Decode steps qualify, and so do short prefills, such as
+        a question after a cached prefix: that prefill is the whole TTFT of a prefix hit."""
+        rows = sum(run.num_tokens for run in runs)
+        return 0 < rows <= self.graphs.max_batch and not any(
+            run.visual_items
+            or (run.num_tokens > 1 and run.num_tokens * (run.end - run.kv_offset) > GRAPH_PREFILL_READS)
+            for run in runs
+        )
+
+    def _run_graph(self, runs: list[ScheduledRun], head: bool):
+        """Every new token becomes one row of the decode graph, attending to its sequence's KV up
+        to and including itself (``seq_len`` = its position + 1). The graph stores all rows' K/V
+        of a layer before any row attends, so the rows of one prefill see each other causally,
+        exactly as one prefill would; the prefix's KV is read once per row (fine for short
+        prefills, which is all that fits a graph)."""
+        ids, slots, seq_lens, tables, logit_rows, samplers = [], [], [], [], [], []
+        positions: list[list[int]] = [[], [], []]
+        for run in runs:
+            ids.extend(run.token_ids)
+            for axis, row in zip(positions, self._seqs[run.req_id].position_lists(run.start, run.end), strict=True):
+                axis.extend(row)
+            table = list(run.block_table)
+            for i in range(run.start, run.end):
+                slots.append(self.pool.slot(table, i - run.kv_offset))
+                seq_lens.append(i + 1 - run.kv_offset)
+                tables.append(table)
+            if run.sample:
+                logit_rows.append(len(ids) - 1)
+                samplers.append(run.req_id)
+        logits, greedy = self.replay_decode(ids, positions, slots, seq_lens, tables)
+        if not head:
+            return []
+        if len(logit_rows) < len(ids):  # some rows are prefill tokens with no next token
+            pick = torch.tensor(logit_rows, dtype=torch.long, device=logits.device)
+            logits, greedy = logits[pick], greedy[pick]
+        return self._sample(samplers, logits, greedy)
+
+    def _fits_prefill_graph(self, runs: list[ScheduledRun]) -> bool:
+        """A step replays a prefill graph when it holds one sequence and no cached context: a cold
+        prompt (or its first chunk) of at most ``prefill_graphs.max_tokens`` tokens, alone."""
+        return len(runs) == 1 and runs[0].kv_len == 0 and self.prefill_graphs.fits(runs[0].num_tokens)
+
+    def _run_prefill_graph(self, run: ScheduledRun, found: RunFeatures | None, head: bool):
+        rows, features = found if found is not None else (torch.empty(0, dtype=torch.long), None)
+        seq = self._seqs[run.req_id]
+        slots = [self.pool.slot(run.block_table, i - run.kv_offset) for i in range(run.start, run.end)]
+        logits = self.replay_prefill(list(run.token_ids), seq.positions_of(run.start, run.end), slots, rows, features)
+        return self._sample([run.req_id], logits, None) if head and run.sample else []
+
     def replay_decode(self, ids, positions, slots, seq_lens, tables):
         """One replay of the decode graphs (see :meth:`engine.graphs.decode.DecodeGraphs.run`)."""
         return self.graphs.run(ids, positions, slots, seq_lens, tables)
@@ -135,115 +291,34 @@ class ModelRunner:
         """One replay of the prefill graphs (see :meth:`engine.graphs.prefill.PrefillGraphs.run`)."""
         return self.prefill_graphs.run(ids, positions, slots, rows, features)
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, greedy: torch.Tensor | None):
-        """Next token of each request: greedy rows from one batched argmax (one host sync),
-        the others through their own sampler."""
-        own_sampler = [not r.sampling.greedy or r.sampling.repetition_penalty != 1.0 for r in reqs]
-        if greedy is None and not all(own_sampler):
-            greedy = logits.argmax(dim=-1)
-        greedy_ids = greedy.tolist() if greedy is not None else []
-        out = []
-        for i, req in enumerate(reqs):
-            if not own_sampler[i]:
-                out.append((req, greedy_ids[i]))
+    # ------------------------------------------------------------------ vision
+    def _encode(self, plan: StepPlan, out: StepOutput) -> None:
+        """Run the vision encoder, one request at a time, for the images and videos the plan's runs
+        reach and the store lacks (images are encoded when a step first reaches their tokens, so a
+        prompt with many images spreads its encoder work over its prefill chunks). A failure is
+        recorded for its request only."""
+        for run in plan.runs:
+            store = self.features.setdefault(run.req_id, {})
+            missing = [key for key in run.visual_items if key not in store]
+            if not missing:
                 continue
-            seen = None
-            if req.sampling.repetition_penalty != 1.0:
-                seen = torch.tensor(req.tokens, device=self.device)
-            out.append((req, req.sampler(logits[i], seen)))
-        return out
-
-    def _fits_graph(self, batch: Batch) -> bool:
-        """A step replays the captured decode graph when it is text only and has at most
-        ``graphs.max_batch`` new tokens. Decode steps qualify, and so do short prefills, such as
-        a question after a cached prefix: that prefill is the whole TTFT of a prefix hit."""
-        rows = sum(n for _, n in batch.items)
-        return 0 < rows <= self.graphs.max_batch and not any(
-            req.visual_items_in(req.num_computed, req.num_computed + n)
-            or (n > 1 and n * (req.num_computed + n - req.kv_offset) > GRAPH_PREFILL_READS)
-            for req, n in batch.items
-        )
-
-    def _run_graph(self, batch: Batch) -> list[tuple[Request, int]]:
-        """Every new token becomes one row of the decode graph, attending to its sequence's KV up
-        to and including itself (``seq_len`` = its position + 1). The graph stores all rows' K/V
-        of a layer before any row attends, so the rows of one prefill see each other causally,
-        exactly as one prefill would; the prefix's KV is read once per row (fine for short
-        prefills, which is all that fits a graph)."""
-        page = self.pool.page_size
-        ids, slots, seq_lens, tables, logit_rows, samplers = [], [], [], [], [], []
-        positions: list[list[int]] = [[], [], []]
-        for req, n in batch.items:
-            start, end = req.num_computed, req.num_computed + n
-            ids.extend(req.tokens[start:end])
-            for axis, row in zip(positions, req.position_lists(start, end), strict=True):
-                axis.extend(row)
-            for i in range(start, end):
-                slots.append(req.slot(i, page))
-                seq_lens.append(i + 1 - req.kv_offset)
-                tables.append(req.block_table)
-            if end == len(req.tokens):
-                logit_rows.append(len(ids) - 1)
-                samplers.append(req)
-        logits, greedy = self.replay_decode(ids, positions, slots, seq_lens, tables)
-        for req, n in batch.items:
-            req.num_computed += n
-        if len(logit_rows) < len(ids):  # some rows are prefill tokens with no next token
-            pick = torch.tensor(logit_rows, dtype=torch.long, device=logits.device)
-            logits, greedy = logits[pick], greedy[pick]
-        return self._sample(samplers, logits, greedy)
-
-    def _fits_prefill_graph(self, batch: Batch) -> bool:
-        """A step replays a prefill graph when it holds one sequence and no cached context: a cold
-        prompt (or its first chunk) of at most ``prefill_graphs.max_tokens`` tokens, alone."""
-        if len(batch.items) != 1:
-            return False
-        req, n = batch.items[0]
-        return req.kv_len == 0 and self.prefill_graphs.fits(n)
-
-    def _run_prefill_graph(self, batch: Batch) -> list[tuple[Request, int]]:
-        ((req, n),) = batch.items
-        start, end = req.num_computed, req.num_computed + n
-        page = self.pool.page_size
-        rows, features = self._vision(req, start, end)
-        logits = self.replay_prefill(req.tokens[start:end], req.positions(start, end),
-                                     [req.slot(i, page) for i in range(start, end)], rows, features)
-        req.num_computed += n
-        return self._sample([req], logits, None) if end == len(req.tokens) else []
-
-    def encode_pending(self, batch: Batch) -> list[tuple[Request, Exception]]:
-        """Run the vision encoder, one request at a time, for the images and videos whose tokens
-        this step computes (``execute`` then reuses the features). Returns the requests whose
-        encoding failed, with the error, so that only they fail."""
-        failed = []
-        for req, n in batch.items:
+            seq = self._seqs[run.req_id]
+            t = time.perf_counter()
             try:
-                self._encode_missing(req, req.visual_items_in(req.num_computed, req.num_computed + n))
+                found, ran = self.encode_vision(seq.info.prompt, seq.info.salt, missing)
             except Exception as exc:
-                failed.append((req, exc))
-        return failed
+                out.failed[run.req_id] = exc
+                continue
+            store.update(found)
+            if ran:  # cached features: the encoder took no time
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                out.vision_ms[run.req_id] = (time.perf_counter() - t) * 1e3
 
-    def _vision(self, req: Request, start: int, end: int):
-        """Offsets and features of the visual tokens among the request's tokens ``start .. end - 1``.
-
-        Images are encoded when a step first reaches their tokens, not all at the first chunk, so a
-        prompt with many images spreads its encoder work over its prefill chunks.
-        """
-        items = req.visual_items_in(start, end)
-        if not items:
-            return torch.empty(0, dtype=torch.long), None
-        self._encode_missing(req, items)
-        return span_features(req.prompt.spans, req.vision, start, end, self.device)
-
-    def _encode_missing(self, req: Request, items: list[tuple[str, int]]) -> None:
-        missing = [key for key in items if key not in req.vision]
-        if not missing:
-            return
-        t = time.perf_counter()
-        features, ran = self.encode_vision(req.prompt, req.salt, missing)
-        req.vision.update(features)
-        if ran:  # cached features: the encoder took no time
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            req.telemetry.vision_ms += (time.perf_counter() - t) * 1e3
-            req.telemetry.vision_encoder_ran = True
+    def _run_features(self, run: ScheduledRun) -> RunFeatures | None:
+        """Offsets and features of the visual tokens among the run's tokens, from the store."""
+        if not run.visual_items:
+            return None
+        rows, features = span_features(self._seqs[run.req_id].info.spans, self.features[run.req_id],
+                                       run.start, run.end, self.device)
+        return None if features is None else (rows, features)

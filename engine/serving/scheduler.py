@@ -20,16 +20,24 @@ request is kept waiting for pages, unused prefix-cache entries are evicted.
 A request whose public prefix was found in the cache attaches the entry's pages at admission (or
 falls back to computing everything, reported as ``stale``, when the entry was evicted since): the
 scheduler decides when, :class:`~engine.cache.prefix_reuse.PrefixReuse` does the attaching.
+
+The scheduler is the one writer of request state (``num_computed``, ``block_table``, ``status``,
+``kv_offset``, the attached entry): :meth:`Scheduler.schedule` returns a
+:class:`~engine.serving.plan.StepPlan` (data, no live requests), the runner executes it, and
+:meth:`Scheduler.update` applies the plan and the runner's
+:class:`~engine.serving.plan.StepOutput` to the requests (and compacts and caches a cold prefix
+the step completed). The cache code it calls returns what changed; the pool's data moves it
+decides travel in the next plan.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..cache.kv_pool import PagePool
 from ..cache.prefix_reuse import PrefixReuse
-from .batch import Batch
+from .plan import NewRequest, ScheduledRun, StepOutput, StepPlan
 from .request import Request, Status
 
 
@@ -48,8 +56,16 @@ class SchedulerConfig:
     max_waiting: int = 256
 
 
+@dataclass
+class _Draft:
+    """The step being decided: ``(request, new tokens)`` pairs and the requests preempted for it."""
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+
 class Scheduler:
-    """Owns the waiting queue, the running set and their pages.
+    """Owns the waiting queue, the running set, their pages and their state.
 
     Args:
         pool: the KV pool.
@@ -63,33 +79,45 @@ class Scheduler:
         self.reuse = reuse
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._requests: dict[int, Request] = {}  # every request added and not finished, by id
+        self._known: set[int] = set()  # ids the runner was sent (NewRequest) and still holds
+        self._ended: list[int] = []  # of those, the ones finished since the last plan
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_news(self) -> bool:
+        """Whether the next plan has something for the runner even without work: requests that
+        finished since the last plan (their state and features to drop), or data moves."""
+        return bool(self._ended or self.pool.orders)
+
     def add(self, request: Request) -> None:
+        self._requests[request.id] = request
         self.waiting.append(request)
 
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.pool.page_size)
+    def request(self, req_id: int) -> Request | None:
+        """The request of ``req_id`` while it is queued or running (None once finished)."""
+        return self._requests.get(req_id)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self) -> Batch:
-        batch = Batch()
+    def schedule(self) -> StepPlan:
+        """Decide the next step (see the module docstring); the plan also carries the requests
+        finished since the last plan and the pool's data moves decided since then."""
+        draft = _Draft()
         budget = self.config.max_num_batched_tokens
         for req in list(self.running):
             if req.status is not Status.RUNNING or req.is_prefilling or budget <= 0:
                 continue
-            if self._grow(req, len(req.tokens), batch):
-                batch.items.append((req, 1))
+            if self._grow(req, len(req.tokens), draft):
+                draft.items.append((req, 1))
                 budget -= 1
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is Status.RUNNING and req.is_prefilling:
-                n = self._prefill_chunk(req, budget, batch)
+                n = self._prefill_chunk(req, budget, draft)
                 if n:
-                    batch.items.append((req, n))
+                    draft.items.append((req, n))
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -99,16 +127,62 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             n = self._chunk(req, budget)
-            if self._grow(req, req.num_computed + n, batch):
-                batch.items.append((req, n))
+            if self._grow(req, req.num_computed + n, draft):
+                draft.items.append((req, n))
                 budget -= n
-        for req, _ in batch.items:
+        for req, _ in draft.items:
             req.max_pages_held = max(req.max_pages_held, len(req.block_table))
-        return batch
+        return self._plan(draft)
 
-    def _prefill_chunk(self, req: Request, budget: int, batch: Batch) -> int:
+    def _plan(self, draft: _Draft) -> StepPlan:
+        plan = StepPlan(finished=self._ended, preempted=[r.id for r in draft.preempted])
+        self._ended = []
+        needs_scores = self.reuse is not None and self.reuse.needs_scores
+        for req, n in draft.items:
+            start = req.num_computed
+            plan.runs.append(ScheduledRun(
+                req.id, start, n, tuple(req.tokens[start : start + n]), tuple(req.block_table), req.kv_offset,
+                tuple(req.visual_items_in(start, start + n)), start + n == len(req.tokens)))
+            if req.id not in self._known:
+                self._known.add(req.id)
+                prompt = req.prompt
+                plan.new.append(NewRequest(req.id, tuple(prompt.input_ids), prompt.positions, prompt.rope_delta,
+                                           tuple(prompt.spans), prompt, req.salt, req.sampling, req.sampler))
+            if needs_scores and req.cold_prefix and start + n == req.prompt.prefix_len:
+                plan.scores.append(req.id)
+        plan.kv_orders = self.pool.take_orders()  # last: admission and growth above may add some
+        return plan
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, int]]:
+        """Apply an executed plan to its requests: ``num_computed`` advances by each run (but the
+        runs whose encoding failed), a cold public prefix the step completed is compacted and
+        cached (with the scores the runner computed; its slot moves go in the next plan), and the
+        sampled tokens are appended. Returns ``(request, token)`` of the sampled tokens, in plan
+        order, for the loop to deliver."""
+        done = []
+        for run in plan.runs:
+            req = self._requests.get(run.req_id)
+            if req is None or run.req_id in output.failed:
+                continue
+            req.num_computed += run.num_tokens
+            done.append(req)
+        if self.reuse is not None:
+            for req in done:
+                if req.cold_prefix and req.num_computed == req.prompt.prefix_len:
+                    kept = self.reuse.compact_and_cache(req, output.scores.get(req.id))
+                    req.block_table, req.kv_offset, req.attached = kept.block_table, kept.kv_offset, kept.entry
+                    req.cold_prefix = False
+        sampled = []
+        for req in done:
+            token = output.sampled.get(req.id)
+            if token is not None:
+                req.tokens.append(token)
+                sampled.append((req, token))
+        return sampled
+
+    def _prefill_chunk(self, req: Request, budget: int, draft: _Draft) -> int:
         n = self._chunk(req, budget)
-        if self._grow(req, req.num_computed + n, batch):
+        if self._grow(req, req.num_computed + n, draft):
             return n
         return 0
 
@@ -123,56 +197,59 @@ class Scheduler:
         """Attach the request's cached prefix (if still there) and check its first chunk can get
         pages. Returns False (nothing changed) when it must keep waiting."""
         match = self.reuse.admission_match(req) if self.reuse is not None else None
+        pages_for = self.pool.pages_for
         if match is not None:
             first = min(len(req.tokens) - match.length, self.config.max_num_batched_tokens)
-            need = self.pages_for(match.kv_len + first) - self.pages_for(match.kv_len) + 1
+            need = pages_for(match.kv_len + first) - pages_for(match.kv_len) + 1
             with self.reuse.pinned(match):  # making room must not evict the entry itself
                 room = self._free_pages(need)
             if not room:
                 if self.running:
                     return False  # running requests will free pages
-                # Review fix: nothing runs, so no page will ever be freed; the pinned entry (and its
+                # Nothing runs, so no page will ever be freed, and the pinned entry (and its
                 # parent) hold pages this request cannot use (a partly filled last page it would
-                # copy, the parent's own last page, an extension's tail), so waiting spun forever
-                # on a request that fits the pool. Compute it cold instead: the entry becomes
+                # copy, the parent's own last page, an extension's tail): waiting would spin
+                # forever on a request that fits the pool. Compute it cold: the entry becomes
                 # evictable.
                 self.reuse.drop(req)
                 match = None
         if match is not None:
-            self.reuse.attach(req, match)
+            req.block_table = self.reuse.attach(req, match)
+            req.attached = match.entry
+            req.num_computed = match.length
+            req.kv_offset = match.entry.kv_offset
             return True
         if req.prefix_key is not None:
             req.cold_prefix = True
         first = self._chunk(req, self.config.max_num_batched_tokens)
-        return self._free_pages(self.pages_for(first))
+        return self._free_pages(pages_for(first))
 
     def _free_pages(self, n: int) -> bool:
         if self.pool.num_free >= n:
             return True
         return self.reuse is not None and self.reuse.make_room(n)
 
-    def _grow(self, req: Request, num_tokens: int, batch: Batch) -> bool:
+    def _grow(self, req: Request, num_tokens: int, draft: _Draft) -> bool:
         """Give ``req`` pages for its first ``num_tokens`` logical tokens (and a private copy of a
         shared, partly filled last page), evicting cache entries and then preempting later
         requests if needed. Returns False when ``req`` itself had to be preempted."""
-        page = self.pool.page_size
         table = req.block_table
-        cow = bool(table) and req.kv_len % page != 0 and self.pool.is_shared(table[-1])
-        need = self.pages_for(num_tokens - req.kv_offset) - len(table) + cow
+        cow = bool(table) and req.kv_len % self.pool.page_size != 0 and self.pool.is_shared(table[-1])
+        need = self.pool.pages_for(num_tokens - req.kv_offset) - len(table) + cow
         while not self._free_pages(need):
             victim = self.running[-1]
             if victim is req and len(self.running) == 1 and req.attached is not None:
-                # Review fix: alone, ``req`` pins the entry it is attached to (and its parent),
-                # whose pages it only partly uses; preempting itself re-attached the same entry on
+                # Alone, ``req`` pins the entry it is attached to (and its parent), whose pages it
+                # only partly uses; preempting itself would re-attach the same entry on
                 # re-admission, a livelock. Drop the attachment (its own page references stay),
                 # evict the now unused entries (everything else was evicted already), and retry
                 # with the copy-on-write need recomputed.
-                self.reuse.detach(req)
+                self._release_attachment(req)
                 self.reuse.cache.clear()
-                return self._grow(req, num_tokens, batch)
+                return self._grow(req, num_tokens, draft)
             self.preempt(victim)
-            batch.preempted.append(victim)
-            batch.items = [(r, n) for r, n in batch.items if r is not victim]
+            draft.preempted.append(victim)
+            draft.items = [(r, n) for r, n in draft.items if r is not victim]
             if victim is req:
                 return False
         if cow:
@@ -195,13 +272,18 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
-        """Remove a finished or cancelled request and free its pages."""
+        """Remove a finished or cancelled request and free its pages (the next plan tells the
+        runner to drop its state)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._detach(req)
         req.status = Status.FINISHED
+        self._requests.pop(req.id, None)
+        if req.id in self._known:
+            self._known.discard(req.id)
+            self._ended.append(req.id)
 
     def _detach(self, req: Request) -> None:
         self.pool.release(req.block_table)
@@ -209,5 +291,10 @@ class Scheduler:
         req.kv_offset = 0
         req.cold_prefix = False
         req.match = None  # a preempted request looks its prefix up again when re-admitted
-        if self.reuse is not None:
-            self.reuse.detach(req)
+        self._release_attachment(req)
+
+    def _release_attachment(self, req: Request) -> None:
+        """``req`` no longer reads the entry it attached (its page references are its own)."""
+        if req.attached is not None:
+            self.reuse.detach(req.attached)
+            req.attached = None

@@ -89,9 +89,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "hit-runs-vision-encoder",
         "a prefix hit still feeds every image of the prompt through the vision path (no skip)",
-        "engine/serving/runner.py",
-        "        items = req.visual_items_in(start, end)\n",
-        "        items = req.visual_items_in(0, end)\n",
+        "engine/serving/scheduler.py",
+        "tuple(req.visual_items_in(start, start + n))",
+        "tuple(req.visual_items_in(0, start + n))",
         (PREFIX + "test_hit_and_miss_telemetry_and_stats",
          PREFIX + "test_video_prefix_is_cached_but_not_compacted_by_default"),
     ),
@@ -369,6 +369,36 @@ MUTANTS: list[Mutant] = [
         "        req.num_computed = 0\n        if len(req.tokens) > req.num_prompt:\n"
         "            req.tokens.pop()\n        req.status = Status.WAITING\n",
         ("tests/test_scheduler.py::test_a_preempted_stream_sends_each_token_once",),
+    ),
+    Mutant(
+        "cow-copy-not-ordered",
+        "copy-on-write takes a fresh page but orders no copy of the shared page's K/V: a prefix hit's "
+        "question attends to an uninitialised last page",
+        "engine/cache/kv_pool.py",
+        "        self.orders.append(PageCopy(block_table[-1], fresh))\n",
+        "",
+        ("tests/test_scheduler_core.py::test_prefix_attach_and_copy_on_write",
+         "tests/test_kv_pool.py::test_fork_last_copies_a_shared_partly_filled_page"),
+    ),
+    Mutant(
+        "plan-orders-out-of-order",
+        "the step plan carries the pool's data moves in reverse: a copy-on-write copy of a page runs before "
+        "the compaction move that fills it",
+        "engine/serving/scheduler.py",
+        "plan.kv_orders = self.pool.take_orders()",
+        "plan.kv_orders = self.pool.take_orders()[::-1]",
+        ("tests/test_scheduler_core.py::test_compaction_orders_the_kept_slots_before_the_next_copy_on_write",),
+    ),
+    Mutant(
+        "detokenise-under-the-loop-lock",
+        "the loop pushes sampled tokens through the detokeniser while it holds its lock: stats() and the "
+        "web server's reads wait for every step's text",
+        "engine/serving/loop.py",
+        "        ends = [(req, reason) for req, token in sampled if (reason := self._deliver(req, token))]\n"
+        "        with self._cv:\n",
+        "        with self._cv:\n"
+        "            ends = [(req, reason) for req, token in sampled if (reason := self._deliver(req, token))]\n",
+        ("tests/test_scheduler_core.py::test_detokenisation_runs_outside_the_loop_lock",),
     ),
     Mutant(
         "on-pressure-compacts-when-cached",
