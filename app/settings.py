@@ -95,7 +95,7 @@ class Settings:
     keep_ratio: float = 0.6
     cache_scope: str = "session"
     tensor_parallel_size: int = 1
-    engine: str = "in_process"
+    engine: str = "process"  # measured: docs/PERFORMANCE.md, "Streaming over HTTP"
     max_image_pixels: int = 50_000_000  # engine.media.ImageOptions' defaults (not imported: --help stays fast)
     max_upload_mb: int = 50
     max_images: int = 16

@@ -12,7 +12,7 @@
 # variant started past 470 s), workingset_rest (the same for dense_bf16 and vision_only, ~3-4 min; ws_rest.json), tp
 # (benchmarks/bench_tp.py: two GPUs), quality (benchmarks/bench_quality.py on the probe model, QUALITY_ARGS
 # replaces its arguments but --out; default 2,500 held-out samples with the blind control and 500 of the transfer split, every selector x keep ratio), selectors
-# (benchmarks/bench_selectors.py: each selector's miss / hit TTFT at the 8B shape beside uniform's).
+# (benchmarks/bench_selectors.py: each selector's miss / hit TTFT at the 8B shape beside uniform's), http (benchmarks/bench_http.py at the 8B shape, in_process and process).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -52,6 +52,11 @@ for step in ${STEPS:-kernels smoke bench}; do
     workingset_rest) timeout 400 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
              --worksets pressure --requests 200 --time-budget-s 330 --variants dense_bf16,vision_only \
              --out "$OUT/ws_rest.json" 2>&1 | grep -v Warning | tail -40 | tee "$OUT/ws_rest.txt" ;;
+    # benchmarks/bench_http.py at the 8B shape (writes a 16 GB random checkpoint under /tmp/bh once): /v1 over HTTP
+    # (launch.py --ui off) vs the engine API, in-process and the core in its own process; needs the web wheels in .whl
+    http) timeout ${HTTP_TIMEOUT:-560} python3 benchmarks/bench_http.py --device cuda --shape 8b --workdir /tmp/bh \
+             --engine in_process process ${HTTP_ARGS:-} --out "$OUT/bench_http_8b.json" 2>&1 | grep -v Warning | tail -30 \
+             | tee "$OUT/bench_http_8b.txt" ;;
     # needs two GPUs (nvidia-h200-x2): TP2 beside TP1 at the 8B shape; NVLink multicast off
     tp) NCCL_NVLS_ENABLE=0 timeout 590 python3 benchmarks/bench_tp.py --shape 8b --device cuda ${TP_ARGS:-} \
              --out "$OUT/bench_tp.json" 2>&1 | grep -v Warning | tail -20 | tee "$OUT/bench_tp.txt" ;;
