@@ -136,10 +136,10 @@ def test_a_killed_core_is_reported_to_every_client_restarted_and_the_store_keeps
 
 
 def test_the_engine_option_and_its_variable():
-    assert parse_settings([], environ={}).engine == "in_process"
-    assert parse_settings(["--engine", "process"], environ={}).engine == "process"
-    assert parse_settings([], environ={"PRISM_ENGINE": "process"}).engine == "process"
-    assert parse_settings(["--engine", "in_process"], environ={"PRISM_ENGINE": "process"}).engine == "in_process"
+    assert parse_settings([], environ={}).engine == "process"  # the default, measured (docs/PERFORMANCE.md)
+    assert parse_settings(["--engine", "in_process"], environ={}).engine == "in_process"
+    assert parse_settings([], environ={"PRISM_ENGINE": "in_process"}).engine == "in_process"
+    assert parse_settings(["--engine", "process"], environ={"PRISM_ENGINE": "in_process"}).engine == "process"
     for argv, environ in ((["--engine", "thread"], {}), ([], {"PRISM_ENGINE": "elsewhere"})):
         with pytest.raises(SystemExit):
             parse_settings(argv, environ=environ)
