@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -42,6 +43,14 @@ def _private_data_dir(path):
 def _drop_shutdown_cancellations(record: logging.LogRecord) -> bool:
     """Logging filter: False for records about a task cancelled by the shutdown."""
     return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (after uvicorn's own shutdown, or before it started)."""
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise _Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     # grace period and would log each cancellation as an "Exception in ASGI application".
     logging.getLogger("uvicorn.error").addFilter(_drop_shutdown_cancellations)
     server = Server(config)
+    # uvicorn handles SIGTERM (a supervisor's stop) like Ctrl-C and then raises it again once it
+    # has shut down; with the default handler that kills the process before the cleanup below.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
+    except (KeyboardInterrupt, _Terminated):  # uvicorn re-raises the signal it handled, once it has shut down
         pass
     finally:
         chat.cancel_all()

@@ -158,6 +158,11 @@ def choose_model(requested: str | None, data_dir: Path, *, probe_timeout: float 
     return ModelChoice(str(folder), DEMO_MODEL_ID, True, reason)
 
 
+#: Pauses (seconds) before each new try when a restarted core process dies again while it loads;
+#: after the last, the loader gives up (``failed``: the server must be restarted).
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)
+
+
 class ModelLoader:
     """Loads the engine in a background thread and reports its state.
 
@@ -268,12 +273,28 @@ class ModelLoader:
         self._thread.start()
 
     def _restart(self) -> None:
-        try:
-            engine = self._build(self.choice)
-        except BaseException as exc:
-            self._failed(exc)
+        """Load the engine again; a core that dies while it loads (killed again, out of memory) is
+        retried after a pause (:data:`RESTART_BACKOFF_S`, ``restarting`` meanwhile); any other
+        failure, or the last retry's, is final (``failed``)."""
+        from engine.errors import EngineAbortedError
+
+        for attempt, pause in enumerate((*RESTART_BACKOFF_S, None), start=1):
+            try:
+                engine = self._build(self.choice)
+            except EngineAbortedError as exc:
+                if pause is None or self._closed:
+                    self._failed(exc)
+                    return
+                with self._lock:
+                    self.stage = f"restarting the engine (attempt {attempt + 1}; the last one stopped: {exc})"
+                say(f"the engine process stopped while loading; trying again in {pause:.0f} s ...")
+                time.sleep(pause)
+                continue
+            except BaseException as exc:
+                self._failed(exc)
+                return
+            self._ready(engine)
             return
-        self._ready(engine)
 
     @property
     def model_id(self) -> str | None:
@@ -286,14 +307,17 @@ class ModelLoader:
     def status(self) -> dict:
         """What ``/healthz`` reports."""
         state = {"loading": "loading", "ready": "ok", "restarting": "restarting", "failed": "error"}
-        out = {"status": state[self.state],
+        engine = self.engine
+        status = state[self.state]
+        if status == "ok" and engine is not None and not getattr(engine, "alive", True):
+            status = "restarting"  # its core just died: the reader thread has not told us yet
+        out = {"status": status,
                "model": self.model_id, "demo_model": self.demo, "stage": self.stage}
         if self.error:
             out["error"] = self.error
         if self.restarts:
             out["engine_restarts"] = self.restarts
-        engine = self.engine
-        if engine is not None and self.state == "ready":
+        if engine is not None and status == "ok":
             out.update(device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
                        kv_cache_dtype=engine.options.kv_cache_dtype, load_seconds=round(self.load_seconds or 0, 1))
             try:

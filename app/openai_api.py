@@ -457,9 +457,14 @@ class OpenAIAPI:
                 raise APIError(503, "the server is shutting down", "server_error")
             engine = self.loader.engine
             if engine is None:
-                restarting = getattr(self.loader, "state", None) == "restarting"
-                why = "the engine is restarting (its process stopped)" if restarting else "the model is still loading"
-                raise APIError(503, f"{why}; retry shortly", "server_error")
+                state = getattr(self.loader, "state", None)
+                if state == "failed":
+                    raise APIError(503, "the engine is not available (see /healthz); the server must be restarted",
+                                   "server_error", code="engine_unavailable")
+                why = ("the engine is restarting (its process stopped)" if state == "restarting"
+                       else "the model is still loading")
+                raise APIError(503, f"{why}; retry shortly", "server_error", code="loading",
+                               headers={"Retry-After": "5"})
             handle = await run_in_threadpool(self._submit, engine, messages, sampling, salt)
         except APIError as exc:
             self.metrics.observe_rejected(exc.status)
@@ -545,7 +550,7 @@ class OpenAIAPI:
         except Exception:
             if handle.done:  # the error the engine failed the request with (not a reader gone)
                 finished = True
-                self.metrics.observe_failure("error")
+                self.metrics.observe_failure("abort" if isinstance(handle.error, EngineAbortedError) else "error")
             raise
         finally:
             watcher.cancel()

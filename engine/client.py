@@ -614,8 +614,9 @@ class ProcessClient(EngineClient):
 
     @property
     def alive(self) -> bool:
-        """Whether the child is running and not closed."""
-        return self._dead is None and not self._closing
+        """Whether the child is running and not closed (a child just killed reads as dead at once,
+        before the reader thread has seen its pipe close)."""
+        return self._dead is None and not self._closing and self._process.is_alive()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the child: its engine closes (running requests fail with PrismError), then it

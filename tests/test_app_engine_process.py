@@ -3,7 +3,9 @@
 Every waiting client hears of it (a ``/v1`` stream ends with an ``aborted`` error event, a
 non-streaming ``/v1`` call gets 503 ``aborted``, the chat shows a notice and records the turn as an
 error), ``/healthz`` says ``restarting`` (503) while the app loads a new core with the same options,
-then ``ok`` again; a new question works, and the session store has lost nothing.
+then ``ok`` again; a new question works, and the session store has lost nothing. A core killed
+again while it restarts is tried again; ``/healthz`` never says ``ok`` over a dead core; a SIGTERM
+stops the server as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -143,3 +145,133 @@ def test_the_engine_option_and_its_variable():
     for argv, environ in ((["--engine", "thread"], {}), ([], {"PRISM_ENGINE": "elsewhere"})):
         with pytest.raises(SystemExit):
             parse_settings(argv, environ=environ)
+
+
+class _FakeCore:
+    """An engine client whose core is alive or not, for the loader's bookkeeping alone."""
+
+    def __init__(self, alive: bool = True):
+        self.alive, self.pid, self.closed = alive, 4242, False
+        self.device, self.dtype, self.options = "cpu", "float32", type("O", (), {"kv_cache_dtype": "auto"})()
+
+    def stats(self) -> dict:
+        return {"running": 0}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _loader_around(core):
+    """A ready loader holding ``core`` as its engine client (as after loading one)."""
+    from app.model_loader import ModelChoice
+
+    loader = ModelLoader(parse_settings([], environ={}))
+    loader.choice, loader.engine = ModelChoice("x", "x", True, "test"), core
+    loader.state = loader.stage = "ready"
+    return loader
+
+
+def _restarting_loader(monkeypatch, outcomes):
+    """A loader whose core just died, restarting with ``_build`` answering ``outcomes`` in turn
+    (an exception is raised, anything else is the new client); no pauses between tries."""
+    import app.model_loader as model_loader
+
+    monkeypatch.setattr(model_loader, "RESTART_BACKOFF_S", (0.0, 0.0))
+    dead = _FakeCore()
+    loader = _loader_around(dead)
+    tries = []
+
+    def build(choice):
+        tries.append(choice)
+        outcome = outcomes[len(tries) - 1]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(loader, "_build", build)
+    loader._crashed(dead)
+    assert loader._thread is not None
+    loader._thread.join(10)
+    return loader, tries, dead
+
+
+def test_a_core_that_dies_again_while_restarting_is_tried_again(monkeypatch):
+    from engine.errors import EngineAbortedError
+
+    fresh = _FakeCore()
+    loader, tries, dead = _restarting_loader(
+        monkeypatch, [EngineAbortedError("killed while loading"), EngineAbortedError("again"), fresh])
+    assert dead.closed and len(tries) == 3
+    assert (loader.state, loader.engine, loader.restarts) == ("ready", fresh, 1)
+    assert loader.status()["status"] == "ok"
+
+
+def test_a_restart_gives_up_after_its_last_try_or_at_another_error(monkeypatch):
+    from engine.errors import CheckpointError, EngineAbortedError
+
+    loader, tries, _ = _restarting_loader(monkeypatch, [EngineAbortedError("x")] * 3)
+    assert len(tries) == 3 and loader.state == "failed" and loader.status()["status"] == "error"
+    loader, tries, _ = _restarting_loader(monkeypatch, [CheckpointError("the checkpoint is gone"), _FakeCore()])
+    assert len(tries) == 1 and loader.state == "failed" and "checkpoint is gone" in loader.error
+
+
+def test_healthz_says_restarting_as_soon_as_the_core_is_dead():
+    """Before the client's reader thread has told the loader (state still ``ready``), a dead core
+    already reads as ``restarting``, never ``ok``."""
+    core = _FakeCore()
+    loader = _loader_around(core)
+    assert loader.status()["status"] == "ok"
+    core.alive = False
+    assert loader.state == "ready" and loader.status()["status"] == "restarting"
+
+
+def test_sigterm_stops_the_server_cleanly_and_leaves_no_core_behind(tmp_path, tiny_ckpt):
+    """What a supervisor's stop (docker, systemd) sends: the database is closed and the core
+    process stopped, as after Ctrl-C; the exit status is 0."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "launch.py"), "--ui", "off", "--engine", "process", "--model", str(tiny_ckpt),
+         "--device", "cpu", "--kv-cache-bytes", "32M", "--port", str(port), "--data-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("the server never became ready")
+        core = json.loads(httpx.get(f"http://127.0.0.1:{port}/healthz").text)
+        assert core["status"] == "ok"
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert children, "no core process"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:]
+    assert "stopped; database closed" in out
+    def running(pid: str) -> bool:
+        try:
+            return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+        except OSError:
+            return False
+
+    # the core and multiprocessing's resource tracker go with the server (the tracker a moment later)
+    deadline = time.monotonic() + 15
+    while any(running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(running(pid) for pid in children), children

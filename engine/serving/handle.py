@@ -148,6 +148,12 @@ class RequestHandle:
         return self._channel
 
     @property
+    def error(self) -> BaseException | None:
+        """The error the request failed with, once it has been read (raised by the iteration or
+        :meth:`result`); None before, and after a completion."""
+        return self._final if isinstance(self._final, BaseException) else None
+
+    @property
     def done(self) -> bool:
         """Whether the request's completion or error has been read."""
         return self._final is not None
