@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     host = settings.host
     if host in ("127.0.0.1", "::1", "0.0.0.0", "::"):
         host = "localhost"  # 0.0.0.0 listens on every interface; localhost is one of them
-    url = f"http://{host}:{settings.port}/" + ("v1" if settings.ui == "off" else "")
+    url = f"http://{host}:{settings.port}/"
+    if settings.ui == "off":  # no page to open: name the API's routes (a bare /v1 is no route)
+        url += "v1/chat/completions (and /v1/models, /metrics, /healthz)"
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
