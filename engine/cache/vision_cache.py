@@ -7,10 +7,8 @@ session's uploads never change what another session sees (not even its timing).
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 from ..model.vision import VisionFeatures
+from .salted_lru import SaltedLRU
 
 #: A cache key: the session's salt, and what else names the features (namespace, image, grid).
 Key = tuple[str, str]
@@ -18,14 +16,22 @@ Key = tuple[str, str]
 
 class VisionCache:
     """LRU of :class:`VisionFeatures` by key (``(salt, rest)``), bounded by ``max_bytes`` (tensor
-    payload bytes). Safe to use from several threads."""
+    payload bytes; a :class:`~engine.cache.salted_lru.SaltedLRU`). Safe to use from several threads.
+
+    Attributes: ``hits`` (lookups that found features).
+    """
 
     def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.bytes = 0
+        self._lru = SaltedLRU(max_bytes)
         self.hits = 0
-        self._items: OrderedDict[Key, tuple[VisionFeatures, int]] = OrderedDict()
-        self._lock = threading.Lock()
+
+    @property
+    def max_bytes(self) -> int:
+        return self._lru.max_bytes
+
+    @property
+    def bytes(self) -> int:
+        return self._lru.bytes
 
     @staticmethod
     def _size(f: VisionFeatures) -> int:
@@ -33,32 +39,17 @@ class VisionCache:
         return sum(t.numel() * t.element_size() for t in (f.embeds, *f.deepstack, *extra))
 
     def get(self, key: Key) -> VisionFeatures | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                return None
-            self._items.move_to_end(key)
+        found = self._lru.get(key)
+        if found is not None:
             self.hits += 1
-            return item[0]
+        return found
 
     def put(self, key: Key, features: VisionFeatures) -> None:
-        size = self._size(features)
-        with self._lock:
-            if size > self.max_bytes or key in self._items:
-                return
-            self._items[key] = (features, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, old) = self._items.popitem(last=False)
-                self.bytes -= old
+        self._lru.put(key, features, self._size(features), replace=False)
 
     def forget(self, salt: str) -> int:
         """Drop every entry of ``salt``; returns how many went."""
-        with self._lock:
-            gone = [k for k in self._items if k[0] == salt]
-            for key in gone:
-                self.bytes -= self._items.pop(key)[1]
-            return len(gone)
+        return self._lru.forget(salt)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._lru)

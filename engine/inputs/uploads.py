@@ -27,7 +27,8 @@ What makes taking it safe:
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+
+from ..cache.salted_lru import SaltedLRU
 
 __all__ = ["UPLOADS", "DecodedUploads"]
 
@@ -42,9 +43,8 @@ class DecodedUploads:
     """
 
     def __init__(self, max_bytes: int = 256 << 20):
-        self.max_bytes = int(max_bytes)
-        self._items: OrderedDict[tuple[str, str, str], tuple[object, int]] = OrderedDict()
-        self._bytes = 0
+        self._items = SaltedLRU(max_bytes)  # by (salt, content key, namespace)
+        self.max_bytes = self._items.max_bytes
         self._engines = 0
         self._lock = threading.Lock()
         self.kept = 0
@@ -61,7 +61,6 @@ class DecodedUploads:
             self._engines = max(0, self._engines - 1)
             if not self._engines:
                 self._items.clear()
-                self._bytes = 0
 
     @property
     def active(self) -> bool:
@@ -80,34 +79,21 @@ class DecodedUploads:
         with self._lock:
             if not self._engines:
                 return False
-            item = (salt, key, namespace)
-            if item in self._items:
-                self._bytes -= self._items.pop(item)[1]
-            self._items[item] = (value, nbytes)
-            self._bytes += nbytes
-            while self._bytes > self.max_bytes:
-                _, (_, size) = self._items.popitem(last=False)
-                self._bytes -= size
+            self._items.put((salt, key, namespace), value, nbytes)
             self.kept += 1
             return True
 
     def take(self, salt: str, key: str, namespace: str) -> object | None:
         """The value kept for ``(salt, key, namespace)``, removed (each is taken once), or None."""
         with self._lock:
-            found = self._items.pop((salt, key, namespace), None)
-            if found is None:
-                return None
-            self._bytes -= found[1]
-            self.taken += 1
-            return found[0]
+            found = self._items.pop((salt, key, namespace))
+            if found is not None:
+                self.taken += 1
+            return found
 
     def forget(self, salt: str) -> int:
         """Drop the salt's items; returns how many went."""
-        with self._lock:
-            gone = [k for k in self._items if k[0] == salt]
-            for k in gone:
-                self._bytes -= self._items.pop(k)[1]
-            return len(gone)
+        return self._items.forget(salt)
 
 
 #: The one hand-off of this process: validation keeps into it, every engine of the process takes.

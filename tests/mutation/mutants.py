@@ -490,8 +490,8 @@ MUTANTS: list[Mutant] = [
         "an upload's decoded pixels are handed to any session's question about the same bytes: "
         "another session's first question is faster when someone else uploaded the image",
         "engine/inputs/uploads.py",
-        "found = self._items.pop((salt, key, namespace), None)",
-        "found = next((self._items.pop(k) for k in list(self._items) if k[1:] == (key, namespace)), None)",
+        "found = self._items.pop((salt, key, namespace))",
+        "found = self._items.pop(next((k for k in list(self._items._items) if k[1:] == (key, namespace)), None))",
         ("tests/test_media.py::test_another_session_never_takes_an_upload",),
     ),
     Mutant(
