@@ -11,6 +11,7 @@ awaiting coroutine on its own event loop.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 import warnings
@@ -63,8 +64,6 @@ class OutputChannel:
         Raises:
             queue.Empty: nothing came in time (or nothing is there, without ``block``).
         """
-        import queue
-
         with self._cv:
             if block and not self._cv.wait_for(lambda: self._items, timeout=timeout):
                 raise queue.Empty
@@ -199,8 +198,6 @@ class RequestHandle:
             TimeoutError: not finished within ``timeout`` seconds (the request goes on).
             PrismError: the error the request failed with.
         """
-        import queue
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.done:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
