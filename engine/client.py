@@ -16,10 +16,11 @@ request's outputs, tagged by request id, in batches; in this process a reader th
 into the request's :class:`~engine.serving.handle.OutputChannel`, so the app holds ordinary
 :class:`~engine.serving.handle.RequestHandle`\\ s whose ``cancel`` sends a cancel to the child.
 
-Image and clip bytes (the base64 uploads of ``/v1``) go to the child once per content key
-(SHA-256 of the bytes) and are referenced by key afterwards: both sides keep the same bounded LRU
-of keys (the same operations in the same order, so they agree without asking), the child with the
-bytes. A path (the session store's files) is passed as a path: the child opens it on the same host.
+Image and clip bytes (the base64 uploads of ``/v1``) go to the child once per session and content
+(:func:`blob_key`: the SHA-256 of the cache salt and the bytes) and are referenced by key
+afterwards: both sides keep the same bounded LRU of keys (the same operations in the same order,
+so they agree without asking), the child with the bytes. A path (the session store's files) is
+passed as a path: the child opens it on the same host.
 
 If the child dies (a crash, ``kill -9``), every waiting request fails with
 :class:`~engine.errors.EngineAbortedError`, later calls raise it at once, and ``on_crash`` is
@@ -49,7 +50,8 @@ from .serving.handle import OutputChannel, RequestHandle, is_final
 from .serving.outputs import Completion
 from .serving.sampling import SamplingParams
 
-__all__ = ["EngineClient", "InProcessClient", "ProcessClient", "DEFAULT_BLOB_CACHE_BYTES", "send_blobs", "take_blobs"]
+__all__ = ["EngineClient", "InProcessClient", "ProcessClient", "DEFAULT_BLOB_CACHE_BYTES", "blob_key", "send_blobs",
+           "take_blobs"]
 
 log = logging.getLogger(__name__)
 
@@ -247,9 +249,16 @@ class _MissingBlob(PrismError):
 _BYTES = (bytes, bytearray, memoryview)
 
 
-def _with_refs(messages, known: Callable[[str, bytes], None]):
-    """``messages`` with each image or clip given as bytes replaced by a :class:`_BlobRef`;
-    ``known(key, data)`` is called for each, in order. Anything
+def blob_key(salt: str, data: bytes) -> str:
+    """The key the bytes ``data`` of session ``salt`` travel under: the SHA-256 of the salt and
+    the bytes. Per session, as every cache of the engine: the same image sent by another session is
+    sent again, so no session's request is faster because another sent that image first."""
+    return hashlib.sha256(salt.encode("utf-8", "surrogatepass") + b"\0" + data).hexdigest()
+
+
+def _with_refs(messages, known: Callable[[str, bytes], None], salt: str):
+    """``messages`` with each image or clip given as bytes replaced by a :class:`_BlobRef` of its
+    :func:`blob_key` under ``salt``; ``known(key, data)`` is called for each, in order. Anything
     that is not a well-formed message is passed on as it is, for the engine to refuse."""
     if not isinstance(messages, list):
         return messages
@@ -265,7 +274,7 @@ def _with_refs(messages, known: Callable[[str, bytes], None]):
                 for field in ("image", "video"):
                     data = part.get(field)
                     if isinstance(data, _BYTES):
-                        key = hashlib.sha256(data).hexdigest()
+                        key = blob_key(salt, bytes(data))
                         known(key, bytes(data))
                         part = {**part, field: _BlobRef(key)}
             parts.append(part)
@@ -305,11 +314,12 @@ def _resolve_refs(messages, blobs: dict[str, bytes]):
     return messages
 
 
-def send_blobs(messages, keys: _KeyLRU, *, resend: bool = False) -> tuple[object, dict[str, bytes]]:
+def send_blobs(messages, keys: _KeyLRU, *, salt: str = "",
+               resend: bool = False) -> tuple[object, dict[str, bytes]]:
     """The parent's side of passing images by content key: ``messages`` with each image or clip
-    given as bytes replaced by its key, and the bytes the child does not hold yet (all of them
-    with ``resend``), by key; ``keys`` (the parent's copy of the child's LRU) is updated as
-    :func:`take_blobs` updates the child's."""
+    given as bytes replaced by its key (:func:`blob_key` under the request's cache ``salt``), and
+    the bytes the child does not hold yet (all of them with ``resend``), by key; ``keys`` (the
+    parent's copy of the child's LRU) is updated as :func:`take_blobs` updates the child's."""
     new: dict[str, bytes] = {}
 
     def known(key: str, data: bytes) -> None:
@@ -321,7 +331,7 @@ def send_blobs(messages, keys: _KeyLRU, *, resend: bool = False) -> tuple[object
             keys.add(key, len(data))
         new[key] = data
 
-    sent = _with_refs(messages, known)
+    sent = _with_refs(messages, known, salt)
     keys.trim()
     return sent, new
 
@@ -642,7 +652,7 @@ class ProcessClient(EngineClient):
     # ------------------------------------------------------------------ helpers
     def _submit(self, rid, messages, sampling, salt, *, resend: bool) -> int:
         with self._send_lock:
-            sent, new = send_blobs(messages, self._keys, resend=resend)
+            sent, new = send_blobs(messages, self._keys, salt=salt or "", resend=resend)
             future = self._request("submit", (rid, sent, sampling, salt, new), locked=True)
         try:
             return future.result()

@@ -102,6 +102,25 @@ def test_an_image_is_sent_once_then_named_by_its_key_and_the_second_question_hit
     assert second.token_ids == first.token_ids
 
 
+def test_another_session_sends_the_same_image_again(core):
+    """Blob keys are per session (cache salt): the attacker's session asking about an image the
+    victim's session sent gets no shortcut (its request carries the bytes again, so it is not
+    faster for it), and the victim's next question still names its image by key."""
+    image = noise_png(3, size=(320, 240))
+    messages = media_first_messages([image], "Describe it.")
+    recorder = SentBytes(core._conn)
+    core._conn = recorder
+    try:
+        core.generate(messages, GREEDY, cache_salt="victim")
+        core.generate(messages, GREEDY, cache_salt="attacker")
+        core.generate(messages, GREEDY, cache_salt="victim")
+    finally:
+        core._conn = recorder.conn
+    victim, attacker, again = [size for kind, size in recorder.sizes if kind == "submit"]
+    assert victim > len(image) and attacker > len(image)  # both carried the bytes
+    assert again * 20 < len(image)  # the victim's own second question: only the key
+
+
 def test_cancel_frees_the_requests_pages(core):
     before = core.stats()["pages_used"]
     handle = core.submit([{"role": "user", "content": "Count to a thousand."}],
@@ -203,7 +222,7 @@ def test_a_key_the_child_lost_is_reported_not_guessed():
 
     keys, message = _KeyLRU(1000), [{"role": "user", "content": [{"type": "image", "image": b"abc"}]}]
     sent, new = send_blobs(message, keys)
-    assert new == {hashlib.sha256(b"abc").hexdigest(): b"abc"}
+    assert new == {hashlib.sha256(b"\0abc").hexdigest(): b"abc"}  # the empty salt, a NUL, the bytes
     with pytest.raises(_MissingBlob):
         take_blobs(sent, {}, _KeyLRU(1000), {})
     assert send_blobs(message, keys)[1] == {}  # held, as far as the parent knows

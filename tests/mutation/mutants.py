@@ -536,6 +536,15 @@ MUTANTS: list[Mutant] = [
         ("tests/test_engine_process.py::test_an_image_is_sent_once_then_named_by_its_key_and_the_second_question_hits",),
     ),
     Mutant(
+        "core-blob-keys-across-sessions",
+        "the engine process keeps image bytes by content alone: a session asking about an image another "
+        "session sent skips sending it (its request is faster: it learns the other uploaded that image)",
+        "engine/client.py",
+        "                        key = blob_key(salt, bytes(data))",
+        "                        key = hashlib.sha256(data).hexdigest()",
+        ("tests/test_engine_process.py::test_another_session_sends_the_same_image_again",),
+    ),
+    Mutant(
         "core-keys-not-touched",
         "the engine process does not refresh an image key a request names: its LRU and the parent's "
         "part, and a request names bytes the child has dropped",
