@@ -23,7 +23,9 @@ import torch
 
 from ops.dispatch import warm_up as warm_up_kernels
 
+from .cache.host_pool import HostPool
 from .cache.kv_pool import PagePool
+from .cache.kv_transfer import KVTransfers
 from .cache.prefix_cache import PrefixCache
 from .cache.prefix_reuse import PrefixReuse
 from .cache.vision_cache import VisionCache
@@ -133,7 +135,9 @@ class Engine:
         self.max_model_len = min(options.max_model_len or t.max_position_embeddings, self.pool.capacity_tokens)
         self.prompts.max_prompt_tokens = self.max_model_len - 1  # one token at least left to generate
         steps = options.pressure_steps()
-        self.prefix_cache = PrefixCache(self.pool, steps) if options.prefix_cache else None
+        self.host_cache_bytes, self.host, transfers = self._host_tier(options, world)
+        self.prefix_cache = PrefixCache(self.pool, steps, host=self.host, reclaim_order=options.reclaim_order) \
+            if options.prefix_cache else None
         reuse = None
         if self.prefix_cache is not None:
             reuse = PrefixReuse(self.prefix_cache, self.compaction, self.namespace,
@@ -148,7 +152,9 @@ class Engine:
             graph_spec = dict(decode_rows=max(options.max_num_seqs, options.graph_max_tokens),
                               max_model_len=self.max_model_len, prefill=options.prefill_graphs)
         if parallel is not None:  # workers build their pools and capture beside rank 0 (paired collectives)
-            parallel.start_workers({**pool_shape, "num_pages": self.pool.num_pages}, graph_spec)
+            host_pages = self.host.num_pages if self.host is not None else 0
+            parallel.start_workers({**pool_shape, "num_pages": self.pool.num_pages, "host_pages": host_pages},
+                                   graph_spec)
         if graph_spec is not None:
             decode_graphs, prefill_graphs = capture_step_graphs(model, self.pool, **graph_spec)
         if "attention" in self.compaction.score_names:  # its scores pass is eager only (issue 20)
@@ -161,20 +167,39 @@ class Engine:
         scorer = reuse.token_scores if reuse is not None else None
         if parallel is None:
             runner = ModelRunner(model, self.pool, self.vision.encode_items, decode_graphs, prefill_graphs,
-                                 scorer=scorer)
+                                 scorer=scorer, transfers=transfers)
         else:
             from .parallel.runner import ParallelRunner
 
             parallel.wait_ready()
             runner = ParallelRunner(model, self.pool, self.vision.encode_items, decode_graphs, prefill_graphs,
-                                    scorer=scorer, group=parallel)
+                                    scorer=scorer, transfers=transfers, group=parallel)
         warm_up_kernels(self.pool.layers[0], model.language_model.layers[0].self_attn.heads, self.dtype)
         self.intake = Intake(self.tokenizer, model.device, self.max_model_len, reuse)
         self.loop = EngineLoop(scheduler, runner, reuse, eos_token_ids=self.eos_token_ids,
                                debug_checks=options.debug_checks)
+        self._transfers = transfers
         self.forgotten = Forgotten()
         UPLOADS.attach()  # uploads validated in this process are handed to this engine (engine.media)
         self._takes_uploads = True
+
+    def _host_tier(self, options: EngineOptions, world: int) -> tuple[int, HostPool | None, KVTransfers | None]:
+        """The host tier under the prefix cache: its budget in bytes (all ranks together: each
+        rank holds ``1 / world`` of every page), its :class:`~engine.cache.host_pool.HostPool` of
+        this rank and the copies' executor; ``(0, None, None)`` when it is off (budget 0, or no
+        prefix cache).
+
+        Raises:
+            ValueError: a budget the host cannot give (:meth:`EngineOptions.host_budget`).
+        """
+        if not options.prefix_cache:
+            return 0, None, None
+        budget = options.host_budget(world)
+        pages = budget // (self.pool.page_bytes * world)
+        if pages <= 0:
+            return budget, None, None
+        host = HostPool(self.pool, pages)
+        return budget, host, KVTransfers(self.pool, host)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, device=None, dtype=None, **options) -> Engine:
@@ -333,8 +358,14 @@ class Engine:
         and entries; with the vision encoder's CUDA graphs, their eager runs, captures and
         replays (``vision_graph_*``); what :meth:`forget` dropped so far (``forgotten_sessions``,
         ``forgotten_cache_entries``, ``forgotten_vision_features``, ``forgotten_processed_images``,
-        ``forgotten_decoded_videos``, ``forgotten_vision_graphs``). Every cache is keyed by the
-        cache salt, so each hit is one within a session (or under ``cache_scope="global"``).
+        ``forgotten_decoded_videos``, ``forgotten_vision_graphs``); the host tier
+        (``host_cache_bytes``: its budget, 0 when off; ``host_pages_total``, ``host_pages_used``,
+        ``host_bytes_allocated``; ``cache_host_entries``: prefixes on it now; ``cache_offloads``,
+        ``cache_restores``: families moved down and back; ``cache_host_evictions``: entries dropped
+        from it, not counted in ``cache_evictions``; ``cache_hits_host``: hits on an entry found
+        there, counted in ``cache_hits`` too; ``cache_transfer_failures``: copies that failed).
+        Every cache is keyed by the cache salt, so each hit is one within a session (or under
+        ``cache_scope="global"``).
 
         Raises:
             PrismError: the engine is closed.
@@ -343,6 +374,7 @@ class Engine:
             if self.loop.closed:
                 raise PrismError("engine is closed")
             cache = self.prefix_cache.counters() if self.prefix_cache is not None else {"prefix_cache": False}
+            cache["host_cache_bytes"] = self.host_cache_bytes
             forgotten = {f"forgotten_{k}": v for k, v in dataclasses.asdict(self.forgotten).items()}
             return {**self.pool.counters(), **self.loop.counters(), **cache, **self.prompts.counters(),
                     **self.vision.counters(), **forgotten}
@@ -368,7 +400,9 @@ class Engine:
             token's KV is kept), ``kept_count`` (int, tokens), ``selector`` (str, a key of
             :data:`engine.cache.compaction.SELECTORS`, or None for a dense prefix) and
             ``keep_ratio`` (float, 1.0 when dense); and ``preview`` (bool), ``step`` (int or
-            None) and ``steps`` (int, how many compaction steps on pressure the engine has).
+            None) and ``steps`` (int, how many compaction steps on pressure the engine has); and
+            ``tier`` (``"gpu"`` or ``"host"``: where the prefix's KV lives now, the host tier
+            including a restore in flight).
 
             With ``preview`` (the viewer's "what a compaction would keep"): when the prefix has a
             compaction step on pressure still ahead (``compaction_mode="on_pressure"``, see
@@ -476,8 +510,12 @@ class Engine:
         self._vision_counter.remove()
         if self.parallel is not None:
             self.parallel.close()
+        if self._transfers is not None:  # copies in flight land first; then the pinned memory goes
+            self._transfers.close()
+            self.host.close()
         # drop every reference to the model, the KV pool and the captured graphs so their memory goes
         self.pool = self.model = self.prefix_cache = self.prefix_reuse = self.vision = self.intake = None
+        self.host = self._transfers = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

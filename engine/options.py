@@ -61,6 +61,10 @@ class EngineOptions:
             ``"global"`` (salts ignored; for single-user setups).
         conversation_reuse: also keep a finished turn's KV so the next turn of the same chat
             prefills only its new question.
+        reclaim_order: with a host tier, the order pages are reclaimed in when the KV pool runs
+            short: ``"offload_first"`` (idle prefixes move to host memory, lossless, before any is
+            compacted) or ``"compact_first"`` (compaction steps first, then compacted copies move);
+            see :meth:`engine.cache.prefix_cache.PrefixCache.reclaim_once`.
         vision_cache_bytes: bound of the per-session vision-feature cache.
         cuda_graphs: on CUDA, replay captured graphs for decode steps (see
             :mod:`engine.graphs.decode`) and for the vision encoder on image sizes seen before (see
@@ -107,6 +111,7 @@ class EngineOptions:
     pressure_keep_ratios: tuple[float, ...] | None = None
     cache_scope: str = "session"
     conversation_reuse: bool = True
+    reclaim_order: str = "offload_first"
     vision_cache_bytes: int = 256 << 20
     cuda_graphs: bool = True
     graph_max_tokens: int = 64

@@ -477,12 +477,20 @@ def test_preempted_request_attached_to_a_prefix(make, photos):
 
 
 def test_identical_concurrent_cold_pair(make, photos):
+    """Both looked up (misses) before either computed the prefix: the first computes it, the second
+    waits for that computation (one in-flight mechanism with host-tier restores) and then hits it,
+    instead of computing the same prefix again."""
     engine = make(**EXACT)
     messages = media_first_messages([photos["coffee"]], Q1)
-    with engine.loop.paused():  # both looked up before either computed the prefix
+    with engine.loop.paused():
         ra, rb = engine.submit(messages, SP, cache_salt="s"), engine.submit(messages, SP, cache_salt="s")
     da, db = wait_done(ra), wait_done(rb)
-    assert da.telemetry.prefix_cache == db.telemetry.prefix_cache == "miss"
+    assert da.telemetry.prefix_cache == "miss" and db.telemetry.prefix_cache == "hit"
+    prefix_len = engine.prompts.build(messages).prefix_len
+    assert db.telemetry.cached_tokens == prefix_len
+    assert db.telemetry.computed_tokens == db.telemetry.prompt_tokens - prefix_len
+    stats = engine.stats()
+    assert (stats["cache_hits"], stats["cache_misses"]) == (1, 1)
     assert da.token_ids == db.token_ids == gen(make(**EXACT), messages).token_ids
     assert len(engine.prefix_cache.prefixes) == 1
     later = gen(engine, media_first_messages([photos["coffee"]], Q2))

@@ -137,6 +137,28 @@ def test_vision_encoder_runs_once_per_image_not_once_per_rank(dense_pair):
     assert two.token_ids == one.token_ids  # the worker used rank 0's broadcast features
 
 
+def test_tp2_host_tier_every_rank_offloads_and_restores_its_shard(tiny_ckpt, dense_pair):
+    """A TP2 pool of 6 pages per rank over a host tier of 24 pages: sessions push each other to
+    host memory and come back; every rank copies its own half of the KV heads (the worker counts
+    the orders it ran), and every answer equals TP1's (float32 pages: a restored hit, a GPU hit and
+    a cold run give the same tokens)."""
+    tp1 = dense_pair[0]
+    page = 16 * 3 * 1 * 16 * 4 * 2  # one rank's page: 16 tokens, 3 layers, 1 of 2 KV heads, 16 dims, K and V
+    tp2 = tp_engine(tiny_ckpt, **{**DENSE, "kv_cache_bytes": 6 * page, "host_cache_bytes": 24 * 2 * page})
+    try:
+        assert tp2.host.num_pages == 24
+        asks = [(colour, question) for question in ("What is here?", "Which colour?") for colour in ("red", "navy", "olive")]
+        for colour, question in asks:
+            messages = media_first_messages(images(colour), question)
+            two = tp2.generate(messages, SP, cache_salt=colour)
+            assert two.token_ids == tp1.generate(messages, SP, cache_salt="tp1-" + colour).token_ids
+        stats, worker = tp2.stats(), tp2.tensor_parallel_counters()[1]
+        assert stats["cache_restores"] >= 1 and stats["cache_hits_host"] >= 1
+        assert (worker["offloads"], worker["restores"]) == (stats["cache_offloads"], stats["cache_restores"])
+    finally:
+        tp2.close()
+
+
 def test_a_failing_rank_gives_a_clear_error(dense_pair):
     """Runs after the dense pair's other tests: it breaks its TP2 engine. A worker that raises
     (here on a plan it does not know) reports its error and exits; every later request fails with

@@ -28,6 +28,20 @@ pages (:meth:`~engine.cache.kv_pool.PagePool.keep_slots`: a slot-move order the 
 carries to the runner), frees the pages past them, drops its
 extensions (their KV attended to the tokens that are gone) and records what it kept.
 
+The host tier (a cache built with ``host``, a :class:`~engine.cache.host_pool.HostPool`): the
+unit that moves is a prefix together with its live conversation extensions (an extension's block
+table starts with its parent's pages, so the two cannot be apart), one *family*; it moves only
+when no request reads any of it and no request holds its pages. An offload copies the family's
+distinct pages to host pages (an :class:`~engine.cache.kv_transfer.Offload` order the next step
+plan carries to the runner, run on the copy stream) and gives the GPU pages back when the copy
+has landed (until then they are *pending*: :attr:`PrefixCache.pending_pages`; the scheduler waits
+for them instead of preempting anyone). A hit on a host family allocates GPU pages and orders a
+:class:`~engine.cache.kv_transfer.Restore`; its requests are admitted once that copy landed. An
+entry keeps its key, tokens, kept positions, scores, images and extensions across the round trip.
+A family on the host is never compacted (compaction runs on the GPU); a compacted prefix may be
+offloaded as it is. How pages are reclaimed, in one place: :meth:`PrefixCache.reclaim_once` and
+docs/ARCHITECTURE.md ("Reclaiming KV pages").
+
 What a prefix kept: each prefix entry records which logical prefix tokens its KV still holds
 (:class:`KeptTokens`, set by :meth:`PrefixEntry.record_kept` whenever the entry is compacted), and
 which images it was built from (their content keys and visual spans), so a caller can be shown
@@ -40,13 +54,16 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from ..model.rope import VisualSpan
 from .compaction import CompactionConfig, pressure_ratios
+from .host_pool import HostPool
 from .kv_pool import PagePool
+from .kv_transfer import Offload, Restore, TransferDone
 
 _clock = itertools.count()
 
@@ -99,6 +116,12 @@ class PrefixEntry:
         scores: the prefix's per-token selector inputs
             (:data:`~engine.cache.compaction.TokenScores`, over logical prefix positions), kept so
             the entry can be compacted again later; None when the engine computed none.
+        tier: where its KV lives: ``"gpu"`` (``pages`` in the KV pool), ``"host"`` (``host_pages``
+            in the host tier; ``pages`` empty) or ``"restoring"`` (``pages`` allocated, the
+            host-to-GPU copy in flight; read by no request until it lands). A prefix and its
+            extensions always share one tier (they move together).
+        host_pages: its block table in the host tier while it is there (one host reference each).
+        restore_ms, restored_pages: the copy that last brought it back from the host tier.
     """
 
     key: str
@@ -119,6 +142,15 @@ class PrefixEntry:
     spans: tuple[VisualSpan, ...] = ()
     kept: KeptTokens | None = None
     scores: dict[str, torch.Tensor] | None = None
+    tier: str = "gpu"
+    host_pages: list[int] = field(default_factory=list)
+    restore_ms: float = 0.0
+    restored_pages: int = 0
+
+    @property
+    def base(self) -> PrefixEntry:
+        """The prefix this entry is or extends."""
+        return self if self.parent is None else self.parent
 
     def record_kept(self, kept: KeptTokens) -> None:
         """Record which logical prefix tokens the entry's KV now holds, once its slots hold them
@@ -176,6 +208,11 @@ class CacheStats:
     conversation_hits: int = 0
     pressure_compactions: int = 0  # prefixes compacted (one step each) to make room
     pressure_pages_freed: int = 0  # pages those compactions freed
+    offloads: int = 0  # prefixes (with their extensions) moved to the host tier
+    restores: int = 0  # prefixes (with their extensions) brought back from it
+    host_evictions: int = 0  # entries dropped from the host tier (not counted in the evictions above)
+    hits_host: int = 0  # hits on an entry found in the host tier (counted in ``hits`` too)
+    transfer_failures: int = 0  # offloads and restores whose copy failed (their entries dropped)
 
     @property
     def evictions(self) -> int:
@@ -202,6 +239,53 @@ def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
     return n
 
 
+#: The orders in which :meth:`PrefixCache.reclaim_once` tries its moves (see there).
+RECLAIM_ORDERS = ("offload_first", "compact_first")
+
+
+@dataclass(frozen=True)
+class ReclaimCosts:
+    """What :meth:`PrefixCache.reclaim_once` weighs, in one currency: prompt tokens recomputed.
+
+    Each candidate move's expected loss is ``(1 + hits)`` (the entry's uses so far, a proxy of
+    how often it is used again) times its cost per use, divided by the GPU pages it frees; the
+    move of least loss per page is made.
+
+    Attributes:
+        restore_tokens_per_page: cost of bringing one page back from the host tier, as the prompt
+            tokens whose recompute takes as long. Default 0.4: at the 8B shape a page (16 tokens,
+            ~1.2 MB of Scaled-FP8 K/V and scales over 36 layers) restores in ~0.022 ms at the
+            measured ~54 GB/s of pinned host-to-GPU copies (issue 33), while a cold question
+            costs ~94 ms for ~1,650 prompt tokens, ~0.057 ms a token (docs/PERFORMANCE.md).
+        compaction_price: cost of one compaction step of a prefix, as a share of recomputing the
+            whole prefix once per later use: the answers lose accuracy (probe model, keep 0.6:
+            70.2% dense against 58.6%, docs/QUALITY.md) on every later question, not once. 1.0
+            prices a compaction like an eviction of the same tokens, so a compaction (which frees
+            only the share it drops) loses to dropping a colder entry from the host tier.
+    """
+
+    restore_tokens_per_page: float = 0.4
+    compaction_price: float = 1.0
+
+
+@dataclass
+class InFlight:
+    """A copy between the tiers not yet landed.
+
+    Attributes:
+        kind: ``"offload"`` or ``"restore"``.
+        entry: the family's prefix.
+        pages: the GPU pages the copy holds a reference on (an offload's source pages, freed when
+            it lands: the *pending* pages; a restore's destination pages).
+        host_pages: the host pages of the copy.
+    """
+
+    kind: str
+    entry: PrefixEntry
+    pages: list[int]
+    host_pages: list[int]
+
+
 class PrefixCache:
     """Entries by key, their pages in ``pool``, the eviction policy and counters.
 
@@ -213,15 +297,37 @@ class PrefixCache:
             ratios follow :func:`~engine.cache.compaction.pressure_ratios`: a step of keep ratio
             1.0 keeps every token, so it is no step and is left out of :attr:`pressure_steps`.
 
+        host: the host tier entries may move to (None: no host tier).
+        reclaim_order: ``"offload_first"`` (lossless moves to the host tier before any compaction)
+            or ``"compact_first"`` (compaction steps first, then offloads: compacted copies move);
+            see :meth:`reclaim_once`.
+        costs: the prices :meth:`reclaim_once` weighs (:class:`ReclaimCosts`).
+
     Raises:
-        ValueError: a step without a selector, or keep ratios outside (0, 1] or not decreasing.
+        ValueError: a step without a selector, keep ratios outside (0, 1] or not decreasing, an
+            unknown ``reclaim_order``.
     """
 
-    def __init__(self, pool: PagePool, pressure_steps: tuple[CompactionConfig, ...] = ()):
+    def __init__(self, pool: PagePool, pressure_steps: tuple[CompactionConfig, ...] = (), *,
+                 host: HostPool | None = None, reclaim_order: str = "offload_first",
+                 costs: ReclaimCosts | None = None):
         if any(s.method is None for s in pressure_steps):
             raise ValueError(f"pressure steps need a selector, got {[s.method for s in pressure_steps]}")
+        if reclaim_order not in RECLAIM_ORDERS:
+            raise ValueError(f"reclaim_order must be one of {RECLAIM_ORDERS}, got {reclaim_order!r}")
         pressure_ratios([s.keep_ratio for s in pressure_steps])
         self.pool = pool
+        self.host = host
+        self.reclaim_order = reclaim_order
+        self.costs = costs if costs is not None else ReclaimCosts()
+        # copies in flight by transfer id; transfers landed since the last plan; families whose
+        # restore failed since the scheduler last asked; keys a cold request is computing now
+        self.in_flight: dict[int, InFlight] = {}
+        self._landed: list[int] = []
+        self._failed: list[PrefixEntry] = []
+        self._computing: Counter[str] = Counter()
+        self._host_refs: Counter[int] = Counter()
+        self._xfer_ids = itertools.count(1)
         self.pressure_steps = tuple(s for s in pressure_steps if s.keep_ratio < 1)
         self.prefixes: dict[str, PrefixEntry] = {}
         self.stats = CacheStats()
@@ -269,6 +375,8 @@ class PrefixCache:
         entry = match.entry
         if not entry.alive:
             raise RuntimeError("acquire of an evicted prefix entry")
+        if entry.tier != "gpu":
+            raise RuntimeError(f"acquire of a prefix entry whose KV is not on the GPU ({entry.tier})")
         entry.users += 1
         entry.hits += 1
         entry.last_used = next(_clock)
@@ -326,31 +434,297 @@ class PrefixCache:
         :meth:`PrefixEntry.value` first, then least recently used. Sorts every entry (for
         :meth:`clear` and for callers that want the whole order); :meth:`make_room` takes its
         victims from the eviction index instead, in this same order."""
-        leaves = [e for e in self.entries if e.users == 0 and not any(c.alive for c in e.children)]
+        leaves = [e for e in self.entries
+                  if e.users == 0 and e.tier != "restoring" and not any(c.alive for c in e.children)]
         return sorted(leaves, key=eviction_order)
 
     def make_room(self, pages_needed: int) -> bool:
-        """Free pages until ``pages_needed`` are free: with ``pressure_steps``, idle extensions go
-        first, then prefixes are compacted a step (:meth:`compactable`); then entries are evicted
-        by value. Returns whether that succeeded.
+        """Reclaim pages (:meth:`reclaim_once`, repeatedly) until ``pages_needed`` are free, or will
+        be once the offloads in flight land (:attr:`pending_pages`). Returns whether they are free
+        now; False with :meth:`room_pending` true means "wait for the copies", not "preempt".
 
-        Each victim is the first of :meth:`evictable` (of its extensions, for the idle-extension
-        step), read from the eviction index in O(log n) per eviction (plus, per request reading an
-        entry that would otherwise go first, one more heap operation) instead of a sort of every
-        entry."""
-        while self.pool.num_free < pages_needed:
-            if self.pressure_steps:
-                idle = self._first_evictable((1,))
-                if idle is not None:
-                    self.evict(idle)
-                    continue
-                if self._compact_one():
-                    continue
-            victim = self._first_evictable((0, 1))
-            if victim is None:
-                return False
-            self.evict(victim)
+        Eviction victims are read from the eviction index in O(log n) per eviction (plus, per
+        request reading an entry that would otherwise go first, one more heap operation) instead
+        of a sort of every entry."""
+        while self.pool.num_free + self.pending_pages < pages_needed:
+            if not self.reclaim_once():
+                break
+        return self.pool.num_free >= pages_needed
+
+    def room_pending(self, pages_needed: int) -> bool:
+        """Whether ``pages_needed`` pages are not free now but will be once the offloads in flight
+        land (the caller waits a step instead of preempting a request)."""
+        return self.pool.num_free < pages_needed <= self.pool.num_free + self.pending_pages
+
+    @property
+    def pending_pages(self) -> int:
+        """GPU pages held by offloads in flight: free once their copies land."""
+        return sum(len(f.pages) for f in self.in_flight.values() if f.kind == "offload")
+
+    def reclaim_once(self) -> bool:
+        """Free GPU pages by one move, the one that loses least. The policy, in one place
+        (pseudocode in docs/ARCHITECTURE.md, "Reclaiming KV pages"):
+
+        1. ``lossy`` = with ``pressure_steps``, the idle extension of least value (evicted: its
+           tail is recomputed on its next use), else the next compaction step
+           (:meth:`compactable`); None without pressure steps.
+        2. With a host tier, ``unit`` = the idle GPU family of least value (a prefix and its
+           extensions no request reads). Under ``reclaim_order="compact_first"`` a compaction
+           ``lossy`` goes first. If the host tier has room for ``unit``, it is offloaded (lossless).
+           If not, the host families of least value that would make room are the alternative:
+           dropping them and offloading ``unit`` costs their recompute plus ``unit``'s restore;
+           that is done when it costs less per GPU page freed than ``lossy`` (:class:`ReclaimCosts`).
+        3. Else ``lossy`` is made.
+        4. Else the GPU entry of least value is evicted (last).
+
+        Returns whether a move was made (False: nothing may go)."""
+        lossy = self._lossy_move()
+        unit = self._coldest_idle_family() if self.host is not None else None
+        if unit is not None and not (self.reclaim_order == "compact_first" and lossy is not None):
+            pages = self._distinct(self.family(unit), "pages")
+            victims = self._host_victims(len(pages))
+            if victims is not None:
+                loss = sum(self._recompute_loss(v) for v in victims) + self._restore_loss(unit, len(pages))
+                if lossy is None or loss / len(pages) <= lossy[-1]:
+                    for victim in victims:
+                        self.evict_host(victim)
+                    self.offload(unit)
+                    return True
+        if lossy is not None:
+            kind, entry, *rest = lossy
+            if kind == "evict":
+                self.evict(entry)
+            else:
+                step, kept, _ = rest
+                self.compact(entry, step, kept)
+            return True
+        victim = self._first_evictable((0, 1))
+        if victim is None:
+            return False
+        self.evict(victim)
         return True
+
+    def _lossy_move(self) -> tuple | None:
+        """The pressure steps' next move, as before the host tier: ``("evict", extension, loss per
+        page)`` for the idle extension of least value, else ``("compact", prefix, step, kept,
+        loss per page)`` for the first compaction that frees a page; None without pressure steps
+        or when neither exists."""
+        if not self.pressure_steps:
+            return None
+        idle = self._first_evictable((1,))
+        if idle is not None:
+            own = [p for p in idle.pages if self.pool.refcount[p] == 1]
+            tail = len(idle.tokens) - idle.prefix_len
+            return ("evict", idle, (1 + idle.hits) * tail / max(1, len(own)))
+        for entry, step in self.compactable():
+            kept = self.plan(entry, step)
+            if kept is not None:
+                freed = len(entry.pages) - self.pool.pages_for(len(kept))
+                loss = (1 + entry.hits) * len(entry.tokens) * self.costs.compaction_price / freed
+                return ("compact", entry, step, kept, loss)
+        return None
+
+    # ------------------------------------------------------------------ the host tier
+    def family(self, entry: PrefixEntry) -> list[PrefixEntry]:
+        """The prefix ``entry`` is or extends, then its live extensions: the unit that moves
+        between the tiers."""
+        base = entry.base
+        return [base, *(c for c in base.children if c.alive)]
+
+    @staticmethod
+    def _distinct(members: list[PrefixEntry], attr: str) -> list[int]:
+        """The distinct pages (``attr``: ``"pages"`` or ``"host_pages"``) of ``members``, in order."""
+        return list(dict.fromkeys(p for m in members for p in getattr(m, attr)))
+
+    def _idle_family(self, base: PrefixEntry) -> list[PrefixEntry] | None:
+        """``base``'s family if it may move to the host tier now: on the GPU, read by no request,
+        every page held by its members alone (a request that dropped its attachment may still hold
+        some); else None."""
+        if not base.alive or base.tier != "gpu":
+            return None
+        members = self.family(base)
+        if any(m.users for m in members):
+            return None
+        held = Counter(p for m in members for p in m.pages)
+        if any(self.pool.refcount[p] != n for p, n in held.items()):
+            return None
+        return members
+
+    def _family_order(self, base: PrefixEntry) -> tuple[float, int]:
+        """The order families move and leave the host tier in, least first: the value of their
+        most valuable member, then the most recent use of any."""
+        members = self.family(base)
+        return (max(m.value() for m in members), max(m.last_used for m in members))
+
+    def _coldest_idle_family(self) -> PrefixEntry | None:
+        """The prefix of the idle GPU family (:meth:`_idle_family`) of least value, or None. A scan
+        of the prefixes (an offload is rare next to a step)."""
+        idle = [e for e in self.prefixes.values() if self._idle_family(e) is not None and e.pages]
+        return min(idle, key=self._family_order, default=None)
+
+    def _host_victims(self, pages_needed: int) -> list[PrefixEntry] | None:
+        """The host families to drop, least value first, so ``pages_needed`` host pages are free:
+        [] when they are already, None when dropping every idle one would not do."""
+        free = self.host.num_free
+        if free >= pages_needed:
+            return []
+        victims = []
+        idle = (e for e in self.prefixes.values()
+                if e.alive and e.tier == "host" and not any(m.users for m in self.family(e)))
+        for base in sorted(idle, key=self._family_order):
+            victims.append(base)
+            free += len(self._distinct(self.family(base), "host_pages"))
+            if free >= pages_needed:
+                return victims
+        return None
+
+    def _recompute_loss(self, base: PrefixEntry) -> float:
+        """Expected prompt tokens recomputed if ``base``'s family is dropped: each member's own
+        tokens (an extension's beyond its prefix) times its uses."""
+        return sum((1 + m.hits) * (len(m.tokens) - (m.prefix_len if m.parent is not None else 0))
+                   for m in self.family(base))
+
+    def _restore_loss(self, base: PrefixEntry, pages: int) -> float:
+        """Expected cost (prompt tokens) of restoring ``base``'s family of ``pages`` pages again."""
+        uses = 1 + sum(m.hits for m in self.family(base))
+        return uses * pages * self.costs.restore_tokens_per_page
+
+    def offload(self, base: PrefixEntry) -> int:
+        """Move prefix ``base`` and its extensions to the host tier: host pages are taken, an
+        :class:`~engine.cache.kv_transfer.Offload` order is recorded, the entries' GPU references
+        pass to the copy (the pages are pending until it lands). Returns the GPU pages it frees.
+
+        Raises:
+            RuntimeError: the family is not idle (:meth:`_idle_family`).
+            OutOfPagesError: the host tier has too few free pages.
+        """
+        members = self._idle_family(base)
+        if members is None:
+            raise RuntimeError("offload of a prefix entry that a request reads")
+        pages = self._distinct(members, "pages")
+        host_pages = self.host.allocate(len(pages))
+        where = dict(zip(pages, host_pages, strict=True))
+        xfer = next(self._xfer_ids)
+        self.pool.incref(pages)  # the copy's, until it lands
+        for m in members:
+            m.host_pages = [where[p] for p in m.pages]
+            self._host_refs.update(m.host_pages)
+            self.pool.release(m.pages)
+            m.pages = []
+            m.tier = "host"
+            self._queued.pop(m, None)  # GPU eviction never picks a host entry
+        self.in_flight[xfer] = InFlight("offload", base, pages, host_pages)
+        self.pool.orders.append(Offload(xfer, tuple(pages), tuple(host_pages)))
+        self.stats.offloads += 1
+        return len(pages)
+
+    def restore_pages(self, entry: PrefixEntry) -> int:
+        """GPU pages a restore of ``entry``'s family takes."""
+        return len(self._distinct(self.family(entry), "host_pages"))
+
+    def restore(self, entry: PrefixEntry) -> None:
+        """Bring ``entry``'s family back from the host tier: GPU pages are taken (the caller made
+        room: :meth:`restore_pages`), a :class:`~engine.cache.kv_transfer.Restore` order is
+        recorded, the family is ``"restoring"`` until it lands (:meth:`transfer_landed`).
+
+        Raises:
+            RuntimeError: the family is not on the host tier.
+            OutOfPagesError: too few free GPU pages.
+        """
+        base = entry.base
+        if not base.alive or base.tier != "host":
+            raise RuntimeError("restore of a prefix entry that is not in the host tier")
+        members = self.family(base)
+        host_pages = self._distinct(members, "host_pages")
+        pages = self.pool.allocate(len(host_pages))  # one reference each: the copy's, until it lands
+        where = dict(zip(host_pages, pages, strict=True))
+        xfer = next(self._xfer_ids)
+        for m in members:
+            m.pages = [where[h] for h in m.host_pages]
+            self.pool.incref(m.pages)
+            m.tier = "restoring"
+        self.in_flight[xfer] = InFlight("restore", base, pages, host_pages)
+        self.pool.orders.append(Restore(xfer, tuple(host_pages), tuple(pages)))
+        self.stats.restores += 1
+
+    def transfer_landed(self, done: TransferDone) -> None:
+        """A copy reported by the runner finished: an offload's pending pages are freed; a restored
+        family is on the GPU again (its host pages freed). A failed copy drops its family (its
+        data cannot be trusted): a failed restore's family is reported by :meth:`take_failed`, so
+        the requests waiting for it fail; nothing else does."""
+        flight = self.in_flight.pop(done.xfer, None)
+        self._landed.append(done.xfer)
+        if flight is None:
+            return
+        base = flight.entry
+        self.pool.release(flight.pages)
+        if done.error is not None:
+            self.stats.transfer_failures += 1
+            if base.alive and (flight.kind == "restore" or base.tier == "host"):
+                self._drop_family(base)
+            if flight.kind == "restore":
+                self._failed.append(base)
+            return
+        if flight.kind == "restore" and base.alive:
+            base.restore_ms, base.restored_pages = done.ms, len(flight.pages)
+            for m in self.family(base):
+                self._host_release(m.host_pages)
+                m.host_pages = []
+                m.tier = "gpu"
+            for m in self.family(base):
+                self._index(m)
+
+    def take_landed(self) -> list[int]:
+        """The transfer ids landed since the last call (the next plan tells tensor-parallel ranks,
+        whose own copies their forwards then wait for)."""
+        landed, self._landed = self._landed, []
+        return landed
+
+    def take_failed(self) -> list[PrefixEntry]:
+        """The prefixes whose restore failed since the last call (their families are gone)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def evict_host(self, base: PrefixEntry) -> None:
+        """Drop ``base``'s family from the host tier (counted in ``cache_host_evictions``)."""
+        self.stats.host_evictions += len(self.family(base))
+        self._drop_family(base)
+
+    def _drop_family(self, base: PrefixEntry) -> None:
+        for child in [c for c in base.children if c.alive]:
+            self._remove(child)
+        self._remove(base)
+
+    def _host_release(self, host_pages: list[int]) -> None:
+        """Drop one host reference from each page; pages no entry lists go back to the host tier."""
+        gone = []
+        for h in host_pages:
+            self._host_refs[h] -= 1
+            if self._host_refs[h] == 0:
+                del self._host_refs[h]
+                gone.append(h)
+        if gone:
+            self.host.release(gone)
+
+    # ------------------------------------------------------------------ in-flight computation
+    def begin_compute(self, key: str) -> None:
+        """A cold request started computing prefix ``key``: requests for it wait (one in-flight
+        mechanism with restores: :meth:`waits_for`)."""
+        self._computing[key] += 1
+
+    def end_compute(self, key: str) -> None:
+        """That request cached the prefix, or gave up (preempted, finished, failed)."""
+        self._computing[key] -= 1
+        if self._computing[key] <= 0:
+            del self._computing[key]
+
+    def waits_for(self, key: str, match: Match | None) -> bool:
+        """Whether a request for prefix ``key`` (its current ``match``) must wait for a copy or a
+        computation in flight: its entry is being restored, or, with no match, another request is
+        computing the prefix."""
+        if match is not None:
+            return match.entry.alive and match.entry.base.tier == "restoring"
+        return key in self._computing
 
     # ------------------------------------------------------------------ the eviction index
     # Every live entry that no live entry extends has a current item in the heap of its kind,
@@ -361,8 +735,9 @@ class PrefixCache:
     # when an item surfaces, since requests pin entries (users += 1) without telling the cache.
 
     def _index(self, entry: PrefixEntry) -> None:
-        """Queue ``entry`` under its current key if it is a live leaf (its older item goes stale)."""
-        if not entry.alive or any(c.alive for c in entry.children):
+        """Queue ``entry`` under its current key if it is a live leaf on the GPU (its older item goes
+        stale)."""
+        if not entry.alive or entry.tier != "gpu" or any(c.alive for c in entry.children):
             return
         token = next(self._tokens)
         self._queued[entry] = token
@@ -423,7 +798,7 @@ class PrefixCache:
         plans = []
         for entry in self.prefixes.values():
             step = self.next_step(entry)
-            if (step is None or not entry.alive or entry.users or entry.kept is None
+            if (step is None or not entry.alive or entry.tier != "gpu" or entry.users or entry.kept is None
                     or any(c.alive for c in entry.children) or any(self.pool.refcount[p] != 1 for p in entry.pages)):
                 continue
             plans.append((entry, step))
@@ -465,6 +840,8 @@ class PrefixCache:
         """
         if entry.users or entry.parent is not None or not entry.alive:
             raise RuntimeError("compaction of a prefix entry that a request reads")
+        if entry.tier != "gpu":
+            raise RuntimeError(f"compaction of a prefix entry whose KV is not on the GPU ({entry.tier})")
         children = [c for c in entry.children if c.alive]
         if any(c.users for c in children):
             raise RuntimeError("compaction of a prefix entry whose extension a request reads")
@@ -509,8 +886,10 @@ class PrefixCache:
     def _remove(self, entry: PrefixEntry) -> None:
         entry.alive = False
         self._queued.pop(entry, None)
-        self.pool.release(entry.pages)
+        self.pool.release(entry.pages)  # a copy in flight holds its own references
         entry.pages = []
+        self._host_release(entry.host_pages)
+        entry.host_pages = []
         if entry.parent is None:
             if self.prefixes.get(entry.key) is entry:
                 del self.prefixes[entry.key]
@@ -518,11 +897,16 @@ class PrefixCache:
             entry.parent.children.remove(entry)
             self._index(entry.parent)  # a leaf again once its last live extension has gone
 
-    def clear(self) -> None:
-        """Evict every entry that no running request uses."""
-        while victims := self.evictable():
+    def clear(self, *, host: bool = True) -> None:
+        """Evict every entry that no running request uses, from both tiers (``host=False``: from
+        the GPU only; entries on the host tier stay). Entries being restored stay."""
+        while victims := [e for e in self.evictable() if host or e.tier == "gpu"]:
             for e in victims:
-                self.evict(e)
+                if e.tier == "host":
+                    self.stats.host_evictions += 1
+                    self._remove(e)
+                else:
+                    self.evict(e)
 
     def counters(self) -> dict:
         """The cache's part of :meth:`Engine.stats() <engine.Engine.stats>`: entries (prefixes and
@@ -548,8 +932,39 @@ class PrefixCache:
             "prompt_tokens_saved": self.stats.tokens_saved,
             "cache_pressure_compactions": self.stats.pressure_compactions,
             "cache_pressure_pages_freed": self.stats.pressure_pages_freed,
+            **self.host_counters(),
+        }
+
+    def host_counters(self) -> dict:
+        """The host tier's part of :meth:`counters` (zeros without a host tier): its pages total
+        and used, bytes allocated, prefixes on it now, offloads, restores, host evictions (entries;
+        ``cache_evictions`` does not count moves to the host), hits on a host entry, failed copies."""
+        host = self.host.counters() if self.host is not None else {
+            "host_pages_total": 0, "host_pages_used": 0, "host_bytes_allocated": 0}
+        return {
+            **host,
+            "cache_host_entries": sum(e.tier != "gpu" for e in self.prefixes.values()),
+            "cache_offloads": self.stats.offloads,
+            "cache_restores": self.stats.restores,
+            "cache_host_evictions": self.stats.host_evictions,
+            "cache_hits_host": self.stats.hits_host,
+            "cache_transfer_failures": self.stats.transfer_failures,
         }
 
     def holders(self) -> list[list[int]]:
-        """Page lists of all entries (for pool accounting checks)."""
-        return [e.pages for e in self.entries]
+        """Page lists of all entries and of the copies in flight (for pool accounting checks)."""
+        return [e.pages for e in self.entries] + [f.pages for f in self.in_flight.values()]
+
+    def check_host(self) -> None:
+        """Debug check of the host tier: each host page's references equal the entries listing it,
+        and the tier's used pages are exactly those.
+
+        Raises:
+            AssertionError: describing the first inconsistency.
+        """
+        if self.host is None:
+            return
+        counts = Counter(h for e in self.entries for h in e.host_pages)
+        assert counts == self._host_refs, "host page references out of sync with the entries"
+        assert self.host.num_used == len(counts), (
+            f"host tier: {self.host.num_used} pages used, {len(counts)} listed by entries")

@@ -68,6 +68,7 @@ class CachingRequest(Protocol):
     match: Match | None
     attached: PrefixEntry | None
     cold_prefix: bool
+    restoring: PrefixEntry | None
 
     @property
     def kv_len(self) -> int: ...
@@ -146,15 +147,25 @@ class PrefixReuse:
         tel.prefix_cache = "hit" if req.match else "miss"
         if req.match:
             self.cache.stats.hits += 1
+            tel.prefix_tier = "gpu" if req.match.entry.tier == "gpu" else "host"
+            if tel.prefix_tier == "host":
+                self.cache.stats.hits_host += 1
         else:
             self.cache.stats.misses += 1
 
     # ------------------------------------------------------------------ admission
+    def waits(self, req: CachingRequest) -> bool:
+        """Whether ``req`` must stay queued (others are admitted past it) for a copy or a
+        computation in flight: its entry is being restored from the host tier, or another request
+        is computing its prefix now (it then hits that prefix instead of computing it again)."""
+        return req.prefix_key is not None and self.cache.waits_for(req.prefix_key, req.match)
+
     def admission_match(self, req: CachingRequest) -> Match | None:
         """The match to attach when ``req`` is admitted: its intake match if the entry is still
         there, else a fresh lookup (an evicted extension's prefix may still be cached; when nothing
-        is, the match is dropped, see :meth:`drop`), or, for a request preempted since, a fresh
-        lookup (its own prefix may be cached by now)."""
+        is, the match is dropped, see :meth:`drop`); without a match, a fresh lookup too (a
+        request preempted since may find its own prefix; a miss may find the prefix another
+        request computed meanwhile, and becomes a hit)."""
         match = req.match
         if match is not None and not match.entry.alive:
             # an extension dropped since intake (evicted, or its prefix compacted on pressure)
@@ -162,9 +173,58 @@ class PrefixReuse:
             match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
             if match is None:
                 self.drop(req)
-        if match is None and req.telemetry.preempted and req.prefix_key is not None:
+        if match is None and req.prefix_key is not None:
             match = req.match = self.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len)
+            if match is not None and not req.telemetry.preempted:
+                self._now_a_hit(req)
         return match
+
+    def _now_a_hit(self, req: CachingRequest) -> None:
+        """A request looked up as a miss (or dropped as stale) finds its prefix at admission,
+        computed by another request since: it is a hit, and the counters say so."""
+        tel, stats = req.telemetry, self.cache.stats
+        if tel.prefix_cache == "miss":
+            stats.misses -= 1
+        elif tel.prefix_cache == "stale":
+            stats.stale -= 1
+        else:
+            return
+        stats.hits += 1
+        tel.prefix_cache = "hit"
+        tel.prefix_tier = "gpu" if req.match.entry.tier == "gpu" else "host"
+
+    def on_host(self, match: Match) -> bool:
+        """Whether the matched entry's KV is in the host tier (restore it before attaching)."""
+        return match.entry.base.tier == "host"
+
+    def restore_pages(self, match: Match) -> int:
+        """GPU pages restoring the matched entry's family takes."""
+        return self.cache.restore_pages(match.entry)
+
+    def restore(self, req: CachingRequest, match: Match) -> None:
+        """Order the matched entry's family back from the host tier (pages allocated; the caller
+        made room); ``req`` waits for it (:meth:`waits`) and reports a host hit. The entry counts
+        ``req`` as a user until it attaches (:meth:`unpin`): once back, it must not be offloaded
+        again, or dropped, before its request runs."""
+        self.cache.restore(match.entry)
+        match.entry.users += 1
+        req.restoring = match.entry
+        req.telemetry.prefix_tier = "host"
+
+    def unpin(self, req: CachingRequest) -> None:
+        """``req`` no longer waits for the entry it ordered back (it attaches it now, or it
+        finished, or falls back to computing)."""
+        if req.restoring is not None:
+            req.restoring.users -= 1
+            req.restoring = None
+
+    def begin_compute(self, req: CachingRequest) -> None:
+        """``req`` computes its prefix cold: later requests for it wait instead of computing it too."""
+        self.cache.begin_compute(req.prefix_key)
+
+    def end_compute(self, req: CachingRequest) -> None:
+        """``req`` no longer computes its prefix (cached it, or was preempted or finished first)."""
+        self.cache.end_compute(req.prefix_key)
 
     def drop(self, req: CachingRequest) -> None:
         """Give up the request's match (computed cold instead): report it "stale" and take back the
@@ -192,6 +252,7 @@ class PrefixReuse:
         """Take the matched entry for ``req`` (a user, references on its pages) and report the
         hit. Returns the pages that start the request's block table (read-only); the scheduler
         installs them, with ``match.length`` tokens computed and the entry's ``kv_offset``."""
+        self.unpin(req)
         pages = self.cache.acquire(match)
         self._report_hit(req, match)
         return pages
@@ -205,8 +266,10 @@ class PrefixReuse:
             # the request's own prefix (a "miss" reporting cached tokens).
             tel.cached_tokens = match.length
             tel.conversation_reuse_tokens = match.length - entry.prefix_len
-        base = entry if entry.parent is None else entry.parent
+        base = entry.base
         tel.visual_tokens_kept = base.visual_kept
+        if tel.prefix_tier == "host" and not tel.preempted:
+            tel.restore_ms, tel.restored_pages = base.restore_ms, base.restored_pages
         tel.prefix_pages = self.pool.pages_for(entry.prefix_len - entry.kv_offset)
         tel.prefix_pages_dense = entry.dense_pages
         tel.prefix_form = "compact" if entry.compact else "dense"
@@ -233,6 +296,7 @@ class PrefixReuse:
         compact prefix. Under ``"on_pressure"`` every token is kept: the prefix is cached dense.
         ``scores``: the prefix's token scores (:meth:`token_scores`; None when the selector needs
         none). Returns the request's new table, offset and entry (:class:`Compacted`)."""
+        self.end_compute(req)
         n = req.prompt.prefix_len
         dense = self.mode == "on_pressure" or self.compaction.method is None
         kept = torch.arange(n) if dense else self.compaction.kept_positions(n, req.prompt.spans, scores)
@@ -281,12 +345,15 @@ class PrefixReuse:
         if entry is None or entry.kept is None:
             return None
         steps = self.cache.pressure_steps
+        tier = "gpu" if entry.tier == "gpu" else "host"
         step = self.cache.next_step(entry) if preview else None
         if step is None:
-            return [{**item, "preview": False, "step": None, "steps": len(steps)} for item in kept_by_image(entry)]
+            return [{**item, "preview": False, "step": None, "steps": len(steps), "tier": tier}
+                    for item in kept_by_image(entry)]
         cfg = steps[step]
         kept = KeptTokens(self.cache.step_keeps(entry, step), cfg.method, cfg.keep_ratio)
-        return [{**item, "preview": True, "step": step, "steps": len(steps)} for item in kept_by_image(entry, kept)]
+        return [{**item, "preview": True, "step": step, "steps": len(steps), "tier": tier}
+                for item in kept_by_image(entry, kept)]
 
     # ------------------------------------------------------------------ finish
     def keep_conversation(self, req: CachingRequest) -> None:

@@ -26,11 +26,13 @@ import torch
 
 from ops.dispatch import warm_up as warm_up_kernels
 
+from ..cache.host_pool import HostPool
 from ..cache.kv_pool import PagePool
+from ..cache.kv_transfer import KVTransfers
 from ..graphs.capture import capture_step_graphs
 from ..model.qwen3_vl import Qwen3VL, load_model
 from ..model.vision import EncodeCounter
-from ..serving.plan import PageCopy, StepPlan
+from ..serving.plan import Offload, PageCopy, Restore, SlotMove, StepPlan
 from ..serving.runner import ModelRunner
 from .group import Collectives, WorkerSpec, receive_features
 from .sharding import shard_decoder
@@ -77,17 +79,21 @@ def _start(model: Qwen3VL, init: tuple, device: torch.device) -> ModelRunner:
         raise RuntimeError(f"expected init, got {kind!r}")
     if device.type == "cuda":
         model.language_model.fuse_projections()
+    pool_spec = dict(pool_spec)
+    host_pages = pool_spec.pop("host_pages", 0)
     pool = PagePool(**pool_spec, device=device)
+    # this rank's shard of every host-tier page; the page ids come in rank 0's orders
+    transfers = KVTransfers(pool, HostPool(pool, host_pages)) if host_pages else None
     decode = prefill = None
     if graphs is not None:
         decode, prefill = capture_step_graphs(model, pool, **graphs)
     warm_up_kernels(pool.layers[0], model.language_model.layers[0].self_attn.heads, model.dtype)
-    return ModelRunner(model, pool, None, decode, prefill)
+    return ModelRunner(model, pool, None, decode, prefill, transfers=transfers)
 
 
 def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeCounter,
            device: torch.device) -> None:
-    steps = copies = moves = 0
+    steps = copies = moves = offloads = restores = 0
     while True:
         message = conn.recv()
         kind = message[0]
@@ -96,7 +102,9 @@ def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeC
             plan, named, shape = message[1]
             runner.take(plan)
             copies += sum(isinstance(order, PageCopy) for order in plan.kv_orders)
-            moves += sum(not isinstance(order, PageCopy) for order in plan.kv_orders)
+            moves += sum(isinstance(order, SlotMove) for order in plan.kv_orders)
+            offloads += sum(isinstance(order, Offload) for order in plan.kv_orders)
+            restores += sum(isinstance(order, Restore) for order in plan.kv_orders)
             features = {}
             if shape is not None:  # rank 0's features of the runs named, in that order
                 received, first = receive_features(collectives, shape, device), 0
@@ -109,7 +117,7 @@ def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeC
                 steps += 1
         elif kind == "counters":
             conn.send(("counters", {"vision_images_encoded": counter.images, "steps": steps, "page_copies": copies,
-                                 "slot_moves": moves}))
+                                 "slot_moves": moves, "offloads": offloads, "restores": restores}))
         elif kind == "stop":
             return
         else:

@@ -220,6 +220,8 @@ class EngineLoop:
             self.steps += 1
         self._note_step(plan, output)
         sampled = self.scheduler.update(plan, output)
+        for req, exc in self.scheduler.take_failures():
+            self._finish(req, exc)
         for req_id, exc in output.failed.items():
             req = self.scheduler.request(req_id)
             if req is not None:
@@ -281,8 +283,10 @@ class EngineLoop:
                     )
                     if self._stopping:
                         break
-                if not self.step() and self.scheduler.has_work():
-                    time.sleep(0.001)  # nothing fits right now: pages are held by requests about to finish
+                if not self.step() and (self.scheduler.has_work() or self.scheduler.has_news()):
+                    # nothing fits right now: pages are held by requests about to finish, or by
+                    # copies between the KV tiers about to land
+                    time.sleep(0.001)
         except Exception as exc:
             # A bug outside the model step (scheduling, bookkeeping, a failed debug check) used to
             # end this thread silently, leaving every caller blocked forever on its outbox. Stop
@@ -308,6 +312,7 @@ class EngineLoop:
         holders = [r.block_table for r in self.scheduler.running]
         if self.reuse is not None:
             holders += self.reuse.cache.holders()
+            self.reuse.cache.check_host()
         self.scheduler.pool.check(holders)
 
     def _finish(self, req: Request, error: BaseException | None, reason: str | None = None) -> None:

@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from ..cache.kv_pool import KVOrder, PageCopy, SlotMove
+from ..cache.kv_transfer import Offload, Restore, TransferDone
 from ..model.rope import VisualSpan
 
-__all__ = ["NewRequest", "ScheduledRun", "StepPlan", "StepOutput", "KVOrder", "PageCopy", "SlotMove"]
+__all__ = ["NewRequest", "ScheduledRun", "StepPlan", "StepOutput", "KVOrder", "PageCopy", "SlotMove", "Offload",
+           "Restore"]
 
 
 @dataclass(frozen=True)
@@ -115,26 +117,35 @@ class StepPlan:
             vision features).
         preempted: ids of requests preempted by this plan (their pages were freed; the runner
             keeps their state and features, so recomputation never reruns the encoder).
-        kv_orders: the pool's data moves (:class:`PageCopy`, :class:`SlotMove`) decided since the
-            last plan, in the order decided: applied before anything else.
+        kv_orders: the pool's data moves (:class:`PageCopy`, :class:`SlotMove`) and the copies
+            between the KV tiers (:class:`Offload`, :class:`Restore`: started on the copy stream,
+            not waited for) decided since the last plan, in the order decided: applied before
+            anything else.
         scores: ids of requests whose cold public prefix this step completes and whose compaction
             needs token scores: the runner, which holds the vision features, computes them.
+        transfers_landed: ids of the tier copies rank 0 saw land since the last plan (their pages
+            are reused or read from this plan on: a tensor-parallel rank's forward first waits for
+            its own copies of them).
+        in_flight: tier copies are in flight: the runner polls them even in a plan with no runs.
     """
 
     runs: list[ScheduledRun] = field(default_factory=list)
     new: list[NewRequest] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
-    kv_orders: list[KVOrder] = field(default_factory=list)
+    kv_orders: list[KVOrder | Offload | Restore] = field(default_factory=list)
     scores: list[int] = field(default_factory=list)
+    transfers_landed: list[int] = field(default_factory=list)
+    in_flight: bool = False
 
     @property
     def num_tokens(self) -> int:
         return sum(run.num_tokens for run in self.runs)
 
     def is_empty(self) -> bool:
-        """Nothing to compute, move or forget."""
-        return not (self.runs or self.new or self.finished or self.kv_orders)
+        """Nothing to compute, move, forget or poll."""
+        return not (self.runs or self.new or self.finished or self.kv_orders or self.transfers_landed
+                    or self.in_flight)
 
     def for_worker(self, runs: list[ScheduledRun]) -> StepPlan:
         """The plan a tensor-parallel worker executes: ``runs`` (rank 0's runs minus those whose
@@ -153,9 +164,11 @@ class StepOutput:
         scores: per request of :attr:`StepPlan.scores`, its prefix's
             :data:`~engine.cache.compaction.TokenScores` (None when the selector needs none).
         vision_ms: milliseconds the encoder ran for a request this step (only where it ran).
+        transfers: the tier copies that landed since the last output (rank 0's), in start order.
     """
 
     sampled: dict[int, int] = field(default_factory=dict)
     failed: dict[int, Exception] = field(default_factory=dict)
     scores: dict[int, dict[str, torch.Tensor] | None] = field(default_factory=dict)
     vision_ms: dict[int, float] = field(default_factory=dict)
+    transfers: list[TransferDone] = field(default_factory=list)

@@ -19,6 +19,7 @@ import torch
 from ops import AttentionMetadata
 
 from ..cache.kv_pool import PagePool
+from ..cache.kv_transfer import KVTransfers, Offload, Restore
 from ..model.attention import PagedStep
 from ..model.decoder import VisualInjection
 from ..model.qwen3_vl import Qwen3VL
@@ -94,16 +95,19 @@ class ModelRunner:
     :meth:`engine.inputs.vision_features.VisionLookup.encode_items`); None on a tensor-parallel
     worker, which receives rank 0's. ``scorer(prompt, features by item) -> scores`` computes the
     token scores of a prefix the plan asks for (:meth:`PrefixReuse.token_scores
-    <engine.cache.prefix_reuse.PrefixReuse.token_scores>`), or None.
+    <engine.cache.prefix_reuse.PrefixReuse.token_scores>`), or None. ``transfers``: the executor of
+    the plans' copies between the pool and the host tier
+    (:class:`~engine.cache.kv_transfer.KVTransfers`), None without a host tier.
 
     Attributes:
         features: the encoder-output store, ``{request id: {(kind, index): VisionFeatures}}``.
     """
 
     def __init__(self, model: Qwen3VL, pool: PagePool, encode_vision, graphs=None, prefill_graphs=None, *,
-                 scorer=None):
+                 scorer=None, transfers: KVTransfers | None = None):
         self.model = model
         self.pool = pool
+        self.transfers = transfers  # copies between the pool and the host tier, or None without one
         self.encode_vision = encode_vision
         self.scorer = scorer
         self.device = model.device
@@ -135,11 +139,14 @@ class ModelRunner:
             if req_id not in out.failed:
                 seq = self._seqs[req_id]
                 out.scores[req_id] = self.scorer(seq.info.prompt, self.features.get(req_id, {}))
+        if self.transfers is not None:
+            out.transfers = self.transfers.poll()
         return out
 
     def take(self, plan: StepPlan) -> None:
         """The plan's bookkeeping on this rank: drop the finished requests' state and features,
-        keep the new ones', apply the pool's data moves in order."""
+        keep the new ones', apply the pool's data moves in order (tier copies started on the copy
+        stream), and make this rank's stream wait for its own copies rank 0 saw land."""
         for req_id in plan.finished:
             self._seqs.pop(req_id, None)
             self.features.pop(req_id, None)
@@ -149,7 +156,12 @@ class ModelRunner:
                 positions = torch.tensor(positions, dtype=torch.long)
             self._seqs[new.req_id] = _Sequence(new, positions, list(new.token_ids))
         for order in plan.kv_orders:
-            self.pool.apply(order)
+            if isinstance(order, (Offload, Restore)):
+                self.transfers.submit(order)
+            else:
+                self.pool.apply(order)
+        if self.transfers is not None and plan.transfers_landed:
+            self.transfers.wait(plan.transfers_landed)
 
     def _launch(self, plan: StepPlan, runs: list[ScheduledRun], features: dict[int, RunFeatures]):
         """The forward of ``runs`` and its samples (tensor parallelism sends the plan first)."""

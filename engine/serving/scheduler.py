@@ -32,11 +32,13 @@ decides travel in the next plan.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.kv_pool import PagePool
 from ..cache.prefix_reuse import PrefixReuse
+from ..errors import PrismError
 from .plan import NewRequest, ScheduledRun, StepOutput, StepPlan
 from .request import Request, Status
 
@@ -54,6 +56,14 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256
+
+
+class _Admission(enum.Enum):
+    """What admitting a waiting request came to."""
+
+    ADMITTED = "admitted"
+    NO_PAGES = "no_pages"  # keep it and everyone after it waiting (arrival order)
+    IN_FLIGHT = "in_flight"  # it waits for a copy or a computation in flight: admit others past it
 
 
 @dataclass
@@ -82,14 +92,23 @@ class Scheduler:
         self._requests: dict[int, Request] = {}  # every request added and not finished, by id
         self._known: set[int] = set()  # ids the runner was sent (NewRequest) and still holds
         self._ended: list[int] = []  # of those, the ones finished since the last plan
+        self._failures: list[tuple[Request, Exception]] = []  # to be finished with an error by the loop
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def has_news(self) -> bool:
         """Whether the next plan has something for the runner even without work: requests that
-        finished since the last plan (their state and features to drop), or data moves."""
-        return bool(self._ended or self.pool.orders)
+        finished since the last plan (their state and features to drop), data moves, or copies
+        between the KV tiers in flight (the runner reports when they land)."""
+        cache = self.reuse.cache if self.reuse is not None else None
+        return bool(self._ended or self.pool.orders or self._failures or (cache is not None and cache.in_flight))
+
+    def take_failures(self) -> list[tuple[Request, Exception]]:
+        """Requests that failed outside a step (the host-tier restore they waited for failed),
+        with their errors, for the loop to finish; the list is emptied."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def add(self, request: Request) -> None:
         self._requests[request.id] = request
@@ -119,9 +138,14 @@ class Scheduler:
                 if n:
                     draft.items.append((req, n))
                     budget -= n
+        passed: list[Request] = []  # waiting for a copy or a computation in flight: others go past
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self._admit(req):
+            admission = self._admit(req)
+            if admission is _Admission.IN_FLIGHT:
+                passed.append(self.waiting.popleft())
+                continue
+            if admission is _Admission.NO_PAGES:
                 break  # admit in arrival order only; wait for pages
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -130,6 +154,7 @@ class Scheduler:
             if self._grow(req, req.num_computed + n, draft):
                 draft.items.append((req, n))
                 budget -= n
+        self.waiting.extendleft(reversed(passed))
         for req, _ in draft.items:
             req.max_pages_held = max(req.max_pages_held, len(req.block_table))
         return self._plan(draft)
@@ -151,6 +176,9 @@ class Scheduler:
             if needs_scores and req.cold_prefix and start + n == req.prompt.prefix_len:
                 plan.scores.append(req.id)
         plan.kv_orders = self.pool.take_orders()  # last: admission and growth above may add some
+        if self.reuse is not None:
+            plan.transfers_landed = self.reuse.cache.take_landed()
+            plan.in_flight = bool(self.reuse.cache.in_flight)
         return plan
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, int]]:
@@ -167,6 +195,7 @@ class Scheduler:
             req.num_computed += run.num_tokens
             done.append(req)
         if self.reuse is not None:
+            self._landed(output)
             for req in done:
                 if req.cold_prefix and req.num_computed == req.prompt.prefix_len:
                     kept = self.reuse.compact_and_cache(req, output.scores.get(req.id))
@@ -180,6 +209,20 @@ class Scheduler:
                 sampled.append((req, token))
         return sampled
 
+    def _landed(self, output: StepOutput) -> None:
+        """The copies between the KV tiers the runner saw land: the cache frees and installs their
+        pages; the requests waiting for a restore that failed fail (only they)."""
+        cache = self.reuse.cache
+        for done in output.transfers:
+            cache.transfer_landed(done)
+        failed = cache.take_failed()
+        if not failed:
+            return
+        for req in [r for r in self.waiting if r.match is not None and r.match.entry.base in failed]:
+            error = PrismError("the cached images of this chat could not be brought back from host memory; "
+                               "ask again (they will be processed anew)")
+            self._failures.append((req, error))
+
     def _prefill_chunk(self, req: Request, budget: int, draft: _Draft) -> int:
         n = self._chunk(req, budget)
         if self._grow(req, req.num_computed + n, draft):
@@ -187,16 +230,32 @@ class Scheduler:
         return 0
 
     @staticmethod
-    def _chunk(req: Request, budget: int) -> int:
+    def _chunk(req: Request, budget: int, *, cold: bool = False) -> int:
+        """Tokens of ``req``'s next chunk under ``budget``: a cold prefix (``req.cold_prefix``, or
+        ``cold`` for one about to start) stops at its boundary."""
         n = min(req.num_pending, budget)
-        if req.cold_prefix and req.num_computed < req.prompt.prefix_len:
+        if (req.cold_prefix or cold) and req.num_computed < req.prompt.prefix_len:
             n = min(n, req.prompt.prefix_len - req.num_computed)  # compaction happens at the boundary
         return n
 
-    def _admit(self, req: Request) -> bool:
-        """Attach the request's cached prefix (if still there) and check its first chunk can get
-        pages. Returns False (nothing changed) when it must keep waiting."""
-        match = self.reuse.admission_match(req) if self.reuse is not None else None
+    def _admit(self, req: Request) -> _Admission:
+        """Attach the request's cached prefix (if still there; restored from the host tier first)
+        and check its first chunk can get pages. Anything but ADMITTED leaves it waiting."""
+        reuse = self.reuse
+        if reuse is not None and reuse.waits(req):
+            return _Admission.IN_FLIGHT
+        match = reuse.admission_match(req) if reuse is not None else None
+        if match is not None and reuse.on_host(match):
+            with reuse.pinned(match):  # making room must not drop the entry from the host tier
+                room = self._free_pages(reuse.restore_pages(match))
+            if room:
+                reuse.restore(req, match)
+                return _Admission.IN_FLIGHT
+            if self.running or self._room_pending(reuse.restore_pages(match)):
+                return _Admission.NO_PAGES
+            reuse.unpin(req)
+            reuse.drop(req)  # nothing runs and nothing lands: it could never come back
+            match = None
         pages_for = self.pool.pages_for
         if match is not None:
             first = min(len(req.tokens) - match.length, self.config.max_num_batched_tokens)
@@ -204,8 +263,8 @@ class Scheduler:
             with self.reuse.pinned(match):  # making room must not evict the entry itself
                 room = self._free_pages(need)
             if not room:
-                if self.running:
-                    return False  # running requests will free pages
+                if self.running or self._room_pending(need):
+                    return _Admission.NO_PAGES  # running requests (or copies in flight) will free pages
                 # Nothing runs, so no page will ever be freed, and the pinned entry (and its
                 # parent) hold pages this request cannot use (a partly filled last page it would
                 # copy, the parent's own last page, an extension's tail): waiting would spin
@@ -218,16 +277,23 @@ class Scheduler:
             req.attached = match.entry
             req.num_computed = match.length
             req.kv_offset = match.entry.kv_offset
-            return True
+            return _Admission.ADMITTED
+        first = self._chunk(req, self.config.max_num_batched_tokens, cold=req.prefix_key is not None)
+        if not self._free_pages(pages_for(first)):
+            return _Admission.NO_PAGES
         if req.prefix_key is not None:
             req.cold_prefix = True
-        first = self._chunk(req, self.config.max_num_batched_tokens)
-        return self._free_pages(pages_for(first))
+            reuse.begin_compute(req)
+        return _Admission.ADMITTED
 
     def _free_pages(self, n: int) -> bool:
         if self.pool.num_free >= n:
             return True
         return self.reuse is not None and self.reuse.make_room(n)
+
+    def _room_pending(self, n: int) -> bool:
+        """Whether ``n`` pages will be free once the offloads in flight land (wait, do not preempt)."""
+        return self.reuse is not None and self.reuse.cache.room_pending(n)
 
     def _grow(self, req: Request, num_tokens: int, draft: _Draft) -> bool:
         """Give ``req`` pages for its first ``num_tokens`` logical tokens (and a private copy of a
@@ -237,6 +303,8 @@ class Scheduler:
         cow = bool(table) and req.kv_len % self.pool.page_size != 0 and self.pool.is_shared(table[-1])
         need = self.pool.pages_for(num_tokens - req.kv_offset) - len(table) + cow
         while not self._free_pages(need):
+            if self._room_pending(need):
+                return False  # an offload in flight frees the pages: wait a step, preempt no one
             victim = self.running[-1]
             if victim is req and len(self.running) == 1 and req.attached is not None:
                 # Alone, ``req`` pins the entry it is attached to (and its parent), whose pages it
@@ -245,7 +313,7 @@ class Scheduler:
                 # evict the now unused entries (everything else was evicted already), and retry
                 # with the copy-on-write need recomputed.
                 self._release_attachment(req)
-                self.reuse.cache.clear()
+                self.reuse.cache.clear(host=False)
                 return self._grow(req, num_tokens, draft)
             self.preempt(victim)
             draft.preempted.append(victim)
@@ -289,6 +357,10 @@ class Scheduler:
         self.pool.release(req.block_table)
         req.block_table = []
         req.kv_offset = 0
+        if req.cold_prefix:
+            self.reuse.end_compute(req)  # its prefix is not coming: requests waiting for it go on
+        if self.reuse is not None:
+            self.reuse.unpin(req)
         req.cold_prefix = False
         req.match = None  # a preempted request looks its prefix up again when re-admitted
         self._release_attachment(req)

@@ -38,6 +38,7 @@ class Mutant:
 
 
 PREFIX = "tests/test_prefix_cache.py::"
+HOST = "tests/test_host_tier.py::"
 KERNELS = "tests/test_triton_kernels.py::"
 REFERENCE = "tests/test_ops_reference.py::"
 
@@ -585,5 +586,62 @@ MUTANTS: list[Mutant] = [
         'headless = settings.ui == "off"',
         "headless = False",
         ("tests/test_app_routes.py::test_ui_off_serves_only_the_api_metrics_and_health_without_importing_gradio",),
+    ),
+    # ---------------------------------------------------------------- issue 33: the host tier
+    Mutant(
+        "compaction-before-offload",
+        "under offload_first the cache compacts a prefix (losing visual tokens) while the host tier has room",
+        "engine/cache/prefix_cache.py",
+        'if unit is not None and not (self.reclaim_order == "compact_first" and lossy is not None):',
+        "if unit is not None and lossy is None:",
+        (HOST + "test_offload_comes_before_any_compaction_and_frees_the_pages_once_the_copy_lands",),
+    ),
+    Mutant(
+        "offload-frees-pages-before-the-copy",
+        "an offload's GPU pages go back to the free list before its copy has read them (a later step overwrites them)",
+        "engine/cache/prefix_cache.py",
+        "        self.pool.incref(pages)  # the copy's, until it lands\n",
+        "",
+        (HOST + "test_offload_comes_before_any_compaction_and_frees_the_pages_once_the_copy_lands",),
+    ),
+    Mutant(
+        "attach-while-restoring",
+        "a request attaches an entry whose host-to-GPU copy has not landed (it would read pages not yet written)",
+        "engine/cache/prefix_cache.py",
+        'return match.entry.alive and match.entry.base.tier == "restoring"',
+        "return False",
+        (HOST + "test_a_session_pushed_to_the_host_comes_back_dense_and_exact",),
+    ),
+    Mutant(
+        "host-loss-ignores-victims",
+        "dropping host families to take an offload is priced as free: a hot host entry goes rather than a cold GPU prefix being compacted",
+        "engine/cache/prefix_cache.py",
+        "loss = sum(self._recompute_loss(v) for v in victims) + self._restore_loss(unit, len(pages))",
+        "loss = self._restore_loss(unit, len(pages))",
+        (HOST + "test_host_full_compacts_when_the_host_holds_what_is_worth_more",),
+    ),
+    Mutant(
+        "host-hit-reported-as-gpu",
+        "a hit restored from the host tier reports prefix_tier 'gpu' (the chip and metrics hide the restore)",
+        "engine/cache/prefix_reuse.py",
+        '            tel.prefix_tier = "gpu" if req.match.entry.tier == "gpu" else "host"\n            if tel.prefix_tier == "host":',
+        '            tel.prefix_tier = "gpu"\n            if tel.prefix_tier == "host":',
+        (HOST + "test_another_session_never_hits_a_host_entry", HOST + "test_a_session_pushed_to_the_host_comes_back_dense_and_exact"),
+    ),
+    Mutant(
+        "second-request-computes-again",
+        "a request for a prefix another request is computing computes it too instead of waiting and hitting it",
+        "engine/cache/prefix_cache.py",
+        "        return key in self._computing\n",
+        "        return False\n",
+        (PREFIX + "test_identical_concurrent_cold_pair",),
+    ),
+    Mutant(
+        "worker-without-host-tier",
+        "a tensor-parallel worker builds no host tier: rank 0's offload and restore orders are not run on its shard",
+        "engine/parallel/worker.py",
+        "transfers = KVTransfers(pool, HostPool(pool, host_pages)) if host_pages else None",
+        "transfers = None",
+        ("tests/test_tensor_parallel.py::test_tp2_host_tier_every_rank_offloads_and_restores_its_shard",),
     ),
 ]

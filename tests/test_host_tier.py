@@ -1,0 +1,464 @@
+"""The host-memory tier under the prefix cache (issue 33): idle prefixes move to host memory before
+anything is compacted, and come back dense on their next hit.
+
+Two levels, as tests/test_on_pressure.py. :class:`~engine.cache.prefix_cache.PrefixCache` on a
+small real pool (one layer, float32 pages whose K holds each slot's own logical position) with a
+:class:`~engine.cache.host_pool.HostPool` and the copies executed by
+:class:`~engine.cache.kv_transfer.KVTransfers` as the runner would: the reclaim order (offload
+before compaction, then host eviction against compaction by loss, GPU eviction last), what a round
+trip keeps, pending pages, a family moving as one, forget / clear, failed copies. Engines on the
+tiny "test" checkpoint (``debug_checks``: the pool's and the host tier's page accounting checked
+after every step): a session pushed out of a small pool comes back from the host tier and answers
+token for token as a GPU hit and a cold run, with and without compaction, FP8 pages bit for bit,
+under chunked prefill and preemption, for conversation extensions and video; another session never
+hits it (counters, not clocks); a failed restore fails only the request that needed it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from engine import PrismError, SamplingParams
+from engine.cache.compaction import CompactionConfig
+from engine.cache.host_pool import HostPool
+from engine.cache.kv_pool import PagePool
+from engine.cache.kv_transfer import KVTransfers, Offload, Restore
+from engine.cache.prefix_cache import KeptTokens, PrefixCache
+from engine.inputs.prompts import media_first_messages
+from engine.model.rope import VisualSpan
+
+N_TOKENS = 8
+SP = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
+EXACT = {"max_pixels": 256 * 256, "kv_cache_dtype": "auto", "debug_checks": True}
+QUESTIONS = ("What is in this picture?", "Describe the colours you can see.", "Is there any text?")
+
+
+def pool_bytes(pages: int, fp8: bool = False) -> int:
+    """KV bytes of ``pages`` pages of the "test" preset (3 layers, 2 KV heads, 16 dims, 16 tokens):
+    float32, or Scaled-FP8 (1-byte K/V plus a float32 scale per token and head)."""
+    per_token_head = 2 * (16 * 1 + 4) if fp8 else 2 * 16 * 4
+    return pages * 16 * 3 * 2 * per_token_head
+
+
+# ------------------------------------------------------------------------------------------------
+# the cache on a small pool, with a host tier
+# ------------------------------------------------------------------------------------------------
+
+PAGE = 4
+SPAN = VisualSpan(start=2, grid_h=4, grid_w=5, kind="image", item=0, frame=0)  # 20 visual tokens
+PREFIX_LEN = 24  # 2 text + 20 visual + 2 text: 6 dense pages of 4
+
+
+def tiered(num_pages: int = 16, host_pages: int = 12, ratios=(0.6,), order="offload_first"):
+    pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=num_pages, page_size=PAGE,
+                    kv_cache_dtype="auto")
+    host = HostPool(pool, host_pages)
+    steps = tuple(CompactionConfig("uniform", r, min_keep=1) for r in ratios)
+    return PrefixCache(pool, steps, host=host, reclaim_order=order), KVTransfers(pool, host)
+
+
+def add_dense(cache: PrefixCache, key: str, hits: int = 0):
+    """A dense prefix whose slot ``i`` holds logical position ``i`` in its K (and ``-i`` in its V)."""
+    pages = cache.pool.allocate(-(-PREFIX_LEN // PAGE))
+    layer = cache.pool.layers[0]
+    for i in range(PREFIX_LEN):
+        layer.k_cache[pages[i // PAGE], 0, i % PAGE] = float(i)
+        layer.v_cache[pages[i // PAGE], 0, i % PAGE] = -float(i)
+    entry = cache.add_prefix(key, "s", list(range(100, 100 + PREFIX_LEN)), pages, PREFIX_LEN, len(pages), 20,
+                             spans=(SPAN,))
+    cache.pool.release(pages)  # the computing request finished
+    entry.record_kept(KeptTokens(torch.arange(PREFIX_LEN), None, 1.0))
+    entry.scores = {"uniform": torch.arange(PREFIX_LEN, dtype=torch.float32)}
+    entry.hits = hits
+    return entry
+
+
+def step(cache: PrefixCache, transfers: KVTransfers) -> list:
+    """What the runner and the scheduler do with the orders between two plans: apply them (tier
+    copies through ``transfers``), then report the copies that landed back to the cache."""
+    for order in cache.pool.take_orders():
+        if isinstance(order, (Offload, Restore)):
+            transfers.submit(order)
+        else:
+            cache.pool.apply(order)
+    landed = transfers.poll()
+    for done in landed:
+        cache.transfer_landed(done)
+    return landed
+
+
+def stored(cache: PrefixCache, entry) -> list[tuple[int, int]]:
+    """(K, V) of each of the entry's slots, read back from the GPU pool."""
+    layer = cache.pool.layers[0]
+    return [(int(layer.k_cache[entry.pages[i // PAGE], 0, i % PAGE, 0]),
+             int(layer.v_cache[entry.pages[i // PAGE], 0, i % PAGE, 0])) for i in range(entry.kv_len)]
+
+
+def check(cache: PrefixCache, *readers: list[int]) -> None:
+    cache.pool.check([*cache.holders(), *readers])
+    cache.check_host()
+
+
+def test_offload_comes_before_any_compaction_and_frees_the_pages_once_the_copy_lands():
+    cache, transfers = tiered()
+    entry = add_dense(cache, "a")
+    free = cache.pool.num_free
+    assert not cache.make_room(free + 1)  # the offload is ordered, its pages are pending
+    assert cache.room_pending(free + 1) and cache.pending_pages == 6
+    assert entry.tier == "host" and not entry.pages and len(entry.host_pages) == 6
+    assert entry.kept.selector is None and cache.stats.pressure_compactions == 0  # lossless first
+    check(cache)
+    (done,) = step(cache, transfers)
+    assert done.kind == "offload" and done.error is None and done.pages == 6
+    assert cache.pool.num_free == free + 6 and cache.pending_pages == 0 and cache.make_room(free + 1)
+    stats = cache.counters()
+    assert (stats["cache_offloads"], stats["host_pages_used"], stats["cache_host_entries"]) == (1, 6, 1)
+    assert stats["cache_evictions"] == 0  # a move to the host is not an eviction
+    check(cache)
+
+
+def test_a_round_trip_keeps_key_kept_tokens_scores_and_every_value():
+    cache, transfers = tiered()
+    entry = add_dense(cache, "a")
+    before = stored(cache, entry)
+    cache.make_room(cache.pool.num_free + 1)
+    step(cache, transfers)
+    match = cache.lookup("a", [*entry.tokens, 7], PREFIX_LEN)
+    assert match is not None and match.entry is entry  # found on the host: a hit, restored first
+    with pytest.raises(RuntimeError):
+        cache.acquire(match)  # its KV is not on the GPU yet
+    assert cache.restore_pages(entry) == 6
+    cache.restore(entry)
+    assert entry.tier == "restoring" and cache.waits_for("a", match)
+    check(cache)
+    (done,) = step(cache, transfers)
+    assert done.kind == "restore" and entry.tier == "gpu" and not entry.host_pages
+    assert (entry.restored_pages, entry.restore_ms) == (6, done.ms)
+    assert stored(cache, entry) == before == [(i, -i) for i in range(PREFIX_LEN)]
+    assert cache.prefixes["a"] is entry and entry.kept.positions.tolist() == list(range(PREFIX_LEN))
+    assert torch.equal(entry.scores["uniform"], torch.arange(PREFIX_LEN, dtype=torch.float32))
+    assert cache.counters()["cache_restores"] == 1 and cache.host.num_used == 0
+    pages = cache.acquire(match)
+    check(cache, pages)
+
+
+def test_a_prefix_moves_with_its_extensions():
+    cache, transfers = tiered(num_pages=20, host_pages=12)
+    entry = add_dense(cache, "a")
+    ext_pages = [*entry.pages[:5], *cache.pool.allocate(2)]  # a finished turn after the prefix
+    ext = cache.add_extension(entry, list(range(100, 130)), ext_pages, 30)
+    cache.pool.release(ext_pages[5:])
+    cache.make_room(cache.pool.num_free + 1)
+    assert entry.tier == ext.tier == "host" and ext.alive and cache.pending_pages == 8  # 6 + 2 own pages
+    assert ext.host_pages[:5] == entry.host_pages[:5]  # the shared pages copied once
+    step(cache, transfers)
+    assert cache.host.num_used == 8
+    match = cache.lookup("a", [*ext.tokens, 1], PREFIX_LEN)
+    assert match.entry is ext  # the longest run: the extension, on the host with its prefix
+    cache.restore(match.entry)
+    step(cache, transfers)
+    assert entry.tier == ext.tier == "gpu" and ext.pages[:5] == entry.pages[:5]
+    check(cache)
+
+
+def test_host_full_drops_a_colder_host_family_rather_than_compact_a_gpu_prefix():
+    cache, transfers = tiered(num_pages=12, host_pages=6)
+    cold = add_dense(cache, "cold")
+    cache.make_room(cache.pool.num_free + 1)
+    step(cache, transfers)  # cold is on the host, which is full now
+    hot = add_dense(cache, "hot", hits=3)
+    add_dense(cache, "other", hits=3)
+    cache.make_room(cache.pool.num_free + 1)
+    assert not cold.alive and cache.stats.host_evictions == 1  # cold's recompute costs less ...
+    assert cache.stats.pressure_compactions == 0 and {hot.tier, cache.prefixes["other"].tier} == {"gpu", "host"}
+    step(cache, transfers)
+    check(cache)
+
+
+def test_host_full_compacts_when_the_host_holds_what_is_worth_more():
+    cache, transfers = tiered(num_pages=12, host_pages=6)
+    hot = add_dense(cache, "hot", hits=50)
+    cache.make_room(cache.pool.num_free + 1)
+    step(cache, transfers)
+    cold = add_dense(cache, "cold")
+    add_dense(cache, "cold2")
+    cache.make_room(cache.pool.num_free + 1)
+    assert hot.alive and hot.tier == "host" and cache.stats.host_evictions == 0
+    assert cache.stats.pressure_compactions == 1 and (cold.compact or cache.prefixes["cold2"].compact)
+    check(cache)
+
+
+def test_compact_first_compacts_before_it_offloads():
+    cache, transfers = tiered(order="compact_first")
+    entry = add_dense(cache, "a")
+    assert cache.make_room(cache.pool.num_free + 1)
+    assert entry.tier == "gpu" and entry.compact and cache.stats.offloads == 0
+    cache.make_room(cache.pool.num_free + 1)  # no step left: the compacted copy moves
+    assert entry.tier == "host" and len(entry.host_pages) == 4 and entry.kept.keep_ratio == 0.6
+    step(cache, transfers)
+    check(cache)
+
+
+def test_an_entry_a_request_reads_never_moves_and_gpu_eviction_is_last():
+    cache, transfers = tiered(num_pages=12, host_pages=0, ratios=())
+    entry = add_dense(cache, "a")
+    reader = cache.acquire(cache.lookup("a", [*entry.tokens, 1], PREFIX_LEN))
+    assert not cache.make_room(cache.pool.num_free + 1) and entry.tier == "gpu" and not cache.room_pending(7)
+    cache.release_user(entry)
+    cache.pool.release(reader)
+    assert cache.make_room(cache.pool.num_free + 1) and not entry.alive  # a tier of 0 pages: evicted
+    assert cache.stats.prefix_evictions == 1 and cache.stats.offloads == 0
+
+
+def test_forget_and_clear_drop_host_entries():
+    cache, transfers = tiered(num_pages=20, host_pages=12)
+    a, b = add_dense(cache, "a"), add_dense(cache, "b")
+    b.salt = "other"
+    cache.make_room(cache.pool.num_free + 7)
+    step(cache, transfers)
+    assert a.tier == b.tier == "host" and cache.host.num_used == 12
+    assert cache.forget("s") == 1 and not a.alive and b.alive and cache.host.num_used == 6
+    cache.clear()
+    assert not b.alive and cache.host.num_used == 0 and cache.stats.host_evictions == 1
+    check(cache)
+
+
+def test_a_failed_offload_drops_its_family_and_frees_every_page():
+    cache, transfers = tiered()
+    entry = add_dense(cache, "a")
+    free = cache.pool.num_free
+    transfers.fault = lambda order: (_ for _ in ()).throw(OSError("injected"))
+    cache.make_room(free + 1)
+    (done,) = step(cache, transfers)
+    assert done.error and not entry.alive and cache.pool.num_free == free + 6 and cache.host.num_used == 0
+    assert cache.stats.transfer_failures == 1 and cache.take_failed() == []  # no request waited on it
+    check(cache)
+
+
+def test_a_failed_restore_is_reported_and_frees_its_pages():
+    cache, transfers = tiered()
+    entry = add_dense(cache, "a")
+    cache.make_room(cache.pool.num_free + 1)
+    step(cache, transfers)
+    free = cache.pool.num_free
+    transfers.fault = lambda order: (_ for _ in ()).throw(OSError("injected"))
+    cache.restore(entry)
+    assert cache.pool.num_free == free - 6
+    step(cache, transfers)
+    assert not entry.alive and cache.take_failed() == [entry] and cache.pool.num_free == free
+    assert cache.host.num_used == 0
+    check(cache)
+
+
+# ------------------------------------------------------------------------------------------------
+# engines
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def photos(media_path):
+    def load(name):
+        with Image.open(media_path(name)) as im:
+            return im.convert("RGB")
+
+    return [load(n + ".png") for n in ("astronaut", "chelsea", "coffee")]
+
+
+def small(make, pages=9, host_pages=20, fp8=False, **options):
+    """An engine whose KV pool holds one photo's dense prefix (5 pages) and a request, over a host
+    tier of ``host_pages`` pages."""
+    base = {**EXACT, "kv_cache_bytes": pool_bytes(pages, fp8), "host_cache_bytes": pool_bytes(host_pages, fp8),
+            "compaction_mode": "on_pressure", "conversation_reuse": False}
+    if fp8:
+        base["kv_cache_dtype"] = "fp8_e4m3"
+    return make(**{**base, **options})
+
+
+def entry_of(engine, messages, salt):
+    prompt = engine.prompts.build(messages, salt)
+    return engine.prefix_cache.prefixes.get(engine.prefix_reuse.key(prompt, salt))
+
+
+def pages_data(engine, entry) -> list[torch.Tensor]:
+    """The entry's pages, every layer, K/V and scales, as bytes (bit-for-bit comparisons)."""
+    rows = engine.pool.rows(entry.pages)
+    return [b.index_select(0, rows).view(torch.uint8).clone() for b in engine.pool.buffers() if b is not None]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_a_session_pushed_to_the_host_comes_back_dense_and_exact(tiny_engine_factory, photos, fp8):
+    engine = small(tiny_engine_factory, fp8=fp8)
+    gpu_only = small(tiny_engine_factory, pages=64, host_pages=0, fp8=fp8)  # every hit a GPU hit
+    a, b = photos[0], photos[1]
+    first = engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    assert first.telemetry.prefix_cache == "miss" and first.telemetry.prefix_tier is None
+    gpu_only.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    entry = entry_of(engine, media_first_messages([a], QUESTIONS[0]), "a")
+    before = pages_data(engine, entry)
+    engine.generate(media_first_messages([b], QUESTIONS[0]), SP, cache_salt="b")
+    assert entry.tier == "host" and entry.alive
+    stats = engine.stats()
+    assert stats["cache_offloads"] == 1 and stats["cache_pressure_compactions"] == stats["cache_evictions"] == 0
+    messages = media_first_messages([a], QUESTIONS[1])
+    hit = engine.generate(messages, SP, cache_salt="a")
+    tel = hit.telemetry
+    assert (tel.prefix_cache, tel.prefix_tier, tel.prefix_form) == ("hit", "host", "dense")
+    assert tel.restored_pages == 5 and tel.restore_ms > 0
+    prefix_len = engine.prompts.build(messages).prefix_len
+    assert tel.cached_tokens == prefix_len and tel.computed_tokens == tel.prompt_tokens - prefix_len
+    after = pages_data(engine, entry)  # K and V (and the FP8 scales), bit for bit
+    assert entry.tier == "gpu" and len(before) == len(after) == (4 if fp8 else 2)
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    gpu_hit = gpu_only.generate(messages, SP, cache_salt="a")
+    assert gpu_hit.telemetry.prefix_tier == "gpu"
+    cold = small(tiny_engine_factory, pages=64, host_pages=0, fp8=fp8, prefix_cache=False)
+    assert hit.token_ids == gpu_hit.token_ids == cold.generate(messages, SP).token_ids
+    stats = engine.stats()
+    assert (stats["cache_restores"], stats["cache_hits_host"]) == (1, 1)
+    assert stats["host_cache_bytes"] == pool_bytes(20, fp8) and stats["host_pages_total"] == 20
+
+
+def test_a_compacted_prefix_round_trips_and_equals_the_compact_gpu_hit(tiny_engine_factory, photos):
+    """Compaction at cache time (``always``): the compact prefix moves to the host and back; its
+    hit equals a GPU hit on the same compact prefix."""
+    engine = small(tiny_engine_factory, pages=7, compaction_mode="always")
+    gpu_only = small(tiny_engine_factory, pages=64, host_pages=0, compaction_mode="always")
+    a = photos[0]
+    for e in (engine, gpu_only):
+        e.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    for img, salt in ((photos[1], "b"), (photos[2], "c")):
+        engine.generate(media_first_messages([img], QUESTIONS[0]), SP, cache_salt=salt)
+    messages = media_first_messages([a], QUESTIONS[1])
+    assert entry_of(engine, messages, "a").tier == "host"
+    hit = engine.generate(messages, SP, cache_salt="a")
+    assert (hit.telemetry.prefix_tier, hit.telemetry.prefix_form) == ("host", "compact")
+    assert hit.token_ids == gpu_only.generate(messages, SP, cache_salt="a").token_ids
+
+
+def test_chunked_prefill_and_preemption_with_the_host_tier(tiny_engine_factory, photos):
+    """Chunks of 16 tokens and a pool that cannot hold two running requests: requests are
+    preempted while entries go to the host and come back; every answer equals the cold run."""
+    engine = small(tiny_engine_factory, pages=12, max_num_batched_tokens=16)
+    cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
+    asks = [(photos[i % 3], QUESTIONS[(i // 3) % 3], f"s{i % 3}") for i in range(9)]
+    handles = [engine.submit(media_first_messages([img], q), SamplingParams(max_tokens=24, ignore_eos=True),
+                             cache_salt=salt) for img, q, salt in asks]
+    outs = [h.result() for h in handles]
+    for (img, q, _), out in zip(asks, outs, strict=True):
+        ref = cold.generate(media_first_messages([img], q), SamplingParams(max_tokens=24, ignore_eos=True))
+        assert out.token_ids == ref.token_ids
+    stats = engine.stats()
+    assert stats["cache_offloads"] >= 1 and stats["cache_restores"] >= 1
+    assert sum(o.telemetry.preempted for o in outs) >= 1
+
+
+def test_a_conversation_extension_round_trips_with_its_prefix(tiny_engine_factory, photos):
+    engine = small(tiny_engine_factory, pages=12, conversation_reuse=True)
+    cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
+    a = photos[0]
+    t1 = engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    engine.generate(media_first_messages([photos[1]], QUESTIONS[0]), SP, cache_salt="b")
+    engine.generate(media_first_messages([photos[2]], QUESTIONS[0]), SP, cache_salt="c")
+    messages = media_first_messages([a], QUESTIONS[1], history=[(QUESTIONS[0], t1.text)])
+    entry = entry_of(engine, messages, "a")
+    assert entry.tier == "host" and any(c.alive for c in entry.children)
+    t2 = engine.generate(messages, SP, cache_salt="a")
+    tel = t2.telemetry
+    assert (tel.prefix_tier, tel.prefix_form) == ("host", "dense") and tel.conversation_reuse_tokens > 0
+    assert t2.token_ids == cold.generate(messages, SP).token_ids
+
+
+def test_another_session_never_hits_a_host_entry(tiny_engine_factory, photos):
+    """What an attacker sees: asking about the images another session has on the host tier is a
+    plain miss (no restore, no host hit counted), as for images nobody uploaded."""
+    engine = small(tiny_engine_factory)
+    a = photos[0]
+    engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="victim")
+    engine.generate(media_first_messages([photos[1]], QUESTIONS[0]), SP, cache_salt="other")
+    assert entry_of(engine, media_first_messages([a], QUESTIONS[0]), "victim").tier == "host"
+    before = engine.stats()
+    probe = engine.generate(media_first_messages([a], QUESTIONS[1]), SP, cache_salt="attacker")
+    after = engine.stats()
+    assert probe.telemetry.prefix_cache == "miss" and probe.telemetry.prefix_tier is None
+    assert probe.telemetry.restore_ms == 0 and probe.telemetry.cached_tokens == 0
+    assert after["cache_restores"] == before["cache_restores"]
+    assert after["cache_hits_host"] == before["cache_hits_host"] == 0
+
+
+def test_a_failed_restore_fails_only_the_request_that_needed_it(tiny_engine_factory, photos):
+    engine = small(tiny_engine_factory)
+    a = photos[0]
+    engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    engine.generate(media_first_messages([photos[1]], QUESTIONS[0]), SP, cache_salt="b")
+    transfers = engine.loop.runner.transfers
+
+    def fail_restores(order):
+        if isinstance(order, Restore):
+            raise OSError("injected copy failure")
+
+    transfers.fault = fail_restores
+    victim = engine.submit(media_first_messages([a], QUESTIONS[1]), SP, cache_salt="a")
+    bystander = engine.submit(media_first_messages([photos[2]], QUESTIONS[0]), SP, cache_salt="c")
+    with pytest.raises(PrismError, match="host memory"):
+        victim.result()
+    assert bystander.result().telemetry.generated_tokens == N_TOKENS
+    transfers.fault = None
+    again = engine.generate(media_first_messages([a], QUESTIONS[1]), SP, cache_salt="a")
+    assert again.telemetry.prefix_cache == "miss"  # the entry went with its copy: computed anew
+    stats = engine.stats()
+    assert stats["cache_transfer_failures"] == 1 and stats["pages_used"] == stats["cache_pages"]
+
+
+def test_prefix_info_says_where_the_prefix_lives(tiny_engine_factory, photos):
+    engine = small(tiny_engine_factory)
+    engine.generate(media_first_messages([photos[0]], QUESTIONS[0]), SP, cache_salt="a")
+    assert [i["tier"] for i in engine.prefix_info("a")] == ["gpu"]
+    engine.generate(media_first_messages([photos[1]], QUESTIONS[0]), SP, cache_salt="b")
+    assert [i["tier"] for i in engine.prefix_info("a")] == ["host"]
+
+
+def test_clear_and_forget_drop_the_host_tier(tiny_engine_factory, photos):
+    engine = small(tiny_engine_factory)
+    for i in range(3):
+        engine.generate(media_first_messages([photos[i]], QUESTIONS[0]), SP, cache_salt=f"s{i}")
+    stats = engine.stats()
+    on_host = [e for e in engine.prefix_cache.prefixes.values() if e.tier == "host"]
+    assert stats["cache_host_entries"] == len(on_host) == 2
+    assert stats["host_pages_used"] == sum(len(e.host_pages) for e in on_host) > 0
+    engine.forget("s0")
+    assert engine.stats()["cache_host_entries"] == 1
+    engine.clear_prefix_cache()
+    stats = engine.stats()
+    assert stats["cache_host_entries"] == stats["host_pages_used"] == stats["cache_entries"] == 0
+
+
+def test_no_host_tier_when_its_budget_is_zero(tiny_engine_factory, photos):
+    engine = small(tiny_engine_factory, host_pages=0)
+    assert engine.host is None and engine.loop.runner.transfers is None
+    engine.generate(media_first_messages([photos[0]], QUESTIONS[0]), SP, cache_salt="a")
+    engine.generate(media_first_messages([photos[1]], QUESTIONS[0]), SP, cache_salt="b")
+    stats = engine.stats()
+    assert stats["cache_pressure_compactions"] == 1 and stats["cache_offloads"] == 0  # as before the tier
+    assert (stats["host_pages_total"], stats["host_cache_bytes"]) == (0, 0)
+
+
+def test_a_video_prefix_round_trips(tiny_engine_factory, photos, media_path):
+    """A clip's prefix pushed to the host by a photo session answers its next question from the
+    host tier as a cold run does."""
+    pytest.importorskip("av")
+    clip = str(media_path("pan.gif"))
+
+    def ask(question):
+        return [{"role": "user", "content": [{"type": "text", "text": "Video 1: "}, {"type": "video", "video": clip},
+                                             {"type": "text", "text": f"\nQuestion: {question}"}]}]
+
+    engine = small(tiny_engine_factory, pages=12, host_pages=24)
+    cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
+    engine.generate(ask(QUESTIONS[0]), SP, cache_salt="v")
+    for i, img in enumerate(photos):
+        engine.generate(media_first_messages([img], QUESTIONS[0]), SP, cache_salt=f"p{i}")
+    again = engine.generate(ask(QUESTIONS[1]), SP, cache_salt="v")
+    assert (again.telemetry.prefix_cache, again.telemetry.prefix_tier) == ("hit", "host")
+    assert again.token_ids == cold.generate(ask(QUESTIONS[1]), SP).token_ids
