@@ -183,6 +183,24 @@ def test_telemetry_line_hit():
     assert "reused 1,568 tok (compact 941) ·" in telemetry_line({**tel, "prefix_form": "compact"})
 
 
+def test_telemetry_line_says_a_hit_came_from_the_host_tier():
+    """A hit restored from the host-memory tier names the tier and the copy back (pages, ms); the
+    rest of the chip reads as a GPU hit's, which is unchanged (issue 33)."""
+    from engine import Telemetry
+
+    hit = Telemetry(prefix_cache="hit", ttft_ms=48.7, cached_tokens=1568, visual_tokens=1500,
+                    visual_tokens_kept=1500, prefix_form="dense", computed_tokens=19, decode_tokens_per_s=23.4)
+    gpu = telemetry_line(Telemetry(**{**hit.to_dict(), "prefix_tier": "gpu"}).to_dict())
+    assert gpu == "prefix HIT · TTFT 49 ms · reused 1,568 tok (dense) · computed 19 tok · 23 tok/s"
+    host = Telemetry(**{**hit.to_dict(), "prefix_tier": "host", "restore_ms": 2.64, "restored_pages": 103})
+    assert telemetry_line(host.to_dict()) == ("prefix HIT (host · restored 103 pages in 2.6 ms) · TTFT 49 ms · "
+                                              "reused 1,568 tok (dense) · computed 19 tok · 23 tok/s")
+    one = Telemetry(prefix_cache="hit", prefix_tier="host", restore_ms=0.4, restored_pages=1, ttft_ms=3)
+    assert telemetry_line(one.to_dict()).startswith("prefix HIT (host · restored 1 page in 0.4 ms) · TTFT 3 ms")
+    # telemetry stored before the tier existed has no prefix_tier: a plain hit
+    assert telemetry_line({"prefix_cache": "hit", "ttft_ms": 5}).startswith("prefix HIT · TTFT 5 ms")
+
+
 def test_telemetry_line_says_dense_or_compact():
     """Under on-pressure compaction the same session's hits are dense first, compact later: the
     chip names the form the prefix had when the question used it."""
