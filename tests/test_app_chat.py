@@ -894,6 +894,29 @@ def test_the_engine_tab_shows_prefix_and_extension_evictions_apart():
     assert "<th>Compacted on pressure</th><td>3 prefixes · 41 pages freed</td>" in html
 
 
+def test_the_engine_tab_shows_the_host_tier():
+    """The host-memory tier (issue 33): pages used / total, bytes allocated of its budget, entries,
+    and what moved through it; "off" when it has no pages (the tier is off, or an older engine
+    without its keys)."""
+    from app import render
+    from app.model_loader import host_cache_status
+
+    base = {"pages_total": 10, "pages_used": 2, "pages_free": 8, "page_size": 16, "kv_cache_dtype": "fp8_e4m3",
+            "running": 0, "waiting": 0}
+    on = {**base, "host_pages_total": 400, "host_pages_used": 103, "host_bytes_allocated": 103 << 16,
+          "host_cache_bytes": 400 << 16, "cache_host_entries": 1, "cache_offloads": 7, "cache_restores": 2,
+          "cache_host_evictions": 4, "cache_hits_host": 1}
+    panel = lambda stats: render.engine_panel({"status": "ok", "model": "m", "device": "cpu",  # noqa: E731
+                                               "dtype": "float32", "engine": stats,
+                                               "host_cache": host_cache_status(stats)})
+    html = panel(on)
+    assert ("<th>Host tier</th><td>103 / 400 pages used · 6.4 MiB allocated of 25.0 MiB · 1 entry</td>") in html
+    assert "<th>Host tier moves</th><td>7 offloads · 2 restores · 4 evicted · 1 hit</td>" in html
+    for off in (base, {**on, "host_pages_total": 0, "host_pages_used": 0}):
+        html = panel(off)
+        assert "<th>Host tier</th><td>off</td>" in html and "Host tier moves" not in html
+
+
 def test_primary_buttons_get_darker_under_the_mouse():
     """Soft's hover shade of a primary button is lighter than the button: with the pointer still on
     "+ New chat" (or Send) after a click, it looked disabled. Prism's theme darkens it instead."""
