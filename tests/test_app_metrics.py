@@ -17,7 +17,7 @@ from app.settings import Settings
 from sessions import SessionStore
 
 OWNER = "m" * 43
-#: Every label a Prism series may carry: outcomes, kinds and states, never a session, key or prompt.
+#: Every label a Prism series may carry: outcomes, tiers, kinds and states, never a session, key or prompt.
 ALLOWED_LABELS = {"finished_reason", "status", "result", "tier", "kind", "state", "le"}
 
 
@@ -113,7 +113,7 @@ def test_requests_latencies_cache_and_pool_in_prometheus_format(tmp_path, engine
 def test_metrics_name_no_session_owner_key_or_prompt(tmp_path, engine, photo):
     """Only aggregate series: after a chat session and keyed API requests, ``/metrics`` holds
     none of the session id, its cache salt, the owner key, the API key, the prompt_cache_key or
-    the questions, and every label is an outcome, kind or state (what an attacker scraping the
+    the questions, and every label is an outcome, tier, kind or state (what an attacker scraping the
     page learns is how busy the server is, not who asked what)."""
     app, store = make_app(tmp_path, engine, api_keys=("secret-api-key-1",))
     chat = app.state.chat
