@@ -56,8 +56,8 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 _VISION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-# Seconds. A restore copies one prefix's pages host -> GPU: ~1 ms for a hundred pages over PCIe from
-# pinned memory, up to a second for a large prefix from pageable memory or on a busy bus.
+# Seconds. A restore is one prefix's pages copied host -> GPU, apart from the prefill: from a fraction
+# of a millisecond (a small prefix) to about a second (a large one on a busy bus); finer than TTFT's.
 _RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
