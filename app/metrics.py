@@ -8,12 +8,20 @@ series for a vLLM server's): ``prism:time_to_first_token_seconds``,
 ``prism:generation_tokens_total``, ``prism:prefix_cache_queries_total`` /
 ``prism:prefix_cache_hits_total`` (in tokens, as vLLM counts them), ``prism:num_requests_running``,
 ``prism:num_requests_waiting`` and ``prism:kv_cache_usage_perc`` (a fraction, 1 = full). Prism's
-own quantities have their own names: ``prism:prefix_cache_lookups_total{result}`` (requests whose
-image prefix was a hit, a miss or stale), ``prism:prefix_cache_evictions_total{kind}`` (image
-prefixes and conversation extensions apart), ``prism:prefix_cache_pressure_compactions_total`` and
+own quantities have their own names: ``prism:prefix_cache_lookups_total{result,tier}`` (requests
+whose image prefix was a hit, a miss or stale; ``tier`` is where a hit's entry lived, ``gpu`` or
+``host``, and ``none`` for a miss or stale), ``prism:prefix_cache_evictions_total{kind}`` (image
+prefixes and conversation extensions apart; an entry moved to the host tier is not evicted),
+``prism:prefix_cache_pressure_compactions_total`` and
 ``prism:prefix_cache_pressure_freed_pages_total`` (compactions made to free pages, and the pages they
 freed, under ``--compaction-mode on_pressure``), ``prism:prefix_cache_entries{kind}``,
-``prism:kv_cache_pages{state}`` and ``prism:vision_encoder_time_seconds``.
+``prism:kv_cache_pages{state}`` and ``prism:vision_encoder_time_seconds``. The host-memory tier
+under the prefix cache (idle prefixes' KV pages offloaded to host RAM, restored on a hit):
+``prism:prefix_cache_offloads_total`` (entries moved GPU -> host),
+``prism:prefix_cache_restores_total`` (host -> GPU), ``prism:prefix_cache_host_evictions_total``
+(entries dropped from the host tier), ``prism:prefix_cache_host_pages{state}`` (``used``, ``free``;
+both 0 when the tier is off) and ``prism:prefix_cache_restore_time_seconds`` (per request that hit
+the host tier: the host-to-GPU copy, apart from the prefill).
 
 Two sources: each finished request (chat turn or API call) is observed once, by the code that
 read its answer, into the request counters and histograms; the engine's own counters and gauges
@@ -48,6 +56,9 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 _VISION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Seconds. A restore is one prefix's pages copied host -> GPU, apart from the prefill: from a fraction
+# of a millisecond (a small prefix) to about a second (a large one on a busy bus); finer than TTFT's.
+_RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 def finished_reason(completion: Completion) -> str:
@@ -89,6 +100,9 @@ class Metrics:
                                       "finished requests (as vLLM counts them).", registry=r)
         self.prefix_hits = Counter("prism:prefix_cache_hits", "Prefix cache hits, in prompt tokens whose KV was "
                                    "reused (image prefix and conversation).", registry=r)
+        self.restore = Histogram("prism:prefix_cache_restore_time_seconds", "Per request whose prefix hit was "
+                                 "served from the host-memory tier: time copying its KV pages back to the GPU "
+                                 "(not part of the prefill).", buckets=_RESTORE_BUCKETS, registry=r)
         r.register(_EngineCollector(loader))
 
     def observe(self, completion: Completion) -> None:
@@ -102,6 +116,8 @@ class Metrics:
         self.e2e.observe(tel.e2e_ms / 1e3)
         if tel.vision_encoder_ran:
             self.vision.observe(tel.vision_ms / 1e3)
+        if tel.prefix_tier == "host":
+            self.restore.observe(tel.restore_ms / 1e3)
         self.prompt_tokens.inc(tel.prompt_tokens)
         self.generation_tokens.inc(tel.generated_tokens)
         self.prefix_queries.inc(tel.prompt_tokens)
@@ -153,12 +169,7 @@ class _EngineCollector:
         yield pages
         if not s.get("prefix_cache"):
             return
-        lookups = CounterMetricFamily("prism:prefix_cache_lookups", "Requests with images, by what their image "
-                                      "prefix was: hit (reused), miss (computed and cached), stale (found, then "
-                                      "evicted before the request ran: computed again).", labels=["result"])
-        for result, key in (("hit", "cache_hits"), ("miss", "cache_misses"), ("stale", "cache_stale")):
-            lookups.add_metric([result], s[key])
-        yield lookups
+        yield _lookups(s)
         evictions = CounterMetricFamily("prism:prefix_cache_evictions", "Prefix-cache entries evicted: image "
                                         "prefixes, and conversation extensions (finished turns kept for reuse).",
                                         labels=["kind"])
@@ -175,6 +186,42 @@ class _EngineCollector:
         entries.add_metric(["prefix"], s["cache_prefixes"])
         entries.add_metric(["extension"], s["cache_entries"] - s["cache_prefixes"])
         yield entries
+        yield from _host_tier(s)
+
+
+def _lookups(s: dict) -> CounterMetricFamily:
+    """``prism:prefix_cache_lookups_total{result,tier}`` from the engine's counters. Read from
+    stats like the rest of this family always was (a request that never finished, or whose
+    reader went away, was still looked up); a hit's tier is split out of ``cache_hits`` by
+    ``cache_hits_host`` (0 on an engine without the tier: every hit a GPU one)."""
+    lookups = CounterMetricFamily("prism:prefix_cache_lookups", "Requests with images, by what their image "
+                                  "prefix was: hit (reused), miss (computed and cached), stale (found, then "
+                                  "evicted before the request ran: computed again); and, for a hit, where the "
+                                  "entry lived (gpu: the KV pool, host: the host-memory tier, restored first; "
+                                  "none for a miss or stale).", labels=["result", "tier"])
+    host_hits = s.get("cache_hits_host", 0)
+    lookups.add_metric(["hit", "gpu"], max(0, s["cache_hits"] - host_hits))
+    lookups.add_metric(["hit", "host"], host_hits)
+    lookups.add_metric(["miss", "none"], s["cache_misses"])
+    lookups.add_metric(["stale", "none"], s["cache_stale"])
+    return lookups
+
+
+def _host_tier(s: dict):
+    """The host-memory tier's counters and page gauge (all 0 when the tier is off or the engine
+    predates it: the series stay, so a dashboard's query never goes empty)."""
+    yield CounterMetricFamily("prism:prefix_cache_offloads", "Prefix-cache entries moved from the KV pool to the "
+                              "host-memory tier (their pages freed on the GPU).", value=s.get("cache_offloads", 0))
+    yield CounterMetricFamily("prism:prefix_cache_restores", "Prefix-cache entries copied back from the host "
+                              "tier to the KV pool for a hit.", value=s.get("cache_restores", 0))
+    yield CounterMetricFamily("prism:prefix_cache_host_evictions", "Prefix-cache entries dropped from the host "
+                              "tier (gone from the cache).", value=s.get("cache_host_evictions", 0))
+    total, used = s.get("host_pages_total", 0), s.get("host_pages_used", 0)
+    pages = GaugeMetricFamily("prism:prefix_cache_host_pages", "Host-tier pages: used by offloaded entries, "
+                              "free (both 0 when the tier is off).", labels=["state"])
+    pages.add_metric(["used"], used)
+    pages.add_metric(["free"], max(0, total - used))
+    yield pages
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

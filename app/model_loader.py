@@ -305,7 +305,9 @@ class ModelLoader:
         return bool(self.choice and self.choice.demo)
 
     def status(self) -> dict:
-        """What ``/healthz`` reports."""
+        """What ``/healthz`` reports: ``status``, ``model``, ``demo_model``, ``stage``; once the
+        engine runs, its device, dtypes, ``engine`` (:meth:`engine.Engine.stats`) and
+        ``host_cache`` (:func:`host_cache_status`: the host-memory tier, None when off)."""
         state = {"loading": "loading", "ready": "ok", "restarting": "restarting", "failed": "error"}
         engine = self.engine
         status = state[self.state]
@@ -322,6 +324,7 @@ class ModelLoader:
                        kv_cache_dtype=engine.options.kv_cache_dtype, load_seconds=round(self.load_seconds or 0, 1))
             try:
                 out["engine"] = engine.stats()
+                out["host_cache"] = host_cache_status(out["engine"])
                 out["engine_status"] = "running"
             except Exception as exc:  # closed engine
                 out["engine_status"] = f"unavailable: {exc}"
@@ -337,3 +340,24 @@ class ModelLoader:
             self.state, self.stage = "failed", "stopped"
             self.error = "the server is shutting down"
             engine.close()
+
+
+def host_cache_status(stats: dict) -> dict | None:
+    """The host-memory tier under the prefix cache, as ``/healthz`` and the Engine tab show it.
+
+    Args:
+        stats: :meth:`engine.Engine.stats`; an engine that predates the tier lacks its keys.
+
+    Returns:
+        None when the tier is off (no host pages: ``host_pages_total`` 0 or missing); else
+        ``bytes`` (its budget, ``host_cache_bytes``), ``bytes_allocated`` (host memory it holds),
+        ``pages_total``, ``pages_used`` (pages of the pool's page size) and ``entries`` (prefix
+        entries on the host now), all ints.
+    """
+    total = int(stats.get("host_pages_total", 0) or 0)
+    if total <= 0:
+        return None
+    return {"bytes": int(stats.get("host_cache_bytes", 0) or 0),
+            "bytes_allocated": int(stats.get("host_bytes_allocated", 0) or 0),
+            "pages_total": total, "pages_used": int(stats.get("host_pages_used", 0) or 0),
+            "entries": int(stats.get("cache_host_entries", 0) or 0)}

@@ -330,8 +330,40 @@ def _pressure(stats: dict) -> str:
     return f"{steps:,} prefix{'es' if steps != 1 else ''} · {pages:,} page{'s' if pages != 1 else ''} freed"
 
 
+def _bytes(n: int) -> str:
+    """``25.0 MiB``: a byte count in binary units (as ``--kv-cache-bytes`` takes them)."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == "B" else f"{value:,.1f} {unit}"
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    """``1 page``, ``3 pages``; ``plural`` for a word that is not made plural by an ``s``."""
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
+
+
+def _host_tier_rows(status: dict) -> list[tuple[str, str]]:
+    """The Engine tab's rows of the host-memory tier (idle prefixes' KV offloaded to host RAM,
+    restored on a hit): ``off``, or its pages, bytes and entries, then what moved through it
+    (offloads GPU -> host, restores host -> GPU, entries dropped from it, hits it served)."""
+    tier = status.get("host_cache")
+    if not tier:
+        return [("Host tier", "off")]
+    s = status["engine"]
+    held = (f"{tier['pages_used']:,} / {tier['pages_total']:,} pages used · {_bytes(tier['bytes_allocated'])} "
+            f"allocated of {_bytes(tier['bytes'])} · {_plural(tier['entries'], 'entry', 'entries')}")
+    moves = (f"{_plural(int(s.get('cache_offloads', 0)), 'offload')} · "
+             f"{_plural(int(s.get('cache_restores', 0)), 'restore')} · "
+             f"{int(s.get('cache_host_evictions', 0)):,} evicted · {_plural(int(s.get('cache_hits_host', 0)), 'hit')}")
+    return [("Host tier", held), ("Host tier moves", moves)]
+
+
 def engine_panel(status: dict) -> str:
-    """The engine panel: model, device, KV pool use (running / cached / free), cache counters."""
+    """The engine panel: model, device, KV pool use (running / cached / free), cache counters, the
+    host-memory tier (``status["host_cache"]``, :func:`app.model_loader.host_cache_status`)."""
     if status.get("status") != "ok" or "engine" not in status:
         return f'<div class="prism-panel-note">Engine: {_e(status.get("stage") or status.get("status"))}</div>'
     s = status["engine"]
@@ -351,6 +383,7 @@ def engine_panel(status: dict) -> str:
                          f"{s.get('cache_stale', 0)} stale)"),
         ("Evictions", _evictions(s)),
         ("Compacted on pressure", _pressure(s)),
+        *_host_tier_rows(status),
         ("Tokens saved", f"{s.get('prompt_tokens_saved', 0):,} prompt tokens"),
     ]
     table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)

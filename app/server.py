@@ -4,7 +4,9 @@ without importing Gradio.
 
 Routes (ours are registered before Gradio's mount, so they take precedence):
 
-* ``GET /healthz``: JSON with the model id, device, KV dtype and engine state; 503 until loaded.
+* ``GET /healthz``: JSON with the model id, device, KV dtype, engine state and counters, and the
+  host-memory tier (``host_cache``, :func:`app.model_loader.host_cache_status`; null when off);
+  503 until loaded.
 * ``GET /metrics``: Prometheus metrics (:mod:`app.metrics`); with API keys configured it needs
   one (``Authorization: Bearer KEY``), like ``/v1``; without, it is open like ``/healthz``.
 * ``GET /images/<sha256>``: an uploaded image by its hash (64 lowercase hex digits), only to an

@@ -183,6 +183,24 @@ def test_telemetry_line_hit():
     assert "reused 1,568 tok (compact 941) ·" in telemetry_line({**tel, "prefix_form": "compact"})
 
 
+def test_telemetry_line_says_a_hit_came_from_the_host_tier():
+    """A hit restored from the host-memory tier names the tier and the copy back (pages, ms); the
+    rest of the chip reads as a GPU hit's, which is unchanged (issue 33)."""
+    from engine import Telemetry
+
+    hit = Telemetry(prefix_cache="hit", ttft_ms=48.7, cached_tokens=1568, visual_tokens=1500,
+                    visual_tokens_kept=1500, prefix_form="dense", computed_tokens=19, decode_tokens_per_s=23.4)
+    gpu = telemetry_line(Telemetry(**{**hit.to_dict(), "prefix_tier": "gpu"}).to_dict())
+    assert gpu == "prefix HIT · TTFT 49 ms · reused 1,568 tok (dense) · computed 19 tok · 23 tok/s"
+    host = Telemetry(**{**hit.to_dict(), "prefix_tier": "host", "restore_ms": 2.64, "restored_pages": 103})
+    assert telemetry_line(host.to_dict()) == ("prefix HIT (host · restored 103 pages in 2.6 ms) · TTFT 49 ms · "
+                                              "reused 1,568 tok (dense) · computed 19 tok · 23 tok/s")
+    one = Telemetry(prefix_cache="hit", prefix_tier="host", restore_ms=0.4, restored_pages=1, ttft_ms=3)
+    assert telemetry_line(one.to_dict()).startswith("prefix HIT (host · restored 1 page in 0.4 ms) · TTFT 3 ms")
+    # telemetry stored before the tier existed has no prefix_tier: a plain hit
+    assert telemetry_line({"prefix_cache": "hit", "ttft_ms": 5}).startswith("prefix HIT · TTFT 5 ms")
+
+
 def test_telemetry_line_says_dense_or_compact():
     """Under on-pressure compaction the same session's hits are dense first, compact later: the
     chip names the form the prefix had when the question used it."""
@@ -874,6 +892,29 @@ def test_the_engine_tab_shows_prefix_and_extension_evictions_apart():
     html = render.engine_panel({"status": "ok", "model": "m", "device": "cpu", "dtype": "float32", "engine": stats})
     assert "1 image prefix · 2 turns kept for reuse" in html
     assert "<th>Compacted on pressure</th><td>3 prefixes · 41 pages freed</td>" in html
+
+
+def test_the_engine_tab_shows_the_host_tier():
+    """The host-memory tier (issue 33): pages used / total, bytes allocated of its budget, entries,
+    and what moved through it; "off" when it has no pages (the tier is off, or an older engine
+    without its keys)."""
+    from app import render
+    from app.model_loader import host_cache_status
+
+    base = {"pages_total": 10, "pages_used": 2, "pages_free": 8, "page_size": 16, "kv_cache_dtype": "fp8_e4m3",
+            "running": 0, "waiting": 0}
+    on = {**base, "host_pages_total": 400, "host_pages_used": 103, "host_bytes_allocated": 103 << 16,
+          "host_cache_bytes": 400 << 16, "cache_host_entries": 1, "cache_offloads": 7, "cache_restores": 2,
+          "cache_host_evictions": 4, "cache_hits_host": 1}
+    panel = lambda stats: render.engine_panel({"status": "ok", "model": "m", "device": "cpu",  # noqa: E731
+                                               "dtype": "float32", "engine": stats,
+                                               "host_cache": host_cache_status(stats)})
+    html = panel(on)
+    assert ("<th>Host tier</th><td>103 / 400 pages used · 6.4 MiB allocated of 25.0 MiB · 1 entry</td>") in html
+    assert "<th>Host tier moves</th><td>7 offloads · 2 restores · 4 evicted · 1 hit</td>" in html
+    for off in (base, {**on, "host_pages_total": 0, "host_pages_used": 0}):
+        html = panel(off)
+        assert "<th>Host tier</th><td>off</td>" in html and "Host tier moves" not in html
 
 
 def test_primary_buttons_get_darker_under_the_mouse():

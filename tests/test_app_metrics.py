@@ -17,8 +17,8 @@ from app.settings import Settings
 from sessions import SessionStore
 
 OWNER = "m" * 43
-#: Every label a Prism series may carry: outcomes, kinds and states, never a session, key or prompt.
-ALLOWED_LABELS = {"finished_reason", "status", "result", "kind", "state", "le"}
+#: Every label a Prism series may carry: outcomes, tiers, kinds and states, never a session, key or prompt.
+ALLOWED_LABELS = {"finished_reason", "status", "result", "tier", "kind", "state", "le"}
 
 
 def make_app(tmp_path, engine, **settings):
@@ -88,9 +88,10 @@ def test_requests_latencies_cache_and_pool_in_prometheus_format(tmp_path, engine
     assert one(m, "prism:e2e_request_latency_seconds_count") == 4
     assert one(m, "prism:vision_encoder_time_seconds_count") == 1  # only the miss ran the encoder
     assert one(m, "prism:time_to_first_token_seconds_bucket", le="+Inf") == 4
-    assert one(m, "prism:prefix_cache_lookups_total", result="miss") == 1
-    assert one(m, "prism:prefix_cache_lookups_total", result="hit") == 2
-    assert one(m, "prism:prefix_cache_lookups_total", result="stale") == 0
+    assert one(m, "prism:prefix_cache_lookups_total", result="miss", tier="none") == 1
+    assert one(m, "prism:prefix_cache_lookups_total", result="hit", tier="gpu") == 2
+    assert one(m, "prism:prefix_cache_lookups_total", result="hit", tier="host") == 0  # no host tier here
+    assert one(m, "prism:prefix_cache_lookups_total", result="stale", tier="none") == 0
     assert one(m, "prism:prefix_cache_hits_total") > 0
     assert one(m, "prism:prefix_cache_queries_total") > one(m, "prism:prefix_cache_hits_total")
     assert one(m, "prism:prefix_cache_evictions_total", kind="prefix") == 1  # the clear
@@ -102,13 +103,17 @@ def test_requests_latencies_cache_and_pool_in_prometheus_format(tmp_path, engine
     assert 0 <= one(m, "prism:kv_cache_usage_perc") <= 1
     assert one(m, "prism:num_requests_running") == 0 and one(m, "prism:num_requests_waiting") == 0
     assert one(m, "prism:kv_cache_pages", state="free") > 0
+    assert one(m, "prism:prefix_cache_host_pages", state="used") == 0  # the tier is off: its series read 0
+    assert one(m, "prism:prefix_cache_host_pages", state="free") == 0
+    assert one(m, "prism:prefix_cache_offloads_total") == 0 and one(m, "prism:prefix_cache_restores_total") == 0
+    assert one(m, "prism:prefix_cache_restore_time_seconds_count") == 0
     assert one(m, "prism:generation_tokens_total") > 0 and one(m, "prism:prompt_tokens_total") > 0
 
 
 def test_metrics_name_no_session_owner_key_or_prompt(tmp_path, engine, photo):
     """Only aggregate series: after a chat session and keyed API requests, ``/metrics`` holds
     none of the session id, its cache salt, the owner key, the API key, the prompt_cache_key or
-    the questions, and every label is an outcome, kind or state (what an attacker scraping the
+    the questions, and every label is an outcome, tier, kind or state (what an attacker scraping the
     page learns is how busy the server is, not who asked what)."""
     app, store = make_app(tmp_path, engine, api_keys=("secret-api-key-1",))
     chat = app.state.chat
@@ -161,3 +166,97 @@ def test_each_app_counts_into_its_own_registry(tmp_path, engine):
         assert done(scrape(a)) == 1 and done(scrape(b)) == 0
     store_a.close(), store_b.close()
     assert not [n for n in REGISTRY._names_to_collectors if n.startswith("prism:")]
+
+
+# ---------------------------------------------------------------------------------- issue 33: the host tier
+#: An engine's stats with the host-memory tier on: 5 hits of which 2 from the host tier.
+HOST_TIER_STATS = {
+    "running": 1, "waiting": 0, "pages_total": 100, "pages_used": 40, "pages_free": 60, "cache_pages": 30,
+    "prefix_cache": True, "cache_hits": 5, "cache_misses": 3, "cache_stale": 1, "cache_prefix_evictions": 1,
+    "cache_extension_evictions": 2, "cache_prefixes": 2, "cache_entries": 4,
+    "host_pages_total": 400, "host_pages_used": 103, "host_bytes_allocated": 103 << 16, "cache_offloads": 7,
+    "cache_restores": 2, "cache_host_evictions": 4, "cache_hits_host": 2, "cache_host_entries": 3,
+    "host_cache_bytes": 400 << 16,
+}
+
+
+class FakeEngine:
+    """Only what the scrape reads: ``stats()``."""
+
+    def __init__(self, stats: dict):
+        self._stats = stats
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+
+def metrics_over(stats: dict):
+    import types
+
+    from app.metrics import Metrics
+
+    return Metrics(types.SimpleNamespace(engine=FakeEngine(stats)))
+
+
+def parse(metrics) -> dict:
+    body, content_type = metrics.exposition()
+    assert content_type.startswith("text/plain; version=")
+    samples: dict = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[frozenset(s.labels.items())] = s.value
+    return samples
+
+
+def completion(**telemetry):
+    from engine import Completion, Telemetry
+
+    return Completion("ok", [1], [2, 3], "stop", Telemetry(prompt_tokens=2, generated_tokens=1, ttft_ms=5.0,
+                                                           e2e_ms=6.0, **telemetry))
+
+
+def test_host_tier_series_from_the_engine_stats():
+    """Hits split by tier (``cache_hits`` includes the host hits: gpu = 5 - 2), miss and stale
+    under ``tier="none"``, the tier's moves as counters and its pages used / free as a gauge."""
+    m = parse(metrics_over(HOST_TIER_STATS))
+    lookups = {dict(k)["result"] + "/" + dict(k)["tier"]: v for k, v in m["prism:prefix_cache_lookups_total"].items()}
+    assert lookups == {"hit/gpu": 3, "hit/host": 2, "miss/none": 3, "stale/none": 1}
+    assert one(m, "prism:prefix_cache_offloads_total") == 7
+    assert one(m, "prism:prefix_cache_restores_total") == 2
+    assert one(m, "prism:prefix_cache_host_evictions_total") == 4
+    assert one(m, "prism:prefix_cache_host_pages", state="used") == 103
+    assert one(m, "prism:prefix_cache_host_pages", state="free") == 297
+    # a move to the host tier is not an eviction: evictions read the engine's own counts only
+    assert one(m, "prism:prefix_cache_evictions_total", kind="prefix") == 1
+
+
+def test_an_engine_without_the_host_tier_keys_reads_as_the_tier_off():
+    """An older engine's stats lack every host key: every hit is a GPU one and the tier's series
+    read 0 (never a KeyError that would drop the whole scrape)."""
+    old = {k: v for k, v in HOST_TIER_STATS.items() if not (k.startswith("host_") or k in (
+        "cache_offloads", "cache_restores", "cache_host_evictions", "cache_hits_host", "cache_host_entries"))}
+    m = parse(metrics_over(old))
+    assert one(m, "prism:prefix_cache_lookups_total", result="hit", tier="gpu") == 5
+    assert one(m, "prism:prefix_cache_lookups_total", result="hit", tier="host") == 0
+    for name in ("offloads", "restores", "host_evictions"):
+        assert one(m, f"prism:prefix_cache_{name}_total") == 0
+    assert one(m, "prism:prefix_cache_host_pages", state="used") == 0
+    assert one(m, "prism:prefix_cache_host_pages", state="free") == 0
+
+
+def test_restore_time_is_observed_per_host_hit_only():
+    """``prism:prefix_cache_restore_time_seconds`` counts the requests whose hit came from the host
+    tier, in seconds (2.6 ms lands in the 5 ms bucket, not the 2.5 ms one); a GPU hit and a miss
+    add nothing to it."""
+    metrics = metrics_over(HOST_TIER_STATS)
+    metrics.observe(completion(prefix_cache="hit", prefix_tier="host", restore_ms=2.6, restored_pages=103))
+    metrics.observe(completion(prefix_cache="hit", prefix_tier="host", restore_ms=40.0, restored_pages=900))
+    metrics.observe(completion(prefix_cache="hit", prefix_tier="gpu"))
+    metrics.observe(completion(prefix_cache="miss"))
+    m = parse(metrics)
+    assert one(m, "prism:prefix_cache_restore_time_seconds_count") == 2
+    assert one(m, "prism:prefix_cache_restore_time_seconds_sum") == pytest.approx(0.0426)
+    bucket = lambda le: one(m, "prism:prefix_cache_restore_time_seconds_bucket", le=le)  # noqa: E731
+    assert bucket("0.0005") == 0 and bucket("0.0025") == 0 and bucket("0.005") == 1
+    assert bucket("0.05") == 2 and bucket("1.0") == 2 and bucket("+Inf") == 2
+    assert one(m, "prism:request_success_total", finished_reason="stop") == 4

@@ -74,6 +74,30 @@ def test_healthz(env, tmp_path):
     store.close()
 
 
+def test_healthz_shows_the_host_tier(engine, tmp_path):
+    """``/healthz`` reports the host-memory tier under the prefix cache (issue 33), read from the
+    engine's stats: its budget, bytes allocated, pages total / used and entries; null when it is
+    off (this engine has none) or the engine predates it."""
+    from engine.client import InProcessClient
+
+    class HostTierEngine(InProcessClient):
+        def stats(self):
+            return {**super().stats(), "host_cache_bytes": 64 << 20, "host_bytes_allocated": 3 << 20,
+                    "host_pages_total": 1024, "host_pages_used": 48, "cache_host_entries": 2}
+
+    choice = ModelChoice("tiny", "tiny-test", False, "test")
+    store = SessionStore(tmp_path)
+    for client_engine, expected in (
+            (engine, None),
+            (HostTierEngine(engine), {"bytes": 64 << 20, "bytes_allocated": 3 << 20, "pages_total": 1024,
+                                      "pages_used": 48, "entries": 2})):
+        app = create_app(Settings(data_dir=tmp_path), store, ModelLoader.ready(client_engine, choice), mount_ui=False)
+        with TestClient(app) as client:
+            body = client.get("/healthz").json()
+        assert body["status"] == "ok" and "host_cache" in body and body["host_cache"] == expected
+    store.close()
+
+
 @pytest.mark.parametrize("mode", ["on_pressure", "always"])
 def test_keep_ratio_one_loads_and_keeps_every_visual_token(demo_ckpt, tmp_path, media_path, mode):
     """``launch.py --keep-ratio 1.0`` (issue 29): the engine its settings ask for loads (it used to
