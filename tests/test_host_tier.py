@@ -462,3 +462,40 @@ def test_a_video_prefix_round_trips(tiny_engine_factory, photos, media_path):
     again = engine.generate(ask(QUESTIONS[1]), SP, cache_salt="v")
     assert (again.telemetry.prefix_cache, again.telemetry.prefix_tier) == ("hit", "host")
     assert again.token_ids == cold.generate(ask(QUESTIONS[1]), SP).token_ids
+
+
+def test_a_slow_restore_holds_only_its_own_request(tiny_engine_factory, photos):
+    """Copies that land several steps late (as a large one on a GPU does): the restored request is
+    admitted only once its copy landed, a second question about the same images waits on the same
+    copy (one restore, not two), and a stream already running keeps decoding meanwhile."""
+    engine = small(tiny_engine_factory, pages=14)
+    a = photos[0]
+    engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    engine.generate(media_first_messages([photos[1]], QUESTIONS[0]), SP, cache_salt="b")
+    engine.generate(media_first_messages([photos[2]], QUESTIONS[0]), SP, cache_salt="c")
+    assert entry_of(engine, media_first_messages([a], QUESTIONS[0]), "a").tier == "host"
+    transfers, held, steps_waited = engine.loop.runner.transfers, [], []
+    poll = transfers.poll
+
+    def late_poll():
+        held.extend((done, 4) for done in poll())
+        ready = [done for done, n in held if n == 0]
+        held[:] = [(done, n - 1) for done, n in held if n > 0]
+        if held:
+            steps_waited.append(engine.loop.steps)
+        return ready
+
+    transfers.poll = late_poll
+    long_sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    runner = engine.submit(media_first_messages([photos[2]], QUESTIONS[1]), long_sp, cache_salt="c")
+    while engine.stats()["tokens_generated"] < 2 * N_TOKENS + N_TOKENS + 2:  # the stream is decoding
+        pass
+    first = engine.submit(media_first_messages([a], QUESTIONS[1]), SP, cache_salt="a")
+    second = engine.submit(media_first_messages([a], QUESTIONS[2]), SP, cache_salt="a")
+    outs = first.result(), second.result()
+    assert all(o.telemetry.prefix_tier == "host" and o.telemetry.prefix_cache == "hit" for o in outs)
+    assert engine.stats()["cache_restores"] == 1  # the second waited on the first's copy
+    assert len(set(steps_waited)) >= 2  # steps ran (the stream decoded) while the copy was held back
+    assert runner.result().telemetry.generated_tokens == 40
+    cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
+    assert outs[0].token_ids == cold.generate(media_first_messages([a], QUESTIONS[1]), SP).token_ids

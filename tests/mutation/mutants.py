@@ -610,7 +610,8 @@ MUTANTS: list[Mutant] = [
         "engine/cache/prefix_cache.py",
         'return match.entry.alive and match.entry.base.tier == "restoring"',
         "return False",
-        (HOST + "test_a_session_pushed_to_the_host_comes_back_dense_and_exact",),
+        (HOST + "test_a_round_trip_keeps_key_kept_tokens_scores_and_every_value",
+         HOST + "test_a_slow_restore_holds_only_its_own_request"),
     ),
     Mutant(
         "host-loss-ignores-victims",
