@@ -32,12 +32,12 @@ other in trace order, so that nothing sleeps and the cache behaviour does not de
 machine's speed (the CPU test uses it; TTFT then counts from the previous request's end).
 
 ``--quick``: 40 requests, B = 160 FP8 pages and photos of 256-320 px (64-100 visual tokens), so
-every workset is a handful of groups (3 / 6 / 9) and the bf16 pool still holds the longest
+every workset is a handful of groups (3 / 6 / 9 / 15) and the bf16 pool still holds the longest
 request; each flag given still wins. About 4 minutes with the "demo" checkpoint on a 2-core CPU,
 20 seconds with ``--model test --worksets pressure --requests 24 --time-scale 0`` (the test's run).
 
 Defaults otherwise: 600 requests; photos of 256-768 px; B = the published 4.28 GB with
-``--shape`` (3,518 FP8 pages at the 8B shape: fit / knee / pressure = 25 / 38 / 56 groups),
+``--shape`` (3,518 FP8 pages at the 8B shape: fit / knee / pressure / deep = 25 / 38 / 56 / 106 groups),
 1,024 FP8 pages with a tiny checkpoint.
 """
 

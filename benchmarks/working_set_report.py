@@ -68,6 +68,14 @@ def host_label(result: dict, variant: str, m: dict) -> str:
     return text if not size else f"{text} ({size / 2**20:,.0f} MiB)"
 
 
+def dense_hit_share(m: dict) -> float | None:
+    """Dense hits over hits: the JSON's ``dense_hit_share``, or for a JSON from before it, its
+    ``dense_hits`` / ``hits`` (None without hits)."""
+    if "dense_hit_share" in m:
+        return m["dense_hit_share"]
+    return m["dense_hits"] / m["hits"] if m.get("hits") and "dense_hits" in m else None
+
+
 def pool_hits(m: dict) -> int:
     """Hits served from the KV pool: those reported ``"gpu"`` plus those of an engine (or a JSON)
     from before the host tier, which reports no tier (all its hits are in the pool)."""
@@ -81,7 +89,7 @@ def tier_row(result: dict, variant: str, m: dict) -> str:
     three = (m.get("cache_offloads"), m.get("cache_restores"), m.get("cache_host_evictions"))
     cells = [host_label(result, variant, m),
              f"{pool_hits(m)} / {m.get('hits_host', 0)}",
-             f"{_share(m.get('dense_hit_share'))} / {_share(m.get('dense_answer_share'))}",
+             f"{_share(dense_hit_share(m))} / {_share(m.get('dense_answer_share'))}",
              f"{_fmt(m.get('restore_ms_p50'), 2)} / {_fmt(m.get('restore_ms_p99'), 2)}",
              f"{_fmt(m.get('host_pages_used_peak'))} / {_fmt(m.get('host_pages_used_end'))} "
              f"({_fmt(m.get('host_pages_total'))})",
@@ -124,7 +132,7 @@ def goal_checks(result: dict) -> list[dict]:
         hit_share = deep["hits"] / deep["requests"] if deep["requests"] else None
         add(f"{name}: hits >= 99 % of questions", f"{deep['hits']} of {deep['requests']} ({_share(hit_share)}; "
             f"{answered} answered)", None if hit_share is None else hit_share >= 0.99)
-        dense = deep.get("dense_hit_share")
+        dense = dense_hit_share(deep)
         add(f"{name}: dense prefix >= 95 % of hits", _share(dense), None if dense is None else dense >= 0.95)
         if knee is None or knee["ttft_ms_p99"] is None or deep["ttft_ms_p99"] is None:
             add(f"{name}: TTFT p99 <= 1.5 x knee on_pressure (no tier)",
@@ -144,7 +152,7 @@ def goal_checks(result: dict) -> list[dict]:
         if tier is None or base is None:
             add(goal, f"{'on_pressure' if base is None else variant} not run", None)
             continue
-        a, b = tier.get("dense_hit_share"), base.get("dense_hit_share")
+        a, b = dense_hit_share(tier), dense_hit_share(base)
         value = (f"dense {_share(a)} vs {_share(b)}, TTFT p99 {_fmt(tier['ttft_ms_p99'])} vs "
                  f"{_fmt(base['ttft_ms_p99'])} ms")
         known = None not in (a, b, tier["ttft_ms_p99"], base["ttft_ms_p99"])
@@ -257,9 +265,10 @@ def plot_tiers(ax, name: str, runs: dict) -> None:
     ax.bar(names, rest, bottom=[g + h for g, h in zip(gpu, host, strict=True)], color="tab:grey",
            label="miss / stale / error")
     for i, v in enumerate(names):
-        share = runs[v].get("dense_hit_share")
+        share = dense_hit_share(runs[v])
         if share is not None:
             ax.text(i, runs[v]["requests"], f"{100 * share:.0f}% dense", ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, 1.15 * max((runs[v]["requests"] for v in names), default=1))  # room for the shares
     ax.set_title(f"{name}: answers by prefix source (dense share of hits)")
     ax.legend(fontsize=7, loc="lower right")
 
