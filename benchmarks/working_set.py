@@ -449,8 +449,10 @@ def run_variant(engine, groups: list[Group], trace: list[Arrival], *, max_tokens
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
 
-    # the host tier's pages are polled only where the engine has them (no reads, no pauses, else)
-    poller = StatsPoller(engine, "host_pages_used") if "host_pages_used" in before else contextlib.nullcontext()
+    # the host tier's pages are polled only where the engine has some: a variant without the tier
+    # must not pay for reads (each holds the loop between two steps) that its rivals do not
+    has_tier = bool(before.get("host_pages_total"))
+    poller = StatsPoller(engine, "host_pages_used") if has_tier else contextlib.nullcontext()
     start = time.perf_counter()
     with poller:
         if time_scale == 0:
@@ -474,8 +476,7 @@ def run_variant(engine, groups: list[Group], trace: list[Arrival], *, max_tokens
         poller.sample(before)
         poller.sample(after)
     metrics["host_pages_used_peak"] = poller.peak if isinstance(poller, StatsPoller) else None
-    metrics |= restore_metrics(results, metrics["kv_page_bytes"], groups, engine.device,
-                               has_tier=bool(after.get("host_pages_total")))
+    metrics |= restore_metrics(results, metrics["kv_page_bytes"], groups, engine.device, has_tier=has_tier)
     metrics |= {"population_requests": len(population), "trace_hash": trace_hash(sent),
                 "population_s": population_s,
                 "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(engine.device)
