@@ -598,7 +598,7 @@ def tier_metrics(ok: list[dict]) -> dict:
 #: entries) and those counted during it (differences).
 HOST_LEVELS = ("host_pages_total", "host_pages_used", "host_bytes_allocated", "host_cache_bytes",
                "cache_host_entries")
-HOST_COUNTS = ("cache_offloads", "cache_restores", "cache_host_evictions", "cache_hits_host")
+HOST_COUNTS = ("cache_offloads", "cache_restores", "cache_host_evictions", "cache_hits_host", "cache_transfer_failures")
 
 
 def host_counters(before: dict, after: dict) -> dict:
