@@ -3,6 +3,8 @@
     python launch.py --model demo --data-dir /tmp/prism-leak --port 7861 &
     python benchmarks/bench_timing_leak.py --url http://127.0.0.1:7861
     python benchmarks/bench_timing_leak.py --url http://127.0.0.1:7861 --api-key KEY --out leak.json
+    python launch.py --model demo --data-dir /tmp/prism-leak --port 7862 --kv-cache-bytes 8M &   # host tier on
+    python benchmarks/bench_timing_leak.py --url http://127.0.0.1:7862 --flush 40 --out leak_host.json
 
 The attack of issue 16, measured from outside through the OpenAI-compatible API:
 
@@ -31,6 +33,21 @@ Two comparisons:
   sent recognisable?);
 * **victim's vs fresh**: X and the victim's other images against the fresh ones (the same
   question with more samples).
+
+**The host-tier case** (``--flush N``, issue 33): the victim's prefixes are pushed out of the KV
+pool into the host-memory tier before the probes, so a probe of X meets X's KV on the host, not
+on the GPU. Start the server with a KV pool of a few prefixes (``--kv-cache-bytes``) and its host
+tier on (the engine's default); after the victim, ``N`` requests about further fresh images, each
+under an identity of its own, fill the pool so that the victim's entries are offloaded. The
+victim sends X twice, under two identities: copy B first (before its other images), copy A last.
+Before the probes, copy A asks X again: its telemetry's ``prefix_tier`` says where its prefix
+was (``host``: offloaded; A's restore brings back only A's copy); B, older, was offloaded no later
+than A. After the probes copy B asks again: ``host`` means B's copy stayed on the host through the
+whole probe phase (only B's own hit restores it; a host eviction would make it a miss). Then
+every probe of X must be a miss (another identity's host entry is never found), and X's TTFT
+must not differ from the fresh images' (the same comparisons). The server's counters
+(``/healthz``: offloads, restores, host entries, hits on the host) are read before and after
+each phase and reported as differences.
 
 A p-value far below 0.05 with a median ratio well under 1 means the side channel is open; with
 the fix (issue 16) the p-values should be unremarkable (roughly uniform between 0 and 1) and the
@@ -128,7 +145,8 @@ def ask(url: str, image: bytes, fmt: str, *, bearer: str | None, cache_key: str 
     tel = payload.get("prism", {}).get("telemetry", {})
     usage = payload.get("usage", {})
     return {"round_trip_ms": elapsed, "ttft_ms": tel.get("ttft_ms"), "preprocess_ms": tel.get("preprocess_ms"),
-            "prefix_cache": tel.get("prefix_cache"),
+            "prefix_cache": tel.get("prefix_cache"), "prefix_tier": tel.get("prefix_tier"),
+            "restore_ms": tel.get("restore_ms"),
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
 
 
@@ -138,6 +156,38 @@ def identity(api_key: str | None, role: str) -> tuple[str | None, str]:
     ignored by later ones (which give each request its own salt)."""
     cache_key = f"{role}-{secrets.token_hex(8)}"
     return (api_key if api_key else f"{role}-{secrets.token_hex(8)}"), cache_key
+
+
+#: Engine counters of ``/healthz`` reported per phase (those of the host tier, issue 33, appear
+#: only on a server that has it).
+COUNTERS = ("cache_hits", "cache_misses", "cache_prefix_evictions", "cache_offloads", "cache_restores",
+            "cache_host_evictions", "cache_hits_host", "cache_host_entries", "host_pages_used")
+
+
+def engine_counters(url: str, timeout: float) -> dict | None:
+    """The engine's :data:`COUNTERS` from the server's ``/healthz`` (None when it does not say)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=timeout) as response:
+            engine = json.loads(response.read()).get("engine") or {}
+    except (urllib.error.URLError, ValueError, OSError):
+        return None
+    return {k: engine[k] for k in COUNTERS if k in engine}
+
+
+def counter_changes(before: dict | None, after: dict | None) -> dict | None:
+    """``after - before`` per counter both have (None when either is unknown)."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
+def states_by_kind(samples: list[dict]) -> dict:
+    """Probe outcomes (``prefix_cache``) counted per image kind: ``{"x": {"miss": 4}, ...}``."""
+    out: dict[str, dict] = {}
+    for r in samples:
+        kinds = out.setdefault(r["kind"], {})
+        kinds[r["prefix_cache"]] = kinds.get(r["prefix_cache"], 0) + 1
+    return out
 
 
 # ------------------------------------------------------------------------------------ statistics
@@ -205,34 +255,60 @@ def main() -> int:
                              "none: X was sent by someone else")
     parser.add_argument("--api-key", help="the server's API key, when it has keys configured")
     parser.add_argument("--warmup", type=int, default=3, help="untimed requests with other images first")
+    parser.add_argument("--flush", type=int, default=0,
+                        help="the host-tier case: this many requests about other fresh images after the victim, "
+                             "to push its prefixes into the host tier of a server with a small KV pool (0: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--out", type=pathlib.Path, help="write the samples and results as JSON")
     args = parser.parse_args()
     if args.victim == "none":
         args.seen = 0
-    if args.fresh < 2 or args.rounds < 1 or args.seen < 0:
-        parser.error("--fresh must be at least 2, --rounds at least 1 and --seen at least 0")
+    if args.fresh < 2 or args.rounds < 1 or args.seen < 0 or args.flush < 0:
+        parser.error("--fresh must be at least 2, --rounds at least 1, --seen and --flush at least 0")
+    if args.flush and args.victim == "none":
+        parser.error("--flush needs --victim api (the victim's own identities check where its prefix is)")
     if not args.image.is_file():
         parser.error(f"no image at {args.image}")
     rng = random.Random(args.seed)
-    x, others, fmt, size = make_images(args.image, args.warmup + args.seen + args.fresh, rng, args.long_side)
-    warm, seen, fresh = others[: args.warmup], others[args.warmup: args.warmup + args.seen], others[-args.fresh:]
+    x, others, fmt, size = make_images(args.image, args.warmup + args.seen + args.fresh + args.flush, rng,
+                                       args.long_side)
+    warm, seen = others[: args.warmup], others[args.warmup: args.warmup + args.seen]
+    fresh = others[args.warmup + args.seen: args.warmup + args.seen + args.fresh]
+    flush = others[args.warmup + args.seen + args.fresh:]
     images = {("x", 0): x, **{("seen", i): im for i, im in enumerate(seen)},
               **{("fresh", i): im for i, im in enumerate(fresh)}}
 
-    def probe(image: bytes, role: str) -> dict:
-        bearer, cache_key = identity(args.api_key, role)
+    def probe(image: bytes, role: str, who: tuple[str | None, str] | None = None) -> dict:
+        bearer, cache_key = who or identity(args.api_key, role)
         return ask(args.url, image, fmt, bearer=bearer, cache_key=cache_key, timeout=args.timeout)
+
+    copies = {"A": identity(args.api_key, "victim"), "B": identity(args.api_key, "victim")}
+    counters = {"start": engine_counters(args.url, args.timeout)}
+    host_case: dict = {"flush": args.flush}
 
     log(f"X: {args.image.name} as {fmt}, {size[0]}x{size[1]}; the victim sends X and {args.seen} others; "
         f"{args.fresh} fresh images; {args.rounds} rounds")
     for image in warm:
         probe(image, "warmup")
     if args.victim == "api":
+        if args.flush:  # copy B of X first, the oldest of the victim's entries
+            probe(x, "victim", copies["B"])
         for name in [n for n in images if n[0] == "seen"] + [("x", 0)]:
-            done = probe(images[name], "victim")
+            done = probe(images[name], "victim", copies["A"] if args.flush and name[0] == "x" else None)
         log(f"victim sent X: TTFT {done['ttft_ms']:.0f} ms, prefix {done['prefix_cache']}")
+    counters["victim"] = engine_counters(args.url, args.timeout)
+    if args.flush:
+        for image in flush:
+            probe(image, "flush")
+        counters["flush"] = engine_counters(args.url, args.timeout)
+        before = host_case["copy_a_before_probes"] = probe(x, "victim", copies["A"])
+        log(f"flushed with {args.flush} requests; X's copy A: prefix {before['prefix_cache']}, tier "
+            f"{before['prefix_tier']}, restore {before['restore_ms']} ms; counters "
+            f"{counter_changes(counters['victim'], counters['flush'])}")
+        if before["prefix_tier"] != "host":
+            log("note: X's copy A was not on the host before the probes (no tier, a pool large enough to keep it, "
+                "or evicted from the host too): raise --flush or shrink the server's --kv-cache-bytes")
     order = [name for name in images for _ in range(args.rounds)]
     rng.shuffle(order)
     samples, occurrences = [], {}
@@ -243,6 +319,16 @@ def main() -> int:
         log(f"{n:3d}/{len(order)} {name[0]:5s} #{k + 1} round trip {row['round_trip_ms']:7.1f} ms  "
             f"ttft {row['ttft_ms'] or 0:7.1f}  preprocess {row['preprocess_ms'] or 0:6.1f}  "
             f"prefix {row['prefix_cache']}  cached {row['cached_tokens']}")
+    counters["probes"] = engine_counters(args.url, args.timeout)
+    if args.flush:
+        after = host_case["copy_b_after_probes"] = probe(x, "victim", copies["B"])
+        log(f"X's copy B after the probes: prefix {after['prefix_cache']}, tier {after['prefix_tier']}")
+        host_case["held"] = before["prefix_tier"] == "host" and after["prefix_tier"] == "host"
+    host_case["probe_states"] = states_by_kind(samples)
+    host_case["x_probes_all_misses"] = all(r["prefix_cache"] == "miss" for r in samples if r["kind"] == "x")
+    phases = list(counters)
+    host_case["counter_changes"] = {f"{a} -> {b}": counter_changes(counters[a], counters[b])
+                                    for a, b in zip(phases, phases[1:], strict=False)}
     results = [compare("X vs fresh", samples, lambda r: r["kind"] == "x", lambda r: r["kind"] == "fresh",
                        args.rounds, args.seed)]
     if args.seen:
@@ -257,11 +343,17 @@ def main() -> int:
                       f"ratio {m['ratio']}  one-sided Mann-Whitney p = {m['p_one_sided']}")
     if any(r["cached_tokens"] for r in samples):
         print("note: some probes reused cached tokens (a prefix hit across identities)")
+    print(f"probe outcomes by kind: {host_case['probe_states']}; every probe of X a miss: "
+          f"{host_case['x_probes_all_misses']}")
+    if args.flush:
+        print(f"host-tier case: X's victim copies on the host before and after the probes: {host_case['held']} "
+              f"(A before: {before['prefix_cache']} / {before['prefix_tier']}, B after: {after['prefix_cache']} / "
+              f"{after['prefix_tier']}); counter changes {host_case['counter_changes']}")
     if args.out:
         args.out.write_text(json.dumps({"url": args.url, "image": args.image.name, "size": size, "format": fmt,
                                         "fresh": args.fresh, "seen": args.seen, "rounds": args.rounds,
                                         "victim": args.victim, "seed": args.seed, "results": results,
-                                        "samples": samples}, indent=1))
+                                        "host_case": host_case, "samples": samples}, indent=1))
     return 0
 
 

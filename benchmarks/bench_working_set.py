@@ -1,15 +1,23 @@
-"""The working-set benchmark: fit / knee / pressure, every variant on the same KV bytes (run by hand).
+"""The working-set benchmark: fit / knee / pressure / deep, every variant on the same KV bytes (run by hand).
 
     python benchmarks/bench_working_set.py --quick --out ws.json                  # tiny "demo", CPU, minutes
     python benchmarks/bench_working_set.py --model test --quick --requests 24 --time-scale 0 --out ws.json
     python benchmarks/bench_working_set.py --shape 8b --device cuda --worksets pressure --requests 200 \\
         --time-budget-s 500 --out $OUT/ws.json                                      # the H200 run
+    python benchmarks/bench_working_set.py --shape 8b --device cuda --worksets deep,knee --only knee=on_pressure \\
+        --variants on_pressure,on_pressure_host1x,on_pressure_host4x --requests 200 --out $OUT/ws_deep.json
 
 Chat sessions ("groups") of 2-9 photos each ask questions about their photos in a traffic mix
 whose hot groups fit in the KV memory and whose tail does not; every variant (compact FP8 prefix,
 compaction on pressure in one step and in two, dense FP8, dense bf16, vision-feature cache only,
-and policies added to ``working_set.VARIANTS``) serves the same seeded trace on the same KV bytes. The protocol is
-in ``benchmarks/working_set.py`` and docs/PERFORMANCE.md ("Working set").
+the host-memory tier at 1 x B and 4 x B host bytes, and policies added to ``working_set.VARIANTS``)
+serves the same seeded trace on the same KV bytes. The protocol is in ``benchmarks/working_set.py``
+and docs/PERFORMANCE.md ("Working set", "Host-memory tier").
+
+``--only WORKSET=V1,V2`` runs only those of ``--variants`` on that workset (repeatable): the
+host tier's goal compares ``deep`` against the ``knee`` TTFT p99 of ``on_pressure`` in the same
+run, which needs knee for one variant only. A variant with the host tier fails alone (recorded,
+the others run) on an engine without it.
 
 The model (a tiny checkpoint, ``--model test|demo|FOLDER``, or random weights at a real shape,
 ``--shape 8b``, see ``benchmarks/shapes.py``) is built once; each variant gets a fresh engine
@@ -24,12 +32,12 @@ other in trace order, so that nothing sleeps and the cache behaviour does not de
 machine's speed (the CPU test uses it; TTFT then counts from the previous request's end).
 
 ``--quick``: 40 requests, B = 160 FP8 pages and photos of 256-320 px (64-100 visual tokens), so
-every workset is a handful of groups (3 / 6 / 9) and the bf16 pool still holds the longest
+every workset is a handful of groups (3 / 6 / 9 / 15) and the bf16 pool still holds the longest
 request; each flag given still wins. About 4 minutes with the "demo" checkpoint on a 2-core CPU,
 20 seconds with ``--model test --worksets pressure --requests 24 --time-scale 0`` (the test's run).
 
 Defaults otherwise: 600 requests; photos of 256-768 px; B = the published 4.28 GB with
-``--shape`` (3,518 FP8 pages at the 8B shape: fit / knee / pressure = 25 / 38 / 56 groups),
+``--shape`` (3,518 FP8 pages at the 8B shape: fit / knee / pressure / deep = 25 / 38 / 56 / 106 groups),
 1,024 FP8 pages with a tiny checkpoint.
 """
 
@@ -79,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--worksets", default=",".join(ws.WORKSETS), help="comma-separated (default all)")
     parser.add_argument("--variants", default=",".join(ws.VARIANTS),
                         help=f"comma-separated, run in this order (default {','.join(ws.VARIANTS)})")
+    parser.add_argument("--only", action="append", default=[], metavar="WORKSET=V1,V2",
+                        help="run only these of --variants on WORKSET (repeatable)")
     parser.add_argument("--requests", type=int, help="measured requests per variant (default 600; --quick 40)")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--budget-pages", type=int, help="KV budget as B FP8 pages (default with a tiny "
@@ -114,8 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.variants = [v for v in args.variants.split(",") if v]
     try:
         ws.check_variants(args.variants)
+        args.only = parse_only(args.only, args.worksets, args.variants)
     except ValueError as exc:
-        parser.error(f"--variants: {exc}")
+        parser.error(f"--variants / --only: {exc}")
     lo, hi = (int(x) for x in args.photo_sides.split(","))
     if not 32 <= lo <= hi:
         parser.error("--photo-sides: LO,HI with 32 <= LO <= HI")
@@ -123,6 +134,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.requests < 1 or args.max_tokens < 1 or args.time_scale < 0 or args.rate <= 0:
         parser.error("--requests and --max-tokens must be >= 1, --time-scale >= 0, --rate > 0")
     return args
+
+
+def parse_only(items: list[str], worksets: list[str], variants: list[str]) -> dict[str, list[str]]:
+    """``--only`` values (``WORKSET=V1,V2``) -> workset -> its variants, in ``variants``' order.
+
+    Raises:
+        ValueError: a malformed item, a workset not in ``worksets``, a variant not in
+            ``variants``, or a workset given twice.
+    """
+    only: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, names = item.partition("=")
+        chosen = [v for v in names.split(",") if v]
+        if not sep or not chosen:
+            raise ValueError(f"--only {item!r}: expected WORKSET=V1,V2")
+        if name not in worksets or name in only:
+            raise ValueError(f"--only {item!r}: {name!r} is not one of --worksets {','.join(worksets)} "
+                             f"or is given twice")
+        if set(chosen) - set(variants):
+            raise ValueError(f"--only {item!r}: {sorted(set(chosen) - set(variants))} not in --variants")
+        only[name] = [v for v in variants if v in chosen]
+    return only
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,8 +190,12 @@ def build_model(args, workdir: pathlib.Path, device: torch.device, dtype: torch.
 
 
 def make_engine(model, processor, folder, model_id: str, options: dict):
+    """An engine on the built model. Raises: ValueError: a host-tier option this engine lacks."""
+    import dataclasses
+
     from engine import Engine, EngineOptions
 
+    options = ws.fit_to_engine(options, {f.name for f in dataclasses.fields(EngineOptions)})
     return Engine(model, processor, model_id=model_id, folder=folder, options=EngineOptions(**options))
 
 
@@ -253,8 +290,9 @@ def run_skeleton(args, argv, description: str, device: torch.device, budget_byte
                      "time_scale": args.time_scale, "seed": args.seed, "photo_sides": list(args.sides),
                      "photos_per_group": [2, 9], "vision_cache_bytes": vision_cache_bytes,
                      "keep_ratio": ws.VARIANTS["compact_fp8"].get("keep_ratio"),
-                     "thresholds": {"fit": ws.FIT, "knee": ws.KNEE, "pressure": ws.PRESSURE},
-                     "variants": {v: ws.VARIANTS[v] for v in args.variants}},
+                     "thresholds": {"fit": ws.FIT, "knee": ws.KNEE, "pressure": ws.PRESSURE, "deep": ws.DEEP},
+                     "variants": {v: ws.describe_variant(ws.VARIANTS[v]) for v in args.variants},
+                     "only": args.only},
         "groups": [g.describe() for g in groups],
         "worksets": {},
         "results": {},
@@ -273,14 +311,14 @@ def run_workset(args, name: str, members: list[ws.Group], result: dict, out: pat
         "trace_hash": ws.trace_hash([ws.trace_row(members, a) for a in trace]),
     }
     runs = result["results"][name] = {}
-    for v in args.variants:
+    for v in args.only.get(name, args.variants):
         if not deadline.allows_another():
             runs[v] = {"error": f"skipped: --time-budget-s {args.time_budget_s} would be exceeded "
                                 f"(longest variant so far {deadline.longest:.0f} s)"}
             log(f"{name} / {v}: skipped (time budget)")
             continue
         log(f"{name} / {v}: {len(members)} groups, {args.requests} requests ...")
-        options = {**ws.base_options(p["budget_bytes"], p["vision_cache_bytes"], args.page_size), **ws.VARIANTS[v]}
+        options = ws.variant_options(v, p["budget_bytes"], p["vision_cache_bytes"], args.page_size)
         m = runs[v] = run_one(args, build, members, trace, options, device)
         deadline.record(m["wall_s"])
         report.write(result, out, with_plot=False)
@@ -288,8 +326,8 @@ def run_workset(args, name: str, members: list[ws.Group], result: dict, out: pat
             log(f"{name} / {v}: FAILED {m['error']}")
         else:
             log(f"{name} / {v}: TTFT p50 {m['ttft_ms_p50']:.1f} ms, p99 {m['ttft_ms_p99']:.1f} ms, recomputed "
-                f"{m['recomputed_prompt_tokens']} tokens, hits {m['hits']}, resident {m['resident_prefixes']} "
-                f"({m['wall_s']:.1f} s)")
+                f"{m['recomputed_prompt_tokens']} tokens, hits {m['hits']} (host {m['hits_host']}), resident "
+                f"{m['resident_prefixes']} ({m['wall_s']:.1f} s)")
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,10 @@
 # fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving, workingset (benchmarks/bench_working_set.py
 # at the 8B shape; WS_ARGS replaces its arguments but --out; default: the pressure workset, the four variants
 # issue 19 compares (compact_fp8, on_pressure, on_pressure_steps, dense_fp8), 200 requests each, ~6-7 min, no
-# variant started past 470 s), workingset_rest (the same for dense_bf16 and vision_only, ~3-4 min; ws_rest.json), tp
+# variant started past 470 s), workingset_rest (the same for dense_bf16 and vision_only, ~3-4 min; ws_rest.json),
+# workingset_host (issue 33, the host tier at pressure: on_pressure without it, host 1 x B and 4 x B, compact-first;
+# ws_host.json), workingset_deep (knee's on_pressure, then the deep workset, >= 3 B: host 4 x B, no tier, dense with
+# 4 x B, host 1 x B; ws_deep.json; the goal check needs both files' runs: working_set_report.py per file), tp
 # (benchmarks/bench_tp.py: two GPUs), quality (benchmarks/bench_quality.py on the probe model, QUALITY_ARGS
 # replaces its arguments but --out; default 2,500 held-out samples with the blind control and 500 of the transfer split, every selector x keep ratio), selectors
 # (benchmarks/bench_selectors.py: each selector's miss / hit TTFT at the 8B shape beside uniform's), http (benchmarks/bench_http.py at the 8B shape, in_process and process).
@@ -52,6 +55,14 @@ for step in ${STEPS:-kernels smoke bench}; do
     workingset_rest) timeout 400 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
              --worksets pressure --requests 200 --time-budget-s 330 --variants dense_bf16,vision_only \
              --out "$OUT/ws_rest.json" 2>&1 | grep -v Warning | tail -40 | tee "$OUT/ws_rest.txt" ;;
+    workingset_host) timeout 560 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
+             ${WS_HOST_ARGS:---worksets pressure --requests 200 --time-budget-s 470 \
+               --variants on_pressure,on_pressure_host1x,on_pressure_host4x,compact_first_host1x} \
+             --out "$OUT/ws_host.json" 2>&1 | grep -v Warning | tail -40 | tee "$OUT/ws_host.txt" ;;
+    workingset_deep) timeout 560 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
+             ${WS_DEEP_ARGS:---worksets knee,deep --only knee=on_pressure --requests 200 --time-budget-s 470 \
+               --variants on_pressure_host4x,on_pressure,dense_host4x,on_pressure_host1x} \
+             --out "$OUT/ws_deep.json" 2>&1 | grep -v Warning | tail -40 | tee "$OUT/ws_deep.txt" ;;
     # benchmarks/bench_http.py at the 8B shape (writes a 16 GB random checkpoint under /tmp/bh once): /v1 over HTTP
     # (launch.py --ui off) vs the engine API, in-process and the core in its own process; needs the web wheels in .whl
     http) timeout ${HTTP_TIMEOUT:-560} python3 benchmarks/bench_http.py --device cuda --shape 8b --workdir /tmp/bh \
