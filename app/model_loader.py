@@ -23,7 +23,7 @@ from pathlib import Path
 
 from sessions import private_dir
 
-from .settings import REAL_MODEL, Settings, describe_host_tier
+from .settings import REAL_MODEL, Settings
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,6 @@ class ModelChoice:
 def say(message: str) -> None:
     """Progress for the person who started the app (stderr, flushed)."""
     print(f"[prism] {message}", file=sys.stderr, flush=True)
-
-
-def host_cache_bytes(engine) -> int | None:
-    """The engine's host-memory tier in bytes: the size it settled on when it says (an attribute
-    ``host_cache_bytes``, once the tier exists), else its option (None: the default share)."""
-    settled = getattr(engine, "host_cache_bytes", None)
-    return settled if isinstance(settled, int) else getattr(engine.options, "host_cache_bytes", None)
 
 
 def hub_offline() -> bool:
@@ -259,8 +252,8 @@ class ModelLoader:
         if closed:  # the server stopped while this engine loaded
             engine.close()
             return
-        say(f"model ready: {self.model_id} on {engine.device} ({engine.dtype}, KV {engine.options.kv_cache_dtype}, "
-            f"host tier {describe_host_tier(host_cache_bytes(engine))}) after {self.load_seconds:.1f} s")
+        say(f"model ready: {self.model_id} on {engine.device} ({engine.dtype}, KV {engine.options.kv_cache_dtype}) "
+            f"after {self.load_seconds:.1f} s")
         self._ready_event.set()
 
     def _crashed(self, client) -> None:
@@ -326,8 +319,7 @@ class ModelLoader:
             out["engine_restarts"] = self.restarts
         if engine is not None and status == "ok":
             out.update(device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
-                       kv_cache_dtype=engine.options.kv_cache_dtype, host_cache_bytes=host_cache_bytes(engine),
-                       load_seconds=round(self.load_seconds or 0, 1))
+                       kv_cache_dtype=engine.options.kv_cache_dtype, load_seconds=round(self.load_seconds or 0, 1))
             try:
                 out["engine"] = engine.stats()
                 out["engine_status"] = "running"

@@ -13,7 +13,6 @@ from html import escape
 from urllib.parse import quote
 
 from .chat import TurnView
-from .settings import describe_host_tier
 
 STATIC_VERSION = "10"  # bump to make browsers refetch static/prism.css and prism.js
 
@@ -346,7 +345,6 @@ def engine_panel(status: dict) -> str:
         ("Model", status.get("model")),
         ("Device", f"{status.get('device')} · {status.get('dtype')}"),
         ("KV cache", f"{s['kv_cache_dtype']} · {total:,} pages × {s['page_size']} tok"),
-        ("Host tier", describe_host_tier(status.get("host_cache_bytes"))),
         ("Requests", f"{s['running']} running · {s['waiting']} waiting"),
         ("Prefix cache", f"{_cache_entries(s)} · hit rate {hit_rate} "
                          f"({s.get('cache_hits', 0)} hit / {s.get('cache_misses', 0)} miss / "

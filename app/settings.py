@@ -51,14 +51,6 @@ def _positive_bytes(text: str) -> int:
     return value
 
 
-def describe_host_tier(nbytes: int | None) -> str:
-    """How the app shows the host-memory tier's size: ``"8.00 GiB"``, ``"off"`` (0) or, for None
-    (the engine's default, not yet reported), ``"default share of host memory"``."""
-    if nbytes is None:
-        return "default share of host memory"
-    return "off" if nbytes == 0 else f"{nbytes / 2**30:.2f} GiB"
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import types
 
 import pytest
 
-from app import render
-from app.model_loader import host_cache_bytes
-from app.settings import describe_host_tier, parse_bytes, parse_settings
+from app.settings import parse_bytes, parse_settings
 from engine.cache import host_memory
 from engine.errors import InvalidRequestError
 from engine.options import EngineOptions, host_cache_bytes_from_env
@@ -95,20 +92,6 @@ def test_help_names_the_host_tier_option_and_its_variable(capsys):
         parse_settings(["--help"], {"PRISM_HOST_CACHE_BYTES": "0"})
     text = " ".join(capsys.readouterr().out.split())
     assert "--host-cache-bytes" in text and "PRISM_HOST_CACHE_BYTES; default 0" in text
-
-
-def test_the_app_shows_the_host_tier():
-    assert describe_host_tier(0) == "off" and describe_host_tier(3 << 29) == "1.50 GiB"
-    assert "default" in describe_host_tier(None)
-    stats = {"pages_total": 10, "pages_used": 2, "pages_free": 8, "page_size": 16, "kv_cache_dtype": "fp8_e4m3",
-             "running": 0, "waiting": 0}
-    html = render.engine_panel({"status": "ok", "model": "m", "device": "cpu", "dtype": "float32", "engine": stats,
-                                "host_cache_bytes": 2 << 30})
-    assert "<th>Host tier</th><td>2.00 GiB</td>" in html
-    # the size the engine settled on wins over its option (None: the default share)
-    settled = types.SimpleNamespace(host_cache_bytes=5 << 30, options=EngineOptions())
-    assert host_cache_bytes(settled) == 5 << 30
-    assert host_cache_bytes(types.SimpleNamespace(options=EngineOptions(host_cache_bytes=0))) == 0
 
 
 def test_the_suite_runs_without_a_host_tier_unless_asked():
