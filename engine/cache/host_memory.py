@@ -12,16 +12,16 @@ swapped or reclaimed, so whatever the tier takes is gone for everything else on 
 and its page cache (which holds the checkpoint's files for a restart of the engine core: 16 GB
 for the 8B model in bf16), the web app, the engine core's own process and one process per
 tensor-parallel worker (each a few GiB of CUDA libraries and context), images being decoded. A
-quarter of the memory leaves three quarters for them. Measured on the H200 machine
+quarter of the memory leaves three quarters for them. Beyond a share of the total, the default
+is capped by what is available now (``MemAvailable``) minus :func:`headroom_bytes` (an eighth of
+the memory, at least 4 GiB) for the OS and the app: a host already busy gets a smaller tier
+instead of one that pushes it into swap or the OOM killer. Measured on the H200 machine
 (``benchmarks/host_memory_probe.py``, docs/PERFORMANCE.md, "Host memory"): 125.85 GiB of RAM, so
 the default is 31.5 GiB, which holds some 250 prefixes of eight photos of the 8B model (about
 1.7k tokens at about 74 kB per token in FP8 pages, ~125 MB each); copying one such prefix back
-at the 55 GB/s of pinned copies took 2.28 ms, against ~51 ms to prefill it again. Not measured: how
-the hit rate grows with the share (that needs the tier itself); the share is a bound on what
-the tier takes from the host first. Beyond a
-share of the total, the default is capped by what is available now (``MemAvailable``) minus
-:func:`headroom_bytes` (an eighth of the memory, at least 4 GiB) for the OS and the app: a host
-already busy gets a smaller tier instead of one that pushes it into swap or the OOM killer.
+at the 55 GB/s of pinned copies took 2.28 ms, against ~51 ms to prefill it again. Not measured:
+how the hit rate grows with the share (that needs the tier itself); the share bounds what the
+tier takes from the host first.
 
 **Per host, not per engine or per rank.** The budget is the engine's whole tier: under tensor
 parallelism each rank holds ``1 / N`` of every page, so the ranks together hold the budget, not
@@ -37,7 +37,7 @@ measured against the memory available when it asks. Nor does a reservation alloc
 the tier allocates its chunks lazily, and memory another program takes meanwhile is not checked
 again.
 
-This module imports nothing of the engine (nor torch), so it can be read and tested alone.
+This module imports only the standard library (no torch, nothing else of the engine).
 """
 
 from __future__ import annotations
