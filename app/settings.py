@@ -15,20 +15,37 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 REAL_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d{1,30}(?:\.\d{1,30})?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def parse_bytes(text: str) -> int:
-    """``"536870912"``, ``"512M"``, ``"512MiB"`` or ``"2G"`` -> a number of bytes (binary units)."""
+    """``"0"``, ``"536870912"``, ``"512M"``, ``"512MiB"`` or ``"1.5G"`` -> a number of bytes
+    (binary units, rounded down to a whole byte). The engine reads ``PRISM_HOST_CACHE_BYTES``
+    with the same grammar (``engine.cache.host_memory.parse_size``; not imported here, so that
+    ``--help`` stays fast; tests/test_host_memory.py holds the two equal).
+
+    Raises:
+        argparse.ArgumentTypeError: not such a size, or a size above 0 that rounds to 0 bytes.
+    """
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (examples: 536870912, 512M, 2G)")
-    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+        raise argparse.ArgumentTypeError(
+            f"not a size in bytes: {str(text)[:40]!r} (examples: 0, 536870912, 512M, 2G)")
+    exact = Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if 0 < exact < 1:
+        raise argparse.ArgumentTypeError(f"a size must be 0 or at least 1 byte, got {text!r}")
+    return int(exact)
+
+
+def _positive_bytes(text: str) -> int:
+    """:func:`parse_bytes`, refusing 0 (a KV pool needs pages)."""
+    value = parse_bytes(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
     return value
@@ -89,6 +106,7 @@ class Settings:
     ui: str = "on"
     data_dir: Path | None = None
     kv_cache_bytes: int | None = None
+    host_cache_bytes: int | None = None
     kv_cache_dtype: str = "fp8_e4m3"
     compaction: str = "uniform"
     compaction_mode: str = "on_pressure"
@@ -141,6 +159,8 @@ class Settings:
         }
         if self.kv_cache_bytes is not None:
             options["kv_cache_bytes"] = self.kv_cache_bytes
+        if self.host_cache_bytes is not None:  # 0 too: the tier turned off
+            options["host_cache_bytes"] = self.host_cache_bytes
         if self.tensor_parallel_size != 1:
             options["tensor_parallel_size"] = self.tensor_parallel_size
         return options
@@ -161,8 +181,13 @@ _OPTIONS = [
      "(every page route is a 404, Gradio is not even imported)"),
     ("--data-dir", "data_dir", Path, None,
      "folder for the session database, uploaded images and the demo model (default: a per-user folder)"),
-    ("--kv-cache-bytes", "kv_cache_bytes", parse_bytes, None,
+    ("--kv-cache-bytes", "kv_cache_bytes", _positive_bytes, None,
      "size of the KV cache pool, e.g. 512M or 4G (default: 512 MiB on CPU, most free GPU memory on CUDA)"),
+    ("--host-cache-bytes", "host_cache_bytes", parse_bytes, None,
+     "size of the host-memory tier under the prefix cache (idle KV kept in RAM and copied back on a "
+     "hit), for the whole engine (tensor-parallel ranks split it), e.g. 8G; 0 turns it off (default: "
+     "a quarter of this host's memory, less if less is available; more than the host can give is "
+     "refused at start)"),
     ("--kv-cache-dtype", "kv_cache_dtype", str, ("fp8_e4m3", "auto"),
      "KV cache storage: Scaled-FP8 pages (fp8_e4m3) or the model's own dtype (auto)"),
     ("--compaction", "compaction", str, ("uniform", "staggered", "attention", "coverage", "diversity", "random", "off"),

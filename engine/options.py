@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from .cache import host_memory
 from .cache.compaction import COMPACTION_MODES, CompactionConfig, pressure_ratios
 from .cache.kv_pool import KV_DTYPES
 from .errors import InvalidRequestError
@@ -31,6 +33,15 @@ class EngineOptions:
         kv_cache_dtype: ``"fp8_e4m3"`` (Scaled-FP8 pages) or ``"auto"`` (the model dtype).
         kv_cache_bytes: KV pool size in bytes, scales included. Default: on CUDA
             ``gpu_memory_utilization`` of the memory free after loading the model; on CPU 512 MiB.
+        host_cache_bytes: size in bytes of the host-memory tier under the prefix cache (idle KV
+            offloaded to host RAM, pinned on CUDA, and copied back on a hit), for the whole engine:
+            under tensor parallelism the ranks split it (each holds ``1 / N`` of every page), unlike
+            ``kv_cache_bytes``, which each rank has. 0: no host tier. None: the environment
+            variable ``PRISM_HOST_CACHE_BYTES`` if set (bytes, or with a unit: ``512M``, ``4G``),
+            else the default share of this host's memory, :data:`~engine.cache.host_memory.
+            DEFAULT_SHARE` (25 %) of what other engines of this process left, capped by the memory
+            available less a headroom (:mod:`engine.cache.host_memory` says why). More than the
+            host can give is refused when the engine is built (see :meth:`host_budget`).
         page_size: tokens per KV page.
         max_num_seqs, max_num_batched_tokens, max_waiting: scheduler limits
             (see :class:`~engine.serving.scheduler.SchedulerConfig`). ``max_num_batched_tokens`` None
@@ -96,6 +107,7 @@ class EngineOptions:
     progress: bool = True
     kv_cache_dtype: str = "fp8_e4m3"
     kv_cache_bytes: int | None = None
+    host_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.85
     page_size: int = 16
     max_num_seqs: int = 32
@@ -203,6 +215,56 @@ class EngineOptions:
             free, _ = torch.cuda.mem_get_info(device)
             return int(free * self.gpu_memory_utilization)
         return 512 << 20
+
+    def host_budget(self, tensor_parallel: int = 1) -> int:
+        """Bytes of the host-memory tier for the whole engine (all ``tensor_parallel`` ranks
+        together, so each holds ``host_budget // tensor_parallel``; the result is a multiple of
+        ``tensor_parallel``): ``host_cache_bytes``, else ``PRISM_HOST_CACHE_BYTES``, else the
+        default share (:meth:`~engine.cache.host_memory.HostLedger.default_bytes`). 0: no tier.
+
+        Reads this process's ledger, reserves nothing: the caller reserves the result
+        (:func:`engine.cache.host_memory.reserve`) and releases it when the engine closes.
+
+        Raises:
+            InvalidRequestError (a ValueError): a negative or non-integer size, an unreadable
+                ``PRISM_HOST_CACHE_BYTES``, ``tensor_parallel`` below 1, or more than the host can
+                give (the message says how much it has, how much is asked, how much other engines
+                of this process reserved, and how to lower it).
+        """
+        if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise InvalidRequestError(f"tensor_parallel must be an integer >= 1, got {tensor_parallel!r}")
+        asked = self.host_cache_bytes
+        if asked is None:
+            asked = host_cache_bytes_from_env(os.environ)
+        try:
+            if asked is None:
+                budget = host_memory.default_bytes()
+            else:
+                host_memory.LEDGER.check(asked)
+                budget = asked
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        return budget - budget % tensor_parallel
+
+
+#: The environment variable read when ``EngineOptions.host_cache_bytes`` is None (launch.py's
+#: ``--host-cache-bytes`` reads the same one).
+HOST_CACHE_ENV = "PRISM_HOST_CACHE_BYTES"
+
+
+def host_cache_bytes_from_env(environ) -> int | None:
+    """``PRISM_HOST_CACHE_BYTES`` of ``environ`` in bytes, None when unset or empty.
+
+    Raises:
+        InvalidRequestError: the value is not a size (:func:`~engine.cache.host_memory.parse_size`).
+    """
+    text = environ.get(HOST_CACHE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return host_memory.parse_size(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{HOST_CACHE_ENV}={text[:40]!r}: {exc}") from None
 
 
 def pick_device(device) -> torch.device:

@@ -15,6 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# No host-memory tier unless a test asks for one (``host_cache_bytes=...``, or
+# ``monkeypatch.setenv``): its default is a quarter of the host's RAM per engine process, pinned on
+# CUDA, and the suite builds dozens of engines (15 at a time on the GPU), launch.py servers and
+# engine cores in child processes, which inherit this. ``setdefault``: a run may still ask for
+# one everywhere (``PRISM_HOST_CACHE_BYTES=64M python -m pytest``).
+os.environ.setdefault("PRISM_HOST_CACHE_BYTES", "0")
+
 #: Where tests put the engines they build: ``PRISM_TEST_DEVICE=cuda python -m pytest`` runs the
 #: engine tests on the GPU (their oracles, transformers and the reference ops, stay on the CPU).
 TEST_DEVICE = os.environ.get("PRISM_TEST_DEVICE", "cpu")

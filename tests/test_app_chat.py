@@ -83,6 +83,9 @@ def test_settings_from_cli_and_environment(tmp_path):
     opts = s.engine_options()
     assert opts["compaction"] is None and opts["kv_cache_bytes"] == 256 << 20 and opts["cache_scope"] == "global"
     assert parse_bytes("2G") == 2 << 30 and parse_bytes("1048576") == 1 << 20
+    assert parse_bytes("0") == 0  # --host-cache-bytes 0 turns the host tier off (--kv-cache-bytes refuses it)
+    assert "host_cache_bytes" not in opts  # the engine's default share
+    assert parse_settings(["--host-cache-bytes", "0"], env).engine_options()["host_cache_bytes"] == 0
     # a 12-megapixel phone photo is resized to about 1 megapixel (~980 visual tokens), not 16.7
     assert opts["max_pixels"] == 1_003_520
     assert parse_settings(["--resize-pixels", "262144"], env).engine_options()["max_pixels"] == 262144
@@ -98,7 +101,8 @@ def test_settings_from_cli_and_environment(tmp_path):
 @pytest.mark.parametrize("argv,env", [(["--compaction", "sometimes"], {}), ([], {"PRISM_CACHE_SCOPE": "world"}),
                                       (["--compaction-mode", "later"], {}),
                                       (["--keep-ratio", "2"], {}), ([], {"PRISM_PORT": "http"}),
-                                      (["--tensor-parallel-size", "0"], {})])
+                                      (["--tensor-parallel-size", "0"], {}),
+                                      (["--host-cache-bytes", "half"], {}), ([], {"PRISM_HOST_CACHE_BYTES": "-1"})])
 def test_bad_settings_exit_with_a_message(argv, env, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_settings(argv, env)
@@ -110,7 +114,8 @@ def test_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         parse_settings(["--help"], {})
     text = capsys.readouterr().out
-    for flag in ("--model", "--device", "--host", "--port", "--data-dir", "--kv-cache-bytes", "--kv-cache-dtype",
+    for flag in ("--model", "--device", "--host", "--port", "--data-dir", "--kv-cache-bytes", "--host-cache-bytes",
+                 "--kv-cache-dtype",
                  "--compaction", "--compaction-mode", "--keep-ratio", "--cache-scope", "--max-image-pixels",
                  "--max-upload-mb", "--resize-pixels"):
         assert flag in text
