@@ -23,6 +23,7 @@ import torch
 
 from ops.dispatch import warm_up as warm_up_kernels
 
+from .cache import host_memory
 from .cache.host_pool import HostPool
 from .cache.kv_pool import PagePool
 from .cache.kv_transfer import KVTransfers
@@ -135,7 +136,7 @@ class Engine:
         self.max_model_len = min(options.max_model_len or t.max_position_embeddings, self.pool.capacity_tokens)
         self.prompts.max_prompt_tokens = self.max_model_len - 1  # one token at least left to generate
         steps = options.pressure_steps()
-        self.host_cache_bytes, self.host, transfers = self._host_tier(options, world)
+        self.host_cache_bytes, self.host, transfers, self._host_reservation = self._host_tier(options, world)
         self.prefix_cache = PrefixCache(self.pool, steps, host=self.host, reclaim_order=options.reclaim_order) \
             if options.prefix_cache else None
         reuse = None
@@ -183,23 +184,26 @@ class Engine:
         UPLOADS.attach()  # uploads validated in this process are handed to this engine (engine.media)
         self._takes_uploads = True
 
-    def _host_tier(self, options: EngineOptions, world: int) -> tuple[int, HostPool | None, KVTransfers | None]:
+    def _host_tier(self, options: EngineOptions, world: int):
         """The host tier under the prefix cache: its budget in bytes (all ranks together: each
         rank holds ``1 / world`` of every page), its :class:`~engine.cache.host_pool.HostPool` of
-        this rank and the copies' executor; ``(0, None, None)`` when it is off (budget 0, or no
-        prefix cache).
+        this rank, the copies' executor and the bytes reserved in this process's ledger
+        (:mod:`engine.cache.host_memory`, released by :meth:`close`); ``(0, None, None, None)``
+        when it is off (budget 0, or no prefix cache).
 
         Raises:
-            ValueError: a budget the host cannot give (:meth:`EngineOptions.host_budget`).
+            InvalidRequestError: a budget the host cannot give (:meth:`EngineOptions.host_budget`).
         """
         if not options.prefix_cache:
-            return 0, None, None
+            return 0, None, None, None
         budget = options.host_budget(world)
-        pages = budget // (self.pool.page_bytes * world)
+        full_page = self.pool.page_bytes * world
+        pages = budget // full_page
         if pages <= 0:
-            return budget, None, None
+            return budget, None, None, None
+        reservation = host_memory.reserve(pages * full_page)
         host = HostPool(self.pool, pages)
-        return budget, host, KVTransfers(self.pool, host)
+        return budget, host, KVTransfers(self.pool, host), reservation
 
     @classmethod
     def from_pretrained(cls, model: str | Path, *, device=None, dtype=None, **options) -> Engine:
@@ -513,6 +517,7 @@ class Engine:
         if self._transfers is not None:  # copies in flight land first; then the pinned memory goes
             self._transfers.close()
             self.host.close()
+            self._host_reservation.release()
         # drop every reference to the model, the KV pool and the captured graphs so their memory goes
         self.pool = self.model = self.prefix_cache = self.prefix_reuse = self.vision = self.intake = None
         self.host = self._transfers = None
