@@ -5,7 +5,7 @@
 # tests need gradio & co. and are left out; skip counts and reasons go to tests_skips.txt and tests.txt), pdl
 # (tests/test_pdl.py alone, after the parallel run: its producer kernels spin, bounded, while the next kernel
 # runs, which other processes on the GPU only slow down; pdl.txt): the GPU suite is
-# STEPS="tests pdl", kernels,
+# STEPS="tests pdl", hosttier (issue 33: the host tier's tests on CUDA and benchmarks/bench_host_copy.py), kernels,
 # fused, smoke, sweep, sdpa, gemv, profile, bench, model, serving, workingset (benchmarks/bench_working_set.py
 # at the 8B shape; WS_ARGS replaces its arguments but --out; default: the pressure workset, the four variants
 # issue 19 compares (compact_fp8, on_pressure, on_pressure_steps, dense_fp8), 200 requests each, ~6-7 min, no
@@ -38,6 +38,11 @@ for step in ${STEPS:-kernels smoke bench}; do
            python3 benchmarks/junit_summary.py "$OUT/tests_junit.xml" > "$OUT/tests_skips.txt" 2>&1
            { echo "--- skips and tests run (benchmarks/junit_summary.py)"; cat "$OUT/tests_skips.txt"; } | tee -a "$OUT/tests.txt" \
              | head -60 ;;
+    # the host tier's tests with their engines on CUDA (pinned chunks, the copy stream, staging) and its copy bench
+    hosttier) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PRISM_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-300} python3 -m pytest \
+             tests/test_host_tier.py tests/test_host_tier_data.py tests/test_prefix_cache.py tests/test_on_pressure.py \
+             -q -p no:cacheprovider -n ${TEST_WORKERS:-4} --dist load -rs 2>&1 | tail -25 | tee "$OUT/hosttier_tests.txt"
+           timeout 120 python3 benchmarks/bench_host_copy.py --out "$OUT/host_copy.json" 2>&1 | tail -30 | tee "$OUT/host_copy.txt" ;;
     pdl) timeout 300 python3 -m pytest tests/test_pdl.py -q -p no:cacheprovider -rs 2>&1 | tail -15 | tee "$OUT/pdl.txt" ;;
     gemv) timeout 400 python3 benchmarks/sweep_gemv.py 2>&1 | grep -v Warning | tee "$OUT/sweep_gemv.txt" | grep -v "^  " ;;
     sdpa) timeout 200 python3 benchmarks/sweep_sdpa.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/sweep_sdpa.txt" ;;

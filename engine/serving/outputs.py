@@ -36,9 +36,10 @@ class Telemetry:
         prefix_form: ``"dense"`` or ``"compact"``: whether the public prefix the request used (hit)
             or cached (miss) had dropped visual tokens; None without a cached prefix.
         prefix_pages / prefix_pages_dense: KV pages of the public prefix, compacted vs dense.
-        prefix_tier: where the prefix-cache entry the request hit lived when it was looked up:
-            ``"gpu"`` (the KV pool) or ``"host"`` (the host-memory tier: restored before the
-            question's prefill); None without a hit.
+        prefix_tier: where the prefix-cache entry the request hit was: ``"gpu"`` (in the KV
+            pool) or ``"host"`` (in the host-memory tier, or on its way back: the request waited
+            for the host-to-GPU copy, its own or another request's, before its prefill); None
+            without a hit.
         restore_ms: time the host-to-GPU copy of that entry took (0 unless ``prefix_tier`` is
             ``"host"``; not part of ``prefill_ms``).
         restored_pages: KV pages that copy brought back (0 unless restored).
