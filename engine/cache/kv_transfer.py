@@ -1,0 +1,297 @@
+"""KV copies between the GPU pool and the host tier: the orders and their executor.
+
+An :class:`Offload` copies GPU pages to host pages, a :class:`Restore` host pages back to GPU
+pages, every layer's K, V and scales, bit for bit. The policy side decides them (which prefix,
+which pages) and hands them to :class:`KVTransfers`, which runs them and reports each one finished
+(:class:`TransferDone`) in submit order.
+
+On CUDA the copies run on one dedicated copy stream, beside the compute stream, through one GPU
+staging buffer: the pool is layer-major and a page's rows are scattered over it, so they are first
+gathered (page-major, :meth:`PagePool.rows`) into contiguous staging, and only then moved over PCIe
+as one contiguous copy per run of host pages (:meth:`HostPool.runs`). A transfer larger than the
+staging buffer goes in rounds; the copy stream's order makes reusing staging safe. On the CPU the
+copies run at once, straight between the pool and the host chunks.
+
+Every copy moves bits: each buffer is viewed as the unsigned/signed integer type of its width, so
+FP8 bytes, NaN payloads and bf16 values come back exactly as they left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .host_pool import HostPool
+from .kv_pool import PagePool
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the integer dtype of its element width (same shape): copies of it are
+    bit-exact whatever the float format."""
+    return t.view(_BITS[t.element_size()])
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Copy GPU page ``pages[i]`` to host page ``host_pages[i]``: every layer, K/V and scales.
+
+    ``xfer`` is the caller's id for the transfer (reported back in :class:`TransferDone`)."""
+
+    xfer: int
+    pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Copy host page ``host_pages[i]`` to GPU page ``pages[i]``: every layer, K/V and scales."""
+
+    xfer: int
+    host_pages: tuple[int, ...]
+    pages: tuple[int, ...]
+
+
+Transfer = Offload | Restore
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """A transfer finished.
+
+    Attributes:
+        xfer: the order's id.
+        kind: ``"offload"`` or ``"restore"``.
+        pages: pages copied (the order's length).
+        nbytes: bytes copied (``pages * page_bytes``).
+        ms: the copy's own duration in milliseconds (CUDA events on CUDA, ``perf_counter`` on the
+            CPU; 0 for a failed or empty transfer).
+        error: why the copy failed; then the destination pages hold garbage and must not be used.
+    """
+
+    xfer: int
+    kind: str
+    pages: int
+    nbytes: int
+    ms: float
+    error: str | None = None
+
+
+@dataclass
+class _Pending:
+    order: Transfer
+    kind: str
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+    keep: list | None = None  # tensors the GPU may still read (index rows), alive until done
+    ms: float = 0.0
+    error: str | None = None
+
+    def done(self) -> bool:
+        return self.end is None or self.end.query()
+
+    def report(self, page_bytes: int) -> TransferDone:
+        n = len(self.order.pages)
+        ms = self.ms
+        if self.end is not None and self.error is None:
+            ms = self.start.elapsed_time(self.end)
+        return TransferDone(self.order.xfer, self.kind, n, n * page_bytes, ms, self.error)
+
+
+class KVTransfers:
+    """Runs :class:`Offload` / :class:`Restore` orders between ``pool`` and ``host``.
+
+    Args:
+        pool: the KV pool (CPU or CUDA).
+        host: its host tier (pinned, on CUDA, for asynchronous copies).
+        staging_bytes: the GPU staging buffer (CUDA only), rounded down to whole pages, at least one
+            page; allocated here, for the executor's life.
+
+    Attributes:
+        fault: test hook, called with each order before its copy starts; an exception it raises
+            makes that transfer fail (reported, with ``error``, like any failure in :meth:`submit`).
+        staging_pages: pages one round moves (CUDA; 0 on the CPU).
+    """
+
+    def __init__(self, pool: PagePool, host: HostPool, *, staging_bytes: int = 64 << 20):
+        if host.page_bytes != pool.page_bytes or host.num_layers != pool.num_layers:
+            raise ValueError("the host pool was made for another KV pool's geometry")
+        self.pool, self.host = pool, host
+        self.page_bytes = pool.page_bytes
+        self.fault: Callable[[Transfer], None] | None = None
+        self._buffers = tuple(bits(b) for b in pool.buffers() if b is not None)
+        self.device = self._buffers[0].device
+        self.cuda = self.device.type == "cuda"
+        self._pending: deque[_Pending] = deque()
+        self._by_xfer: dict[int, _Pending] = {}
+        self._closed = False
+        self.staging_pages = 0
+        if self.cuda:
+            self.staging_pages = max(1, staging_bytes // self.page_bytes)
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._staging = self._make_staging(self.staging_pages)
+
+    # ------------------------------------------------------------------ the interface
+    def submit(self, order: Transfer) -> None:
+        """Start ``order`` (on the CPU: run it to the end). Never raises: a failure (a bad order,
+        the :attr:`fault` hook, a copy that raised) is reported by the next :meth:`poll` as a
+        :class:`TransferDone` with ``error`` set. On CUDA the copy stream first waits for the work
+        the current stream queued so far, so the copy sees every write decided before it."""
+        kind = "offload" if isinstance(order, Offload) else "restore"
+        entry = _Pending(order, kind)
+        try:
+            self._check(order)
+            if self.fault is not None:
+                self.fault(order)
+            if self.cuda:
+                self._run_cuda(order, entry)
+            else:
+                t = time.perf_counter()
+                self._run_cpu(order)
+                entry.ms = (time.perf_counter() - t) * 1e3
+        except Exception as exc:  # every failure of one transfer is that transfer's report
+            entry.error = f"{type(exc).__name__}: {exc}"
+            self._fence_failed(entry)
+        self._pending.append(entry)
+        if entry.end is not None:
+            self._by_xfer[order.xfer] = entry
+
+    def _fence_failed(self, entry: _Pending) -> None:
+        """A CUDA transfer that failed part way may have queued copies: it is reported (and its
+        index rows freed, :meth:`wait` satisfied) only once those finished."""
+        if entry.end is None:
+            return
+        try:
+            entry.end.record(self._stream)
+        except Exception:  # noqa: BLE001 - nothing queued can be fenced; report it now
+            entry.start = entry.end = entry.keep = None
+
+    def poll(self) -> list[TransferDone]:
+        """The transfers finished since the last poll, in submit order (a finished transfer
+        behind an unfinished one waits for it). Never blocks."""
+        out = []
+        while self._pending and self._pending[0].done():
+            entry = self._pending.popleft()
+            out.append(entry.report(self.page_bytes))
+            if self._by_xfer.get(entry.order.xfer) is entry:
+                del self._by_xfer[entry.order.xfer]
+        return out
+
+    def in_flight(self) -> int:
+        """Transfers submitted and not yet reported by :meth:`poll` (finished or not)."""
+        return len(self._pending)
+
+    def wait(self, xfers: Iterable[int]) -> None:
+        """Make the current CUDA stream wait, on the GPU (the host does not block), for the
+        transfers ``xfers``: call it before a forward that reads restored pages or writes pages
+        being offloaded. No-op on the CPU and for ids done or unknown."""
+        if not self.cuda:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        for x in xfers:
+            entry = self._by_xfer.get(x)
+            if entry is not None:
+                stream.wait_event(entry.end)
+
+    def synchronize(self) -> None:
+        """Block until every submitted transfer finished (they are still reported by :meth:`poll`)."""
+        if self.cuda and not self._closed:
+            self._stream.synchronize()
+
+    def close(self) -> None:
+        """Wait for every transfer, then free the staging buffer and the events; idempotent.
+        Transfers submitted after it fail (reported as errors)."""
+        if self._closed:
+            return
+        self.synchronize()
+        for entry in self._pending:  # all finished: read their times, drop their events
+            entry.ms = entry.report(self.page_bytes).ms
+            entry.start = entry.end = entry.keep = None
+        self._by_xfer.clear()
+        self._staging = None
+        self._closed = True
+
+    # ------------------------------------------------------------------ the copies
+    def _check(self, order: Transfer) -> None:
+        if self._closed:
+            raise RuntimeError("the transfer executor is closed")
+        if not isinstance(order, (Offload, Restore)):
+            raise TypeError(f"not a transfer order: {order!r}")
+        if len(order.pages) != len(order.host_pages):
+            raise ValueError(f"{len(order.pages)} GPU pages for {len(order.host_pages)} host pages")
+        bad = [p for p in order.pages if not 0 <= p < self.pool.num_pages]
+        if bad:
+            raise ValueError(f"GPU pages out of range: {bad[:8]}")
+        dest = order.pages if isinstance(order, Restore) else order.host_pages
+        if len(set(dest)) != len(dest):
+            raise ValueError("a destination page appears twice")  # the copy would race with itself
+        self.host.runs(order.host_pages)  # host pages in range and in use, pool open
+
+    def _run_cpu(self, order: Transfer) -> None:
+        restore = isinstance(order, Restore)
+        for run in self.host.runs(order.host_pages):
+            n = run.stop - run.start
+            rows = self.pool.rows(list(order.pages[run.index:run.index + n]))
+            for pool_buf, host_buf in zip(self._buffers, self._host_buffers(run.chunk), strict=True):
+                host_rows = host_buf[run.start:run.stop].flatten(0, 1)  # [n * layers, ...]
+                if restore:
+                    pool_buf.index_copy_(0, rows, host_rows)
+                else:
+                    torch.index_select(pool_buf, 0, rows, out=host_rows)
+
+    def _run_cuda(self, order: Transfer, entry: _Pending) -> None:
+        restore = isinstance(order, Restore)
+        stream, layers = self._stream, self.pool.num_layers
+        entry.start = torch.cuda.Event(enable_timing=True)
+        entry.end = torch.cuda.Event(enable_timing=True)
+        entry.keep = []
+        with torch.cuda.device(self.device):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                entry.start.record(stream)
+                for first in range(0, len(order.pages), self.staging_pages):
+                    pages = list(order.pages[first:first + self.staging_pages])
+                    rows = self.pool.rows(pages)  # made on the copy stream: freed only after its use there
+                    entry.keep.append(rows)
+                    staged = [s[:len(pages)].flatten(0, 1) for s in self._staging]  # [pages * layers, ...]
+                    if not restore:
+                        for pool_buf, stage in zip(self._buffers, staged, strict=True):
+                            torch.index_select(pool_buf, 0, rows, out=stage)
+                    for run in self.host.runs(order.host_pages[first:first + self.staging_pages]):
+                        lo, hi = run.index * layers, (run.index + run.stop - run.start) * layers
+                        for stage, held in zip(staged, self._host_buffers(run.chunk), strict=True):
+                            held_rows = held[run.start:run.stop].flatten(0, 1)
+                            if restore:
+                                stage[lo:hi].copy_(held_rows, non_blocking=True)
+                            else:
+                                held_rows.copy_(stage[lo:hi], non_blocking=True)
+                    if restore:
+                        for pool_buf, stage in zip(self._buffers, staged, strict=True):
+                            pool_buf.index_copy_(0, rows, stage)
+                entry.end.record(stream)
+
+    def _host_buffers(self, chunk: int) -> tuple[torch.Tensor, ...]:
+        """Chunk ``chunk``'s tensors as bit views, in the order of the pool's buffers."""
+        return tuple(bits(b) for b in self.host.chunk(chunk).buffers())
+
+    def _make_staging(self, pages: int) -> tuple[torch.Tensor, ...]:
+        """One GPU allocation of ``pages`` whole pages, carved into page-major bit views
+        ``[pages, layers, ...]`` per pool buffer (float32 scales first, so every view is aligned)."""
+        layers = self.pool.num_layers
+        order = sorted(range(len(self._buffers)), key=lambda i: -self._buffers[i].element_size())
+        raw = torch.empty(pages * self.page_bytes, dtype=torch.uint8, device=self.device)
+        views: list[torch.Tensor | None] = [None] * len(self._buffers)
+        offset = 0
+        for i in order:
+            b = self._buffers[i]
+            shape = (pages, layers, *b.shape[1:])
+            size = b[0].numel() * b.element_size() * layers * pages
+            views[i] = raw[offset:offset + size].view(b.dtype).view(shape)
+            offset += size
+        assert offset == raw.numel()
+        return tuple(views)
