@@ -11,13 +11,15 @@ heads and head dim, ``--page-size`` tokens a page, FP8 with float32 scales by de
 * Offload (GPU -> host) and Restore (host -> GPU) of those pages through
   :class:`engine.cache.kv_transfer.KVTransfers`, for each staging size (``--staging-mib``, default
   16, 64 and 256 MiB): the pages scattered over a pool of ``--pool-pages`` pages and the host pages
-  over several host chunks, as a prefix evicted after some churn would be.
+  over several host chunks: contiguous (``0 .. n - 1``, what a fresh tier's allocation gives) and
+  scattered (a sorted random half of a tier of ``2 x --pages``: many short runs, a tier after
+  churn).
 
 Each figure is the median of ``--repeats`` timed copies after one warm-up, from the copy's own
 CUDA events (``TransferDone.ms``) or ``perf_counter`` on the CPU. Reported: milliseconds, GB/s
 (10^9 bytes a second), restore / floor and offload / floor as ratios of the matching direction's
 floor bandwidth; each restore is also checked bit-exact against the pages offloaded. On the CPU
-there is no staging buffer: one row, ``staging_mib`` null.
+there is no staging buffer: ``staging_mib`` null.
 """
 
 from __future__ import annotations
@@ -96,14 +98,16 @@ def one(transfers: KVTransfers, order) -> float:
     return done.ms
 
 
-def bench_transfers(pool: PagePool, host: HostPool, staging_bytes: int | None, args, seed: int) -> dict:
-    """Median Offload / Restore ms of ``args.pages`` scattered pages through one executor."""
+def bench_transfers(pool: PagePool, host: HostPool, staging_bytes: int | None, layout: str, args, seed: int) -> dict:
+    """Median Offload / Restore ms of ``args.pages`` scattered pool pages through one executor, to
+    host pages ``0 .. n - 1`` (``layout="contiguous"``, what one :meth:`HostPool.allocate` of a
+    fresh tier gives) or a sorted random half of the tier (``"scattered"``: many short runs)."""
     n = args.pages
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(pool.num_pages, generator=gen).tolist()
     src, dst = tuple(perm[:n]), tuple(perm[n:2 * n])  # distinct pages: the restore lands elsewhere
     hperm = torch.randperm(host.num_pages, generator=gen).tolist()
-    host_pages = tuple(sorted(hperm[:n]))  # some runs, some gaps, several chunks
+    host_pages = tuple(range(n)) if layout == "contiguous" else tuple(sorted(hperm[:n]))
     transfers = KVTransfers(pool, host, **({} if staging_bytes is None else {"staging_bytes": staging_bytes}))
     try:
         offload = [one(transfers, Offload(i, src, host_pages)) for i in range(args.repeats + 1)][1:]
@@ -117,6 +121,8 @@ def bench_transfers(pool: PagePool, host: HostPool, staging_bytes: int | None, a
     nbytes = n * pool.page_bytes
     return {
         "staging_mib": None if staging_bytes is None else staging_bytes >> 20,
+        "host_pages": layout,
+        "host_runs": len(host.runs(host_pages)),
         "staging_pages": staged,
         "offload": {"ms": statistics.median(offload), "gbps": gbps(nbytes, statistics.median(offload))},
         "restore": {"ms": statistics.median(restore), "gbps": gbps(nbytes, statistics.median(restore))},
@@ -159,12 +165,13 @@ def main(argv=None) -> int:
     log(f"floor: h2d {base['h2d']['gbps']:.2f} GB/s, d2h {base['d2h']['gbps']:.2f} GB/s")
     stagings = [int(s) << 20 for s in args.staging_mib.split(",") if s.strip()] if device.type == "cuda" else [None]
     rows = []
-    for i, staging in enumerate(stagings):
-        row = bench_transfers(pool, host, staging, args, seed=i + 1)
+    for i, (staging, layout) in enumerate((s, h) for s in stagings for h in ("contiguous", "scattered")):
+        row = bench_transfers(pool, host, staging, layout, args, seed=i + 1)
         row["restore_vs_floor"] = row["restore"]["gbps"] / base["h2d"]["gbps"]
         row["offload_vs_floor"] = row["offload"]["gbps"] / base["d2h"]["gbps"]
         rows.append(row)
-        log(f"staging {row['staging_mib']} MiB: offload {row['offload']['gbps']:.2f} GB/s "
+        log(f"staging {row['staging_mib']} MiB, {layout} host pages ({row['host_runs']} runs): "
+            f"offload {row['offload']['gbps']:.2f} GB/s "
             f"({row['offload_vs_floor']:.2f} x floor), restore {row['restore']['gbps']:.2f} GB/s "
             f"({row['restore_vs_floor']:.2f} x floor), bit-exact {row['bit_exact']}")
     host.close()

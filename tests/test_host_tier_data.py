@@ -219,6 +219,13 @@ def test_host_pages_hold_the_pages_page_major():
     k = bits(pool.buffers()[0]).view(LAYERS, 6, HEADS, PAGE, DIM)
     assert torch.equal(host.chunk(0).k[1], k[:, 2])  # host page 1 = pool page 2, every layer
     assert torch.equal(host.chunk(0).k_scale[0], pool.buffers()[2].view(LAYERS, 6, HEADS, PAGE)[:, 5])
+    raw = host.chunk(0).raw  # one row of bytes a host page: a run of pages is one block
+    assert raw.shape == (4, pool.page_bytes) and raw.dtype == torch.uint8
+    def page2(i):  # pool page 2 of buffer i, every layer, as bytes
+        return bits(pool.buffers()[i]).view(LAYERS, 6, -1)[:, 2].reshape(-1).view(torch.uint8)
+
+    expect = torch.cat([page2(2), page2(3), page2(0), page2(1)])
+    assert torch.equal(raw[1], expect)  # scales first (aligned), then K, then V
 
 
 def test_a_fault_fails_that_transfer_alone_and_poll_keeps_submit_order():

@@ -1,10 +1,12 @@
 """The host-memory tier's pages: KV pages of a :class:`PagePool` kept in (pinned) host memory.
 
 A host page holds one GPU page over **all** layers, K, V and (FP8) scales, so an idle cached
-prefix can leave the GPU whole and come back bit for bit. Host pages are page-major (one page's
-layers side by side), unlike the layer-major GPU pool: a page-major gather of the GPU pool
-(:meth:`PagePool.rows`) then lands as one contiguous block per run of host pages, and a copy is one
-``copy_`` per run and buffer.
+prefix can leave the GPU whole and come back bit for bit. A host page is one contiguous row of
+bytes (:class:`PageLayout`: the page's scales, then its K, then its V, each page-major: the page's
+layers side by side), unlike the layer-major GPU pool. A run of consecutive host pages is then one
+contiguous block of bytes, and moving it over PCIe is one ``copy_`` (not one per buffer: at the 8B
+shape an FP8 scale block is 512 bytes a layer, and hundreds of tiny copies cost more in launches
+than the bytes do).
 
 Memory comes in large chunks, each allocated the first time one of its pages is handed out (a tier
 sized at 100 GiB costs nothing until used; pinning is slow and pinned memory is scarce, so it is
@@ -18,6 +20,7 @@ This module owns the memory and the bookkeeping only; the copies are in :mod:`.k
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -37,27 +40,67 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class HostChunk:
-    """One chunk of host pages, page-major.
+class PageLayout:
+    """Where each buffer of a :class:`PagePool` page sits in one host page's row of bytes.
 
     Attributes:
-        k, v: ``[pages, layers, kv_heads, page_size, head_dim]``, ``uint8`` (the bytes of FP8) or
-            the model dtype ("auto").
-        k_scale, v_scale: float32 ``[pages, layers, kv_heads, page_size]``, ``None`` under "auto".
+        fields: per pool buffer, in :meth:`PagePool.buffers` order (``None`` ones left out):
+            ``(byte offset in the row, storage dtype, per-page shape)``; the shape is
+            ``(layers, kv_heads, page_size, head_dim)`` for K/V, ``(layers, kv_heads, page_size)``
+            for scales. Wider dtypes come first, so every field is aligned to its element size.
+        row_bytes: bytes of one row (the page's bytes, rounded up to 8 so rows stay aligned).
     """
 
+    fields: tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]
+    row_bytes: int
+
+    @classmethod
+    def of(cls, pool: PagePool) -> PageLayout:
+        bufs = [b for b in pool.buffers() if b is not None]
+        shapes = [(pool.num_layers, *b.shape[1:]) for b in bufs]
+        dtypes = [storage_dtype(b.dtype) for b in bufs]
+        offsets = [0] * len(bufs)
+        at = 0
+        for i in sorted(range(len(bufs)), key=lambda i: -dtypes[i].itemsize):
+            offsets[i] = at
+            at += math.prod(shapes[i]) * dtypes[i].itemsize
+        return cls(tuple(zip(offsets, dtypes, shapes, strict=True)), -(-at // 8) * 8)
+
+    def views(self, raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``raw`` (uint8 ``[pages, row_bytes]``) as one view per field, ``[pages, *shape]`` of the
+        field's dtype (strided: consecutive pages are ``row_bytes`` apart)."""
+        out = []
+        for offset, dtype, shape in self.fields:
+            size = math.prod(shape) * dtype.itemsize
+            out.append(raw[:, offset:offset + size].view(dtype).view(raw.shape[0], *shape))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class HostChunk:
+    """One chunk of host pages: one row of bytes a page, and views of it per buffer.
+
+    Attributes:
+        raw: uint8 ``[pages, row_bytes]``, host page ``i`` of the chunk is row ``i``
+            (:class:`PageLayout`).
+        k, v: views ``[pages, layers, kv_heads, page_size, head_dim]``, ``uint8`` (the bytes of FP8)
+            or the model dtype ("auto").
+        k_scale, v_scale: float32 views ``[pages, layers, kv_heads, page_size]``, ``None`` under "auto".
+    """
+
+    raw: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        """The chunk's tensors in :meth:`PagePool.buffers` order, ``None`` ones left out."""
+        """The chunk's views in :meth:`PagePool.buffers` order, ``None`` ones left out."""
         return tuple(b for b in (self.k, self.v, self.k_scale, self.v_scale) if b is not None)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        return self.raw.numel()
 
 
 class Run(NamedTuple):
@@ -93,15 +136,13 @@ class HostPool:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         if chunk_pages is not None and chunk_pages < 1:
             raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
-        k, v, ks, _ = pool.buffers()
         self.num_pages = num_pages
         self.page_bytes = pool.page_bytes
         self.num_layers = pool.num_layers
-        self.pin = k.device.type == "cuda" if pin is None else pin
+        self.layout = PageLayout.of(pool)
+        self.pin = pool.buffers()[0].device.type == "cuda" if pin is None else pin
         self.chunk_pages = chunk_pages or max(1, min(num_pages, CHUNK_BYTES // self.page_bytes))
-        self._page_shape = (pool.num_layers, *k.shape[1:])  # [layers, kv_heads, page_size, head_dim]
-        self._kv_dtype = storage_dtype(k.dtype)
-        self._scaled = ks is not None
+        self._scaled = pool.buffers()[2] is not None
         self._chunks: list[HostChunk | None] = [None] * (-(-num_pages // self.chunk_pages))
         self._used = bytearray(num_pages)
         # free host pages as sorted disjoint [start, stop) ranges: allocation takes the lowest range
@@ -254,16 +295,11 @@ class HostPool:
         if self._chunks[c] is not None:
             return
         n = min(self.chunk_pages, self.num_pages - c * self.chunk_pages)
-
-        def empty(shape, dtype):
-            return torch.empty((n, *shape), dtype=dtype, pin_memory=self.pin)
-
-        scales = self._page_shape[:-1]
-        self._chunks[c] = HostChunk(
-            empty(self._page_shape, self._kv_dtype), empty(self._page_shape, self._kv_dtype),
-            empty(scales, torch.float32) if self._scaled else None,
-            empty(scales, torch.float32) if self._scaled else None,
-        )
+        raw = torch.empty((n, self.layout.row_bytes), dtype=torch.uint8, pin_memory=self.pin)
+        views = list(self.layout.views(raw))
+        if not self._scaled:
+            views += [None, None]
+        self._chunks[c] = HostChunk(raw, *views)
 
     def _take(self, start: int, stop: int) -> None:
         """Remove ``[start, stop)`` (inside one free range) from the free ranges."""

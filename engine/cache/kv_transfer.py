@@ -132,9 +132,12 @@ class KVTransfers:
         self._closed = False
         self.staging_pages = 0
         if self.cuda:
-            self.staging_pages = max(1, staging_bytes // self.page_bytes)
+            # one GPU buffer laid out as host pages, so a run of host pages moves as one copy
+            self.staging_pages = max(1, staging_bytes // host.layout.row_bytes)
             self._stream = torch.cuda.Stream(device=self.device)
-            self._staging = self._make_staging(self.staging_pages)
+            self._staging_raw = torch.empty((self.staging_pages, host.layout.row_bytes), dtype=torch.uint8,
+                                            device=self.device)
+            self._staging_views = [bits(v) for v in host.layout.views(self._staging_raw)]
 
     # ------------------------------------------------------------------ the interface
     def submit(self, order: Transfer) -> None:
@@ -213,7 +216,7 @@ class KVTransfers:
             entry.ms = entry.report(self.page_bytes).ms
             entry.start = entry.end = entry.keep = None
         self._by_xfer.clear()
-        self._staging = None
+        self._staging_raw = self._staging_views = None
         self._closed = True
 
     # ------------------------------------------------------------------ the copies
@@ -238,60 +241,48 @@ class KVTransfers:
             n = run.stop - run.start
             rows = self.pool.rows(list(order.pages[run.index:run.index + n]))
             for pool_buf, host_buf in zip(self._buffers, self._host_buffers(run.chunk), strict=True):
-                host_rows = host_buf[run.start:run.stop].flatten(0, 1)  # [n * layers, ...]
-                if restore:
-                    pool_buf.index_copy_(0, rows, host_rows)
-                else:
-                    torch.index_select(pool_buf, 0, rows, out=host_rows)
+                _move(pool_buf, rows, host_buf[run.start:run.stop], restore)
 
     def _run_cuda(self, order: Transfer, entry: _Pending) -> None:
         restore = isinstance(order, Restore)
-        stream, layers = self._stream, self.pool.num_layers
+        stream = self._stream
         entry.start = torch.cuda.Event(enable_timing=True)
         entry.end = torch.cuda.Event(enable_timing=True)
         entry.keep = []
         with torch.cuda.device(self.device):
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):  # temporaries made here are freed in this stream's order
                 entry.start.record(stream)
                 for first in range(0, len(order.pages), self.staging_pages):
                     pages = list(order.pages[first:first + self.staging_pages])
-                    rows = self.pool.rows(pages)  # made on the copy stream: freed only after its use there
+                    rows = self.pool.rows(pages)
                     entry.keep.append(rows)
-                    staged = [s[:len(pages)].flatten(0, 1) for s in self._staging]  # [pages * layers, ...]
-                    if not restore:
+                    staged = [v[:len(pages)] for v in self._staging_views]
+                    if not restore:  # gather the pages' rows into staging, page-major
                         for pool_buf, stage in zip(self._buffers, staged, strict=True):
-                            torch.index_select(pool_buf, 0, rows, out=stage)
+                            _move(pool_buf, rows, stage, restore=False)
                     for run in self.host.runs(order.host_pages[first:first + self.staging_pages]):
-                        lo, hi = run.index * layers, (run.index + run.stop - run.start) * layers
-                        for stage, held in zip(staged, self._host_buffers(run.chunk), strict=True):
-                            held_rows = held[run.start:run.stop].flatten(0, 1)
-                            if restore:
-                                stage[lo:hi].copy_(held_rows, non_blocking=True)
-                            else:
-                                held_rows.copy_(stage[lo:hi], non_blocking=True)
+                        held = self.host.chunk(run.chunk).raw[run.start:run.stop]
+                        stage = self._staging_raw[run.index:run.index + run.stop - run.start]
+                        if restore:
+                            stage.copy_(held, non_blocking=True)
+                        else:
+                            held.copy_(stage, non_blocking=True)
                     if restore:
                         for pool_buf, stage in zip(self._buffers, staged, strict=True):
-                            pool_buf.index_copy_(0, rows, stage)
+                            _move(pool_buf, rows, stage, restore=True)
                 entry.end.record(stream)
 
     def _host_buffers(self, chunk: int) -> tuple[torch.Tensor, ...]:
-        """Chunk ``chunk``'s tensors as bit views, in the order of the pool's buffers."""
+        """Chunk ``chunk``'s views as bits, in the order of the pool's buffers."""
         return tuple(bits(b) for b in self.host.chunk(chunk).buffers())
 
-    def _make_staging(self, pages: int) -> tuple[torch.Tensor, ...]:
-        """One GPU allocation of ``pages`` whole pages, carved into page-major bit views
-        ``[pages, layers, ...]`` per pool buffer (float32 scales first, so every view is aligned)."""
-        layers = self.pool.num_layers
-        order = sorted(range(len(self._buffers)), key=lambda i: -self._buffers[i].element_size())
-        raw = torch.empty(pages * self.page_bytes, dtype=torch.uint8, device=self.device)
-        views: list[torch.Tensor | None] = [None] * len(self._buffers)
-        offset = 0
-        for i in order:
-            b = self._buffers[i]
-            shape = (pages, layers, *b.shape[1:])
-            size = b[0].numel() * b.element_size() * layers * pages
-            views[i] = raw[offset:offset + size].view(b.dtype).view(shape)
-            offset += size
-        assert offset == raw.numel()
-        return tuple(views)
+
+def _move(pool_buf: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, restore: bool) -> None:
+    """Copy between the pool's merged rows ``rows`` (``[n * layers]``) and ``pages``, a page-major
+    (strided) view ``[n, layers, ...]`` of the same dtype: into the pool when ``restore``."""
+    flat = (pages.shape[0] * pages.shape[1], *pages.shape[2:])
+    if restore:
+        pool_buf.index_copy_(0, rows, pages.reshape(flat))
+    else:
+        pages.copy_(pool_buf.index_select(0, rows).view(pages.shape))
