@@ -37,6 +37,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
+def words(t: torch.Tensor, keep: int, width: int) -> torch.Tensor:
+    """``t``'s dims past the first ``keep`` merged into one row of ``width``-byte integers (the
+    same bytes; they must be contiguous within the row and ``width``-aligned). The gather/scatter
+    and strided copies run per element: a 16 KiB FP8 row is 2048 int64 words, not 16384 bytes."""
+    return t.flatten(keep).view(torch.uint8).view(_BITS[width])
+
+
+def _word_width(*byte_counts: int) -> int:
+    """The widest integer (8, 4, 2 or 1 bytes) dividing every byte count and offset given."""
+    return next(w for w in (8, 4, 2, 1) if all(n % w == 0 for n in byte_counts))
+
+
 @dataclass(frozen=True)
 class Offload:
     """Copy GPU page ``pages[i]`` to host page ``host_pages[i]``: every layer, K/V and scales.
@@ -124,7 +136,11 @@ class KVTransfers:
         self.pool, self.host = pool, host
         self.page_bytes = pool.page_bytes
         self.fault: Callable[[Transfer], None] | None = None
-        self._buffers = tuple(bits(b) for b in pool.buffers() if b is not None)
+        bufs = [b for b in pool.buffers() if b is not None]
+        # per buffer, the word every view of it (pool rows, host and staging pages) is copied in
+        self._widths = [_word_width(b[0].numel() * b.element_size(), offset, host.layout.row_bytes)
+                        for b, (offset, _, _) in zip(bufs, host.layout.fields, strict=True)]
+        self._buffers = tuple(words(b, 1, w) for b, w in zip(bufs, self._widths, strict=True))  # [L * N, W]
         self.device = self._buffers[0].device
         self.cuda = self.device.type == "cuda"
         self._pending: deque[_Pending] = deque()
@@ -137,7 +153,7 @@ class KVTransfers:
             self._stream = torch.cuda.Stream(device=self.device)
             self._staging_raw = torch.empty((self.staging_pages, host.layout.row_bytes), dtype=torch.uint8,
                                             device=self.device)
-            self._staging_views = [bits(v) for v in host.layout.views(self._staging_raw)]
+            self._staging_views = self._page_words(host.layout.views(self._staging_raw))
 
     # ------------------------------------------------------------------ the interface
     def submit(self, order: Transfer) -> None:
@@ -273,15 +289,19 @@ class KVTransfers:
                             _move(pool_buf, rows, stage, restore=True)
                 entry.end.record(stream)
 
-    def _host_buffers(self, chunk: int) -> tuple[torch.Tensor, ...]:
-        """Chunk ``chunk``'s views as bits, in the order of the pool's buffers."""
-        return tuple(bits(b) for b in self.host.chunk(chunk).buffers())
+    def _host_buffers(self, chunk: int) -> list[torch.Tensor]:
+        """Chunk ``chunk``'s views as words ``[pages, layers, W]``, in the order of the pool's buffers."""
+        return self._page_words(self.host.chunk(chunk).buffers())
+
+    def _page_words(self, views) -> list[torch.Tensor]:
+        return [words(v, 2, w) for v, w in zip(views, self._widths, strict=True)]
 
 
 def _move(pool_buf: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, restore: bool) -> None:
-    """Copy between the pool's merged rows ``rows`` (``[n * layers]``) and ``pages``, a page-major
-    (strided) view ``[n, layers, ...]`` of the same dtype: into the pool when ``restore``."""
-    flat = (pages.shape[0] * pages.shape[1], *pages.shape[2:])
+    """Copy between the pool's merged rows ``rows`` (``[n * layers]``) of ``pool_buf`` (``[L * N, W]``)
+    and ``pages``, a page-major (strided) view ``[n, layers, W]`` of the same dtype: into the pool
+    when ``restore``."""
+    flat = (pages.shape[0] * pages.shape[1], pages.shape[2])
     if restore:
         pool_buf.index_copy_(0, rows, pages.reshape(flat))
     else:
