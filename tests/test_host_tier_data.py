@@ -320,3 +320,24 @@ def test_cuda_wait_orders_the_compute_stream_after_a_restore():
     assert [d.xfer for d in transfers.poll()] == [0, 1] and transfers.in_flight() == 0
     transfers.wait([1])  # done: a no-op
     transfers.close()
+
+
+@cuda
+def test_cuda_submit_does_not_wait_for_the_compute_stream():
+    """submit queues the copy behind the compute stream's work on the GPU; the host goes on."""
+    pool = make_pool(num_pages=8, device="cuda")
+    host = HostPool(pool, 8)
+    transfers = KVTransfers(pool, host, staging_bytes=pool.page_bytes)  # several rounds
+    transfers.submit(Offload(0, (0,), tuple(host.allocate(1))))  # warm up (pinned allocator, kernels)
+    transfers.synchronize()
+    transfers.poll()
+    busy = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work on the compute stream
+    busy.record()
+    transfers.submit(Restore(1, (0,), (5,)))
+    transfers.submit(Offload(2, (1, 2, 3), tuple(host.allocate(3))))
+    assert not busy.query(), "submit blocked the host until the compute stream's work finished"
+    assert transfers.poll() == []  # queued behind that work
+    transfers.synchronize()
+    assert [d.error for d in transfers.poll()] == [None, None]
+    transfers.close()

@@ -148,13 +148,13 @@ class PagePool:
         a = self._all
         return a.k_cache, a.v_cache, a.k_scale, a.v_scale
 
-    def rows(self, pages: list[int]) -> torch.Tensor:
+    def rows(self, pages: list[int], device: torch.device | str | None = None) -> torch.Tensor:
         """Rows of :meth:`buffers` holding ``pages`` in every layer, page-major: int64
-        ``[len(pages) * num_layers]`` on the pool's device, row ``i * num_layers + l`` =
-        ``l * num_pages + pages[i]`` (so a gather of them is ``[pages, layers, ...]`` in memory)."""
+        ``[len(pages) * num_layers]`` on ``device`` (default: the pool's), row ``i * num_layers + l``
+        = ``l * num_pages + pages[i]`` (so a gather of them is ``[pages, layers, ...]`` in memory)."""
         layer_base = torch.arange(self.num_layers, dtype=torch.int64) * self.num_pages
         rows = (torch.as_tensor(pages, dtype=torch.int64).reshape(-1, 1) + layer_base).reshape(-1)
-        return rows.to(self._k.device)
+        return rows.to(self._k.device if device is None else device)
 
     # ------------------------------------------------------------------ page arithmetic
     def pages_for(self, num_tokens: int) -> int:
