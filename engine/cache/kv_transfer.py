@@ -19,9 +19,9 @@ sizes and offsets allow), so FP8 bytes, NaN payloads and bf16 values come back e
 left, and the per-element gather/scatter kernels do an eighth of the work of a byte view.
 
 Measured on one H200 (``benchmarks/bench_host_copy.py``, ``docs/gpu/host_copy_*_v1.json``): a
-103-page FP8 prefix of the 8B shape (125 MB) restores at 0.78x (64 MiB staging) to 0.81x (256 MiB)
-of a plain pinned host-to-GPU copy of the same bytes (~54 GB/s); the gather and the PCIe copy do
-not overlap (one stream), which is most of the rest.
+103-page FP8 prefix of the 8B shape (125 MB) offloads and restores at 0.82-0.87x of a plain pinned
+copy of the same bytes (~55 GB/s) with the default 64 MiB staging, 0.79-0.83x with 16 MiB; bf16
+pages 0.88-0.91x. The gather and the PCIe copy do not overlap (one stream): most of the rest.
 """
 
 from __future__ import annotations
