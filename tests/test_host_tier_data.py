@@ -291,6 +291,7 @@ def test_empty_orders_are_done_at_once():
     (done,) = transfers.poll()
     assert done == TransferDone(7, "restore", 0, 0, done.ms) and done.error is None
 
+
 # ---------------------------------------------------------------------------------- CUDA
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
