@@ -254,17 +254,17 @@ class HostPool:
         a copy between them and a contiguous block of pages is one ``copy_`` per run and buffer.
         ``[5, 6, 7, 2]`` with 4 pages a chunk gives ``[Run(1, 1, 4, 0), Run(0, 2, 3, 3)]``.
 
+        Ids are checked against the range only, not against this pool's bookkeeping: a
+        tensor-parallel worker's pool mirrors rank 0's, which decides the ids (:meth:`materialize`).
+
         Raises:
-            ValueError: an id out of range or not in use (copying to or from a free host page is a
-                bug of the caller's bookkeeping).
+            ValueError: an id out of range.
             RuntimeError: the pool is closed.
         """
         self._check_open()
         out: list[Run] = []
         for i, p in enumerate(host_pages):
             self._check_id(p)
-            if not self._used[p]:
-                raise ValueError(f"host page {p} is not allocated")
             c, row = divmod(p, self.chunk_pages)
             last = out[-1] if out else None
             if last is not None and last.chunk == c and last.stop == row:
@@ -272,6 +272,23 @@ class HostPool:
             else:
                 out.append(Run(c, row, row + 1, i))
         return out
+
+    def materialize(self, host_pages: Iterable[int]) -> None:
+        """Allocate the chunks holding ``host_pages`` that are not allocated yet (what
+        :meth:`allocate` does for the pages it hands out). For a mirror that runs no bookkeeping of
+        its own: a tensor-parallel worker copies to the host pages rank 0's pool handed out.
+
+        Raises:
+            ValueError: an id out of range.
+            RuntimeError: the pool is closed, or allocating a chunk failed.
+        """
+        self._check_open()
+        chunks = set()
+        for p in host_pages:
+            self._check_id(p)
+            chunks.add(p // self.chunk_pages)
+        for c in sorted(chunks):
+            self._ensure_chunk(c)
 
     def close(self) -> None:
         """Free every chunk (pinned memory is given back); idempotent. The pool is unusable after."""

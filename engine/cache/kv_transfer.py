@@ -258,7 +258,9 @@ class KVTransfers:
         dest = order.pages if isinstance(order, Restore) else order.host_pages
         if len(set(dest)) != len(dest):
             raise ValueError("a destination page appears twice")  # the copy would race with itself
-        self.host.runs(order.host_pages)  # host pages in range and in use, pool open
+        # host pages in range, their chunks there (a tensor-parallel worker's tier mirrors rank 0's
+        # bookkeeping without running it, so its chunks come with the first copy to them)
+        self.host.materialize(order.host_pages)
 
     def _run_cpu(self, order: Transfer) -> None:
         restore = isinstance(order, Restore)
