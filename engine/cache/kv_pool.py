@@ -132,6 +132,30 @@ class PagePool:
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page takes over all layers, scales included (as :meth:`bytes_per_page`,
+        read off this pool's own tensors)."""
+        return self.num_layers * sum(b[0].numel() * b.element_size() for b in self.buffers() if b is not None)
+
+    # ------------------------------------------------------------------ the data, for other modules
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Every layer's pages as one merged layer (row ``l * num_pages + p`` is page ``p`` of
+        layer ``l``): ``(k, v, k_scale, v_scale)``, K/V ``[num_layers * num_pages, kv_heads,
+        page_size, head_dim]`` (float8_e4m3fn, or the model dtype under "auto"), scales
+        ``[num_layers * num_pages, kv_heads, page_size]`` float32 (``None`` under "auto"). Views:
+        writing them writes the pool."""
+        a = self._all
+        return a.k_cache, a.v_cache, a.k_scale, a.v_scale
+
+    def rows(self, pages: list[int], device: torch.device | str | None = None) -> torch.Tensor:
+        """Rows of :meth:`buffers` holding ``pages`` in every layer, page-major: int64
+        ``[len(pages) * num_layers]`` on ``device`` (default: the pool's), row ``i * num_layers + l``
+        = ``l * num_pages + pages[i]`` (so a gather of them is ``[pages, layers, ...]`` in memory)."""
+        layer_base = torch.arange(self.num_layers, dtype=torch.int64) * self.num_pages
+        rows = (torch.as_tensor(pages, dtype=torch.int64).reshape(-1, 1) + layer_base).reshape(-1)
+        return rows.to(self._k.device if device is None else device)
+
     # ------------------------------------------------------------------ page arithmetic
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold ``num_tokens`` tokens (0 for 0)."""

@@ -1,0 +1,351 @@
+"""The host-memory tier's pages: KV pages of a :class:`PagePool` kept in (pinned) host memory.
+
+A host page holds one GPU page over **all** layers, K, V and (FP8) scales, so an idle cached
+prefix can leave the GPU whole and come back bit for bit. A host page is one contiguous row of
+bytes (:class:`PageLayout`: the page's scales, then its K, then its V, each page-major: the page's
+layers side by side), unlike the layer-major GPU pool. A run of consecutive host pages is then one
+contiguous block of bytes, and moving it over PCIe is one ``copy_`` (not one per buffer: at the 8B
+shape an FP8 scale block is 512 bytes a layer, and hundreds of tiny copies cost more in launches
+than the bytes do).
+
+Memory comes in large chunks, each allocated the first time one of its pages is handed out (a tier
+sized at 100 GiB costs nothing until used; pinning is slow and pinned memory is scarce, so it is
+never taken up front). Chunks are kept once allocated, until :meth:`HostPool.close`.
+
+FP8 payloads are stored as ``uint8`` (their bytes): copies move bits, never values.
+
+This module owns the memory and the bookkeeping only; the copies are in :mod:`.kv_transfer`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .kv_pool import OutOfPagesError, PagePool
+
+#: Default chunk size: this many bytes' worth of whole pages (at least one page).
+CHUNK_BYTES = 256 << 20
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a host page stores a pool buffer of ``dtype`` as: ``uint8`` for float8 (bytes,
+    bit-exact), the dtype itself otherwise."""
+    return torch.uint8 if dtype.itemsize == 1 else dtype
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Where each buffer of a :class:`PagePool` page sits in one host page's row of bytes.
+
+    Attributes:
+        fields: per pool buffer, in :meth:`PagePool.buffers` order (``None`` ones left out):
+            ``(byte offset in the row, storage dtype, per-page shape)``; the shape is
+            ``(layers, kv_heads, page_size, head_dim)`` for K/V, ``(layers, kv_heads, page_size)``
+            for scales. Wider dtypes come first, so every field is aligned to its element size.
+        row_bytes: bytes of one row (the page's bytes, rounded up to 8 so rows stay aligned).
+    """
+
+    fields: tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]
+    row_bytes: int
+
+    @classmethod
+    def of(cls, pool: PagePool) -> PageLayout:
+        bufs = [b for b in pool.buffers() if b is not None]
+        shapes = [(pool.num_layers, *b.shape[1:]) for b in bufs]
+        dtypes = [storage_dtype(b.dtype) for b in bufs]
+        offsets = [0] * len(bufs)
+        at = 0
+        for i in sorted(range(len(bufs)), key=lambda i: -dtypes[i].itemsize):
+            offsets[i] = at
+            at += math.prod(shapes[i]) * dtypes[i].itemsize
+        return cls(tuple(zip(offsets, dtypes, shapes, strict=True)), -(-at // 8) * 8)
+
+    def views(self, raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``raw`` (uint8 ``[pages, row_bytes]``) as one view per field, ``[pages, *shape]`` of the
+        field's dtype (strided: consecutive pages are ``row_bytes`` apart)."""
+        out = []
+        for offset, dtype, shape in self.fields:
+            size = math.prod(shape) * dtype.itemsize
+            out.append(raw[:, offset:offset + size].view(dtype).view(raw.shape[0], *shape))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class HostChunk:
+    """One chunk of host pages: one row of bytes a page, and views of it per buffer.
+
+    Attributes:
+        raw: uint8 ``[pages, row_bytes]``, host page ``i`` of the chunk is row ``i``
+            (:class:`PageLayout`).
+        k, v: views ``[pages, layers, kv_heads, page_size, head_dim]``, ``uint8`` (the bytes of FP8)
+            or the model dtype ("auto").
+        k_scale, v_scale: float32 views ``[pages, layers, kv_heads, page_size]``, ``None`` under "auto".
+    """
+
+    raw: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The chunk's views in :meth:`PagePool.buffers` order, ``None`` ones left out."""
+        return tuple(b for b in (self.k, self.v, self.k_scale, self.v_scale) if b is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+
+class Run(NamedTuple):
+    """Consecutive host pages of one chunk: chunk rows ``start .. stop - 1`` are the host pages
+    at list positions ``index .. index + (stop - start) - 1`` of the list given to
+    :meth:`HostPool.runs`."""
+
+    chunk: int
+    start: int
+    stop: int
+    index: int
+
+
+class HostPool:
+    """Host pages with the geometry of one page of ``pool`` over all its layers.
+
+    Args:
+        pool: the GPU (or CPU) pool whose pages this tier holds.
+        num_pages: host pages (0 is legal: a tier that holds nothing).
+        pin: allocate chunks in pinned (page-locked) memory; default: when ``pool`` is on CUDA.
+            Pinned memory is what lets the copies run asynchronously at full PCIe bandwidth.
+        chunk_pages: pages per chunk; default: as many whole pages as 256 MiB holds, at least
+            one, at most ``num_pages``.
+
+    Raises:
+        ValueError: ``num_pages < 0`` or ``chunk_pages < 1``.
+        RuntimeError: (from :meth:`allocate`, when a chunk is first allocated) ``pin`` without a
+            CUDA driver.
+    """
+
+    def __init__(self, pool: PagePool, num_pages: int, *, pin: bool | None = None, chunk_pages: int | None = None):
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if chunk_pages is not None and chunk_pages < 1:
+            raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+        self.num_pages = num_pages
+        self.page_bytes = pool.page_bytes
+        self.num_layers = pool.num_layers
+        self.layout = PageLayout.of(pool)
+        self.pin = pool.buffers()[0].device.type == "cuda" if pin is None else pin
+        self.chunk_pages = chunk_pages or max(1, min(num_pages, CHUNK_BYTES // self.page_bytes))
+        self._scaled = pool.buffers()[2] is not None
+        self._chunks: list[HostChunk | None] = [None] * (-(-num_pages // self.chunk_pages))
+        self._used = bytearray(num_pages)
+        # free host pages as sorted disjoint [start, stop) ranges: allocation takes the lowest range
+        # long enough (contiguous pages make few runs, so few copies), release merges neighbours
+        self._free_starts = [0] if num_pages else []
+        self._free_stops = [num_pages] if num_pages else []
+        self._num_free = num_pages
+        self._closed = False
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self._num_free
+
+    @property
+    def bytes_allocated(self) -> int:
+        """Bytes of host memory the chunks allocated so far take."""
+        return sum(c.nbytes for c in self._chunks if c is not None)
+
+    def counters(self) -> dict:
+        """The tier's part of the engine's stats: ``host_pages_total``, ``host_pages_used``,
+        ``host_bytes_allocated`` (bytes)."""
+        return {
+            "host_pages_total": self.num_pages,
+            "host_pages_used": self.num_used,
+            "host_bytes_allocated": self.bytes_allocated,
+        }
+
+    # ------------------------------------------------------------------ bookkeeping
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free host pages, low ids first: one contiguous range when some free range
+        holds ``n`` pages (the lowest such), else the lowest free pages. Allocates the chunks
+        they sit in that are not yet allocated.
+
+        Raises:
+            OutOfPagesError: fewer than ``n`` pages free (nothing is taken).
+            RuntimeError: the pool is closed, or allocating a chunk failed (nothing is taken).
+        """
+        self._check_open()
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} host pages")
+        if n > self._num_free:
+            raise OutOfPagesError(f"asked for {n} host KV pages, {self._num_free} free")
+        if n == 0:
+            return []
+        ranges = list(zip(self._free_starts, self._free_stops, strict=True))
+        fit = next((a for a, b in ranges if b - a >= n), None)
+        if fit is not None:
+            pages = list(range(fit, fit + n))
+        else:
+            pages = []
+            for a, b in ranges:
+                pages.extend(range(a, min(b, a + n - len(pages))))
+                if len(pages) == n:
+                    break
+        for c in sorted({p // self.chunk_pages for p in pages}):
+            self._ensure_chunk(c)  # before any bookkeeping changes: a failure takes nothing
+        for run_start, run_stop in _ranges(pages):
+            self._take(run_start, run_stop)
+        for p in pages:
+            self._used[p] = 1
+        self._num_free -= n
+        return pages
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Return host pages to the free list (their chunks stay allocated).
+
+        Raises:
+            RuntimeError: a page is not in use (double free; nothing is released), or the pool
+                is closed.
+            ValueError: a page id out of range (nothing is released).
+        """
+        self._check_open()
+        pages = sorted(pages)
+        for i, p in enumerate(pages):
+            self._check_id(p)
+            if not self._used[p] or (i and pages[i - 1] == p):
+                raise RuntimeError(f"release of free host page {p}")
+        for p in pages:
+            self._used[p] = 0
+        for run_start, run_stop in _ranges(pages):
+            self._give(run_start, run_stop)
+        self._num_free += len(pages)
+
+    def is_used(self, page: int) -> bool:
+        return bool(self._used[page])
+
+    # ------------------------------------------------------------------ data
+    def chunk(self, index: int) -> HostChunk:
+        """Chunk ``index``'s tensors (host page ``p`` is row ``p % chunk_pages`` of chunk
+        ``p // chunk_pages``).
+
+        Raises:
+            RuntimeError: the chunk is not allocated (no page of it was ever handed out), or the
+                pool is closed.
+        """
+        self._check_open()
+        c = self._chunks[index]
+        if c is None:
+            raise RuntimeError(f"host chunk {index} is not allocated")
+        return c
+
+    def runs(self, host_pages: list[int] | tuple[int, ...]) -> list[Run]:
+        """``host_pages`` (in the order given) cut into runs of consecutive ids inside one chunk:
+        a copy between them and a contiguous block of pages is one ``copy_`` per run and buffer.
+        ``[5, 6, 7, 2]`` with 4 pages a chunk gives ``[Run(1, 1, 4, 0), Run(0, 2, 3, 3)]``.
+
+        Ids are checked against the range only, not against this pool's bookkeeping: a
+        tensor-parallel worker's pool mirrors rank 0's, which decides the ids (:meth:`materialize`).
+
+        Raises:
+            ValueError: an id out of range.
+            RuntimeError: the pool is closed.
+        """
+        self._check_open()
+        out: list[Run] = []
+        for i, p in enumerate(host_pages):
+            self._check_id(p)
+            c, row = divmod(p, self.chunk_pages)
+            last = out[-1] if out else None
+            if last is not None and last.chunk == c and last.stop == row:
+                out[-1] = last._replace(stop=row + 1)
+            else:
+                out.append(Run(c, row, row + 1, i))
+        return out
+
+    def materialize(self, host_pages: Iterable[int]) -> None:
+        """Allocate the chunks holding ``host_pages`` that are not allocated yet (what
+        :meth:`allocate` does for the pages it hands out). For a mirror that runs no bookkeeping of
+        its own: a tensor-parallel worker copies to the host pages rank 0's pool handed out.
+
+        Raises:
+            ValueError: an id out of range.
+            RuntimeError: the pool is closed, or allocating a chunk failed.
+        """
+        self._check_open()
+        chunks = set()
+        for p in host_pages:
+            self._check_id(p)
+            chunks.add(p // self.chunk_pages)
+        for c in sorted(chunks):
+            self._ensure_chunk(c)
+
+    def close(self) -> None:
+        """Free every chunk (pinned memory is given back); idempotent. The pool is unusable after."""
+        self._chunks = [None] * len(self._chunks)
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the host pool is closed")
+
+    def _check_id(self, p: int) -> None:
+        if not 0 <= p < self.num_pages:
+            raise ValueError(f"host page {p} out of range (0 .. {self.num_pages - 1})")
+
+    def _ensure_chunk(self, c: int) -> None:
+        if self._chunks[c] is not None:
+            return
+        n = min(self.chunk_pages, self.num_pages - c * self.chunk_pages)
+        raw = torch.empty((n, self.layout.row_bytes), dtype=torch.uint8, pin_memory=self.pin)
+        views = list(self.layout.views(raw))
+        if not self._scaled:
+            views += [None, None]
+        self._chunks[c] = HostChunk(raw, *views)
+
+    def _take(self, start: int, stop: int) -> None:
+        """Remove ``[start, stop)`` (inside one free range) from the free ranges."""
+        i = bisect.bisect_right(self._free_starts, start) - 1
+        a, b = self._free_starts[i], self._free_stops[i]
+        pieces = [(x, y) for x, y in ((a, start), (stop, b)) if y > x]
+        self._free_starts[i:i + 1] = [x for x, _ in pieces]
+        self._free_stops[i:i + 1] = [y for _, y in pieces]
+
+    def _give(self, start: int, stop: int) -> None:
+        """Add ``[start, stop)`` (all in use until now) to the free ranges, merging neighbours."""
+        i = bisect.bisect_left(self._free_starts, start)
+        if i and self._free_stops[i - 1] == start:
+            i -= 1
+            start = self._free_starts[i]
+            del self._free_starts[i], self._free_stops[i]
+        if i < len(self._free_starts) and self._free_starts[i] == stop:
+            stop = self._free_stops[i]
+            del self._free_starts[i], self._free_stops[i]
+        self._free_starts.insert(i, start)
+        self._free_stops.insert(i, stop)
+
+
+def _ranges(sorted_ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ids as ``[start, stop)`` ranges of consecutive ids."""
+    out: list[tuple[int, int]] = []
+    for p in sorted_ids:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out

@@ -1,0 +1,359 @@
+"""The host tier's data side (issue 33): host pages (``engine/cache/host_pool.py``) and the KV
+copies between them and the pool (``engine/cache/kv_transfer.py``), plus the pool's accessors.
+
+Round trips fill the pool with random **bits** (every byte pattern, FP8 NaNs included), offload a
+scattered page set to scattered host pages over several chunks, restore it into other pool pages
+and compare bits, every layer, K/V and scales; pages not restored into must be untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache.host_pool import HostPool, Run
+from engine.cache.kv_pool import OutOfPagesError, PagePool
+from engine.cache.kv_transfer import KVTransfers, Offload, Restore, TransferDone, bits
+
+LAYERS, HEADS, PAGE, DIM = 3, 2, 4, 8
+CASES = [("fp8_e4m3", torch.float32), ("auto", torch.float32), ("auto", torch.bfloat16)]
+
+
+def make_pool(kv="fp8_e4m3", dtype=torch.float32, num_pages=24, device="cpu", seed=0) -> PagePool:
+    pool = PagePool(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, num_pages=num_pages, page_size=PAGE,
+                    kv_cache_dtype=kv, model_dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for b in pool.buffers():
+        if b is not None:
+            view = bits(b)
+            info = torch.iinfo(view.dtype)
+            view.copy_(torch.randint(info.min, info.max, view.shape, dtype=torch.int64, device=device,
+                                     generator=gen).to(view.dtype))
+    return pool
+
+
+def snapshot(pool: PagePool) -> list[torch.Tensor]:
+    """Each buffer's bits, per layer and page: ``[layers, pages, ...]`` integer tensors (CPU)."""
+    return [bits(b).view(pool.num_layers, pool.num_pages, *b.shape[1:]).cpu().clone()
+            for b in pool.buffers() if b is not None]
+
+
+def drain(transfers: KVTransfers) -> list[TransferDone]:
+    transfers.synchronize()
+    return transfers.poll()
+
+
+# ---------------------------------------------------------------------------------- PagePool accessors
+def test_rows_are_page_major_over_the_merged_layers():
+    pool = make_pool(num_pages=5)
+    rows = pool.rows([4, 1, 3])
+    assert rows.dtype == torch.int64
+    assert rows.tolist() == [layer * 5 + p for p in (4, 1, 3) for layer in range(LAYERS)]
+    assert pool.rows([]).numel() == 0
+
+
+@pytest.mark.parametrize("kv,dtype", CASES)
+def test_buffers_are_the_pools_pages_and_page_bytes_counts_them(kv, dtype):
+    pool = make_pool(kv, dtype, num_pages=5)
+    k, v, ks, vs = pool.buffers()
+    assert k.shape == v.shape == (LAYERS * 5, HEADS, PAGE, DIM)
+    assert (ks is None) == (vs is None) == (kv == "auto")
+    assert torch.equal(bits(k[2 * 5 + 3]), bits(pool.layers[2].k_cache[3]))  # row l * pages + p
+    assert pool.page_bytes == PagePool.bytes_per_page(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                                                      page_size=PAGE, kv_cache_dtype=kv, model_dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------- HostPool
+def test_chunks_are_allocated_lazily_as_pages_are_handed_out():
+    pool = make_pool()
+    host = HostPool(pool, 10, chunk_pages=4)  # chunks of 4, 4, 2 pages
+    assert (host.bytes_allocated, host.num_free, host.pin) == (0, 10, False)
+    assert host.allocate(3) == [0, 1, 2]
+    assert host.bytes_allocated == 4 * pool.page_bytes
+    assert host.allocate(1) == [3]
+    assert host.bytes_allocated == 4 * pool.page_bytes  # still in chunk 0
+    assert host.allocate(3) == [4, 5, 6]
+    assert host.bytes_allocated == 8 * pool.page_bytes
+    assert host.allocate(3) == [7, 8, 9]
+    assert host.bytes_allocated == 10 * pool.page_bytes  # the last chunk holds only what is left
+    assert host.counters() == {"host_pages_total": 10, "host_pages_used": 10,
+                               "host_bytes_allocated": 10 * pool.page_bytes}
+    chunk = host.chunk(0)
+    assert chunk.k.shape == (4, LAYERS, HEADS, PAGE, DIM) and chunk.k.dtype == torch.uint8
+    assert chunk.k_scale.shape == (4, LAYERS, HEADS, PAGE) and chunk.k_scale.dtype == torch.float32
+
+
+def test_default_chunk_is_256_mib_of_pages_at_most_the_pool():
+    pool = make_pool()
+    assert HostPool(pool, 7).chunk_pages == 7
+    big = HostPool(pool, 10**7)
+    assert big.chunk_pages == (256 << 20) // pool.page_bytes
+    assert big.bytes_allocated == 0  # 10 million pages promised, none allocated
+
+
+def test_auto_host_pages_keep_the_model_dtype_and_no_scales():
+    host = HostPool(make_pool("auto", torch.bfloat16), 2)
+    host.allocate(1)
+    chunk = host.chunk(0)
+    assert chunk.k.dtype == torch.bfloat16 and chunk.k_scale is None and chunk.v_scale is None
+
+
+def test_allocate_prefers_low_contiguous_pages_and_refuses_whole():
+    host = HostPool(make_pool(), 10, chunk_pages=4)
+    a = host.allocate(6)
+    host.release([1, 2, 4])  # free: 1, 2, 4, 6..9
+    assert host.allocate(3) == [6, 7, 8]  # the lowest free range long enough
+    assert host.allocate(3) == [1, 2, 4]  # none long enough: the lowest free pages
+    with pytest.raises(OutOfPagesError, match="asked for 2 host KV pages, 1 free"):
+        host.allocate(2)
+    assert host.num_free == 1 and host.allocate(1) == [9]
+    host.release(a)
+    assert host.num_free == 6 and host.allocate(6) == [0, 1, 2, 3, 4, 5]
+
+
+def test_release_merges_free_ranges():
+    host = HostPool(make_pool(), 8, chunk_pages=8)
+    pages = host.allocate(8)
+    host.release(pages[::2])
+    host.release(pages[1::2])
+    assert host.allocate(8) == list(range(8))  # one range again
+
+
+def test_double_free_and_bad_ids_are_refused_taking_nothing():
+    host = HostPool(make_pool(), 6, chunk_pages=2)
+    host.allocate(4)
+    host.release([3])
+    with pytest.raises(RuntimeError, match="release of free host page 3"):
+        host.release([0, 3])
+    with pytest.raises(RuntimeError, match="release of free host page 1"):
+        host.release([1, 1])
+    with pytest.raises(ValueError, match="out of range"):
+        host.release([6])
+    assert host.num_used == 3 and all(host.is_used(p) for p in (0, 1, 2))
+
+
+def test_runs_group_consecutive_pages_of_one_chunk():
+    host = HostPool(make_pool(), 12, chunk_pages=4)
+    host.allocate(12)
+    assert host.runs([5, 6, 7, 2]) == [Run(1, 1, 4, 0), Run(0, 2, 3, 3)]
+    assert host.runs([2, 3, 4, 5]) == [Run(0, 2, 4, 0), Run(1, 0, 2, 2)]  # a chunk border cuts a run
+    assert host.runs([9, 8, 10, 11, 11]) == [Run(2, 1, 2, 0), Run(2, 0, 1, 1), Run(2, 2, 4, 2), Run(2, 3, 4, 4)]
+    assert host.runs([]) == []
+    with pytest.raises(ValueError, match="out of range"):
+        host.runs([7, 12])
+
+
+def test_a_tier_of_no_pages():
+    host = HostPool(make_pool(), 0)
+    assert (host.num_pages, host.num_free, host.bytes_allocated) == (0, 0, 0)
+    assert host.allocate(0) == []
+    with pytest.raises(OutOfPagesError):
+        host.allocate(1)
+    assert host.counters()["host_pages_total"] == 0
+    host.close()
+
+
+def test_close_frees_chunks_and_is_idempotent():
+    host = HostPool(make_pool(), 4, chunk_pages=2)
+    host.allocate(3)
+    assert host.bytes_allocated > 0
+    host.close()
+    host.close()
+    assert host.bytes_allocated == 0 and host.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        host.allocate(1)
+    with pytest.raises(RuntimeError, match="closed"):
+        host.runs([0])
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError):
+        HostPool(make_pool(), -1)
+    with pytest.raises(ValueError):
+        HostPool(make_pool(), 4, chunk_pages=0)
+
+
+# ---------------------------------------------------------------------------------- round trips
+def round_trip(device: str, kv: str, dtype: torch.dtype, staging_bytes: int | None = None):
+    pool = make_pool(kv, dtype, num_pages=24, device=device, seed=1)
+    host = HostPool(pool, 16, chunk_pages=3)
+    host.allocate(2)  # host ids 0, 1 taken: the ones used below are scattered over chunks
+    taken = host.allocate(14)
+    host_pages = [taken[i] for i in (9, 2, 3, 4, 13, 0, 7)]  # runs 2..4 cross a chunk border
+    src = [17, 3, 4, 5, 21, 0, 11]
+    dst = [8, 22, 1, 14, 2, 19, 6]
+    kwargs = {} if staging_bytes is None else {"staging_bytes": staging_bytes}
+    transfers = KVTransfers(pool, host, **kwargs)
+    before = snapshot(pool)
+    transfers.submit(Offload(1, tuple(src), tuple(host_pages)))
+    (off,) = drain(transfers)
+    assert off == TransferDone(1, "offload", 7, 7 * pool.page_bytes, off.ms) and off.ms >= 0
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool), strict=True))  # an offload writes no pool page
+    for b in pool.buffers():  # the pool pages are free to be overwritten once offloaded
+        if b is not None:
+            bits(b).view(LAYERS, 24, *b.shape[1:])[:, src] = 0
+    transfers.submit(Restore(2, tuple(host_pages), tuple(dst)))
+    (res,) = drain(transfers)
+    assert (res.xfer, res.kind, res.pages, res.error) == (2, "restore", 7, None)
+    after = snapshot(pool)
+    untouched = [p for p in range(24) if p not in src and p not in dst]
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(new[:, dst], old[:, src]), "restored pages differ from the offloaded ones"
+        assert torch.equal(new[:, untouched], old[:, untouched]), "a page outside the transfer changed"
+    transfers.close()
+    return transfers, host
+
+
+@pytest.mark.parametrize("kv,dtype", CASES)
+def test_offload_then_restore_elsewhere_is_bit_exact(kv, dtype):
+    round_trip("cpu", kv, dtype)
+
+
+def test_host_pages_hold_the_pages_page_major():
+    pool = make_pool(num_pages=6)
+    host = HostPool(pool, 4, chunk_pages=4)
+    transfers = KVTransfers(pool, host)
+    transfers.submit(Offload(0, (5, 2), tuple(host.allocate(2))))
+    drain(transfers)
+    k = bits(pool.buffers()[0]).view(LAYERS, 6, HEADS, PAGE, DIM)
+    assert torch.equal(host.chunk(0).k[1], k[:, 2])  # host page 1 = pool page 2, every layer
+    assert torch.equal(host.chunk(0).k_scale[0], pool.buffers()[2].view(LAYERS, 6, HEADS, PAGE)[:, 5])
+    raw = host.chunk(0).raw  # one row of bytes a host page: a run of pages is one block
+    assert raw.shape == (4, pool.page_bytes) and raw.dtype == torch.uint8
+    def page2(i):  # pool page 2 of buffer i, every layer, as bytes
+        return bits(pool.buffers()[i]).view(LAYERS, 6, -1)[:, 2].reshape(-1).view(torch.uint8)
+
+    expect = torch.cat([page2(2), page2(3), page2(0), page2(1)])
+    assert torch.equal(raw[1], expect)  # scales first (aligned), then K, then V
+
+
+def test_a_fault_fails_that_transfer_alone_and_poll_keeps_submit_order():
+    pool = make_pool(num_pages=8)
+    host = HostPool(pool, 6, chunk_pages=2)
+    pages = host.allocate(6)
+    transfers = KVTransfers(pool, host)
+    seen = []
+
+    def fault(order):
+        seen.append(order.xfer)
+        if order.xfer == 11:
+            raise OSError("injected")
+
+    transfers.fault = fault
+    transfers.submit(Offload(10, (0, 1), tuple(pages[:2])))
+    transfers.submit(Offload(11, (2, 3), tuple(pages[2:4])))
+    transfers.submit(Offload(12, (4, 5), tuple(pages[4:])))
+    transfers.submit(Restore(13, tuple(pages[:2]), (6, 7)))
+    assert transfers.in_flight() == 4
+    done = transfers.poll()
+    assert [d.xfer for d in done] == [10, 11, 12, 13] and seen == [10, 11, 12, 13]
+    assert [d.error for d in done] == [None, "OSError: injected", None, None]
+    assert transfers.in_flight() == 0 and transfers.poll() == []
+    assert torch.equal(snapshot(pool)[0][:, [6, 7]], snapshot(pool)[0][:, [0, 1]])
+
+
+@pytest.mark.parametrize("order,message", [
+    (Offload(1, (0, 1), (0,)), "2 GPU pages for 1 host pages"),
+    (Offload(2, (99,), (0,)), "GPU pages out of range"),
+    (Offload(3, (0,), (6,)), "host page 6 out of range"),
+    (Restore(4, (0, 1), (2, 2)), "a destination page appears twice"),
+    (Offload(5, (0, 1), (0, 0)), "a destination page appears twice"),
+])
+def test_a_bad_order_is_reported_not_raised(order, message):
+    pool = make_pool(num_pages=4)
+    host = HostPool(pool, 6)
+    host.allocate(2)
+    transfers = KVTransfers(pool, host)
+    before = snapshot(pool)
+    transfers.submit(order)
+    (done,) = transfers.poll()
+    assert done.xfer == order.xfer and message in done.error
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool), strict=True))
+
+
+def test_a_mirror_tier_copies_to_the_host_pages_another_tier_handed_out():
+    """A tensor-parallel worker's HostPool runs no bookkeeping: rank 0's decides the host pages;
+    the worker's chunks come with its first copy to them, and the round trip is bit-exact."""
+    pool = make_pool(num_pages=8)
+    leader, mirror = HostPool(pool, 6, chunk_pages=2), HostPool(pool, 6, chunk_pages=2)
+    host_pages = tuple(leader.allocate(6)[3:])  # 3, 4, 5: chunks 1 and 2
+    transfers = KVTransfers(pool, mirror)
+    before = snapshot(pool)
+    transfers.submit(Offload(0, (1, 2, 6), host_pages))
+    assert mirror.bytes_allocated == 4 * pool.page_bytes and mirror.num_used == 0  # chunks 1, 2 only
+    transfers.submit(Restore(1, host_pages, (0, 3, 7)))
+    assert [d.error for d in transfers.poll()] == [None, None]
+    for old, new in zip(before, snapshot(pool), strict=True):
+        assert torch.equal(new[:, [0, 3, 7]], old[:, [1, 2, 6]])
+
+
+def test_wait_is_a_no_op_on_the_cpu_and_close_is_idempotent():
+    pool = make_pool(num_pages=4)
+    host = HostPool(pool, 2)
+    transfers = KVTransfers(pool, host)
+    transfers.submit(Offload(0, (1,), tuple(host.allocate(1))))
+    transfers.wait([0, 99])
+    transfers.close()
+    transfers.close()
+    transfers.submit(Offload(1, (2,), (0,)))
+    assert [d.error for d in transfers.poll()] == [None, "RuntimeError: the transfer executor is closed"]
+
+
+def test_empty_orders_are_done_at_once():
+    pool = make_pool(num_pages=4)
+    transfers = KVTransfers(pool, HostPool(pool, 0))
+    transfers.submit(Restore(7, (), ()))
+    (done,) = transfers.poll()
+    assert done == TransferDone(7, "restore", 0, 0, done.ms) and done.error is None
+
+
+# ---------------------------------------------------------------------------------- CUDA
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("kv,dtype", CASES)
+def test_cuda_round_trip_through_a_small_staging_buffer(kv, dtype):
+    pool = make_pool(kv, dtype, num_pages=4, device="cuda")
+    transfers, host = round_trip("cuda", kv, dtype, staging_bytes=2 * pool.page_bytes + 1)  # 7 pages: 4 rounds
+    assert transfers.staging_pages == 2 and host.pin
+    assert host.chunk(0).k.is_pinned()
+
+
+@cuda
+def test_cuda_wait_orders_the_compute_stream_after_a_restore():
+    pool = make_pool(num_pages=64, device="cuda", seed=3)
+    host = HostPool(pool, 64)
+    transfers = KVTransfers(pool, host, staging_bytes=4 * pool.page_bytes)
+    hp = tuple(host.allocate(32))
+    transfers.submit(Offload(0, tuple(range(32)), hp))
+    transfers.submit(Restore(1, hp, tuple(range(32, 64))))
+    transfers.wait([1])
+    k = bits(pool.buffers()[0]).view(LAYERS, 64, -1)
+    same = torch.equal(k[:, 32:], k[:, :32])  # read on the current stream, after wait()
+    transfers.synchronize()
+    assert same
+    assert [d.xfer for d in transfers.poll()] == [0, 1] and transfers.in_flight() == 0
+    transfers.wait([1])  # done: a no-op
+    transfers.close()
+
+
+@cuda
+def test_cuda_submit_does_not_wait_for_the_compute_stream():
+    """submit queues the copy behind the compute stream's work on the GPU; the host goes on."""
+    pool = make_pool(num_pages=8, device="cuda")
+    host = HostPool(pool, 8)
+    transfers = KVTransfers(pool, host, staging_bytes=pool.page_bytes)  # several rounds
+    transfers.submit(Offload(0, (0,), tuple(host.allocate(1))))  # warm up (pinned allocator, kernels)
+    transfers.synchronize()
+    transfers.poll()
+    busy = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work on the compute stream
+    busy.record()
+    transfers.submit(Restore(1, (0,), (5,)))
+    transfers.submit(Offload(2, (1, 2, 3), tuple(host.allocate(3))))
+    assert not busy.query(), "submit blocked the host until the compute stream's work finished"
+    assert transfers.poll() == []  # queued behind that work
+    transfers.synchronize()
+    assert [d.error for d in transfers.poll()] == [None, None]
+    transfers.close()
