@@ -8,6 +8,8 @@ and compare bits, every layer, K/V and scales; pages not restored into must be u
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -81,6 +83,45 @@ def test_chunks_are_allocated_lazily_as_pages_are_handed_out():
     chunk = host.chunk(0)
     assert chunk.k.shape == (4, LAYERS, HEADS, PAGE, DIM) and chunk.k.dtype == torch.uint8
     assert chunk.k_scale.shape == (4, LAYERS, HEADS, PAGE) and chunk.k_scale.dtype == torch.float32
+
+
+class RecordingPool(HostPool):
+    """A host pool that records the thread each chunk was allocated on."""
+
+    def __init__(self, *args, **kwargs):
+        self.allocated_on: dict[int, str] = {}
+        super().__init__(*args, **kwargs)
+
+    def _new_chunk(self, c):
+        self.allocated_on[c] = threading.current_thread().name
+        return super()._new_chunk(c)
+
+
+def test_prefetch_pins_one_chunk_ahead_on_a_background_thread():
+    """Pinning a chunk takes ~0.17 s per 256 MiB on the H200 host: with prefetch, the chunk a copy
+    needs next is allocated ahead, on the pinning thread, never on the caller's (the engine loop)."""
+    pool = make_pool()
+    host = RecordingPool(pool, 10, chunk_pages=4, prefetch=True)
+    assert host.allocate(3) == [0, 1, 2]  # chunk 0 was started at construction; chunk 1 now
+    assert host.allocate(4) == [3, 4, 5, 6]  # chunk 1 waited for, not allocated again; chunk 2 started
+    host.materialize([9])
+    assert host.allocated_on == {0: "prism-host-pin_0", 1: "prism-host-pin_0", 2: "prism-host-pin_0"}
+    assert host.bytes_allocated == 10 * pool.page_bytes
+    transfers = KVTransfers(pool, host)
+    before = snapshot(pool)
+    transfers.submit(Offload(1, (3, 5), (8, 9)))
+    transfers.submit(Restore(2, (8, 9), (0, 1)))
+    assert [d.error for d in drain(transfers)] == [None, None]
+    after = snapshot(pool)
+    assert all(torch.equal(x[:, [0, 1]], y[:, [3, 5]]) for x, y in zip(after, before, strict=True))
+    host.close()
+    assert host.bytes_allocated == 0 and host.closed
+
+
+def test_without_prefetch_chunks_come_on_the_callers_thread():
+    host = RecordingPool(make_pool(), 10, chunk_pages=4, prefetch=False)
+    host.allocate(5)
+    assert host.allocated_on == {0: threading.current_thread().name, 1: threading.current_thread().name}
 
 
 def test_default_chunk_is_256_mib_of_pages_at_most_the_pool():
