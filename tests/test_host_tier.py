@@ -201,6 +201,33 @@ def test_compact_first_compacts_before_it_offloads():
     check(cache)
 
 
+def test_keep_free_offloads_ahead_of_demand_up_to_the_watermark():
+    cache, transfers = tiered(num_pages=16, host_pages=18)
+    assert cache.keep_free() == 0  # no offload yet: no watermark
+    a = add_dense(cache, "a")
+    cache.make_room(cache.pool.num_free + 1)
+    step(cache, transfers)  # a went to the host: the watermark is its 6 pages, capped at 16 // 8 = 2
+    b, c = add_dense(cache, "b", hits=1), add_dense(cache, "c")
+    assert cache.pool.num_free == 4 and cache.keep_free() == 0
+    held = cache.pool.allocate(3)  # a running request's pages: 1 free, below the watermark
+    assert cache.keep_free() == 1 and c.tier == "host" and b.tier == "gpu"  # the colder one, lossless
+    assert cache.pool.num_free + cache.pending_pages == 7 and a.tier == "host"
+    step(cache, transfers)
+    check(cache, held)
+
+
+def test_keep_free_does_nothing_under_compact_first():
+    cache, transfers = tiered(num_pages=16, host_pages=18, order="compact_first")
+    add_dense(cache, "a")
+    cache.make_room(cache.pool.num_free + 1)  # compacts a
+    cache.make_room(cache.pool.num_free + 1)  # then offloads its compacted copy
+    step(cache, transfers)
+    add_dense(cache, "b")
+    add_dense(cache, "c")
+    cache.pool.allocate(3)
+    assert cache.keep_free() == 0
+
+
 def test_an_entry_a_request_reads_never_moves_and_gpu_eviction_is_last():
     cache, transfers = tiered(num_pages=12, host_pages=0, ratios=())
     entry = add_dense(cache, "a")

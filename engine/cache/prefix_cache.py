@@ -328,6 +328,7 @@ class PrefixCache:
         self._computing: Counter[str] = Counter()
         self._host_refs: Counter[int] = Counter()
         self._xfer_ids = itertools.count(1)
+        self._largest_offload = 0  # pages of the largest family offloaded so far (the watermark's size)
         self.pressure_steps = tuple(s for s in pressure_steps if s.keep_ratio < 1)
         self.prefixes: dict[str, PrefixEntry] = {}
         self.stats = CacheStats()
@@ -504,6 +505,25 @@ class PrefixCache:
         self.evict(victim)
         return True
 
+    def keep_free(self) -> int:
+        """Offload idle families ahead of demand (lossless moves only, while the host tier has
+        room, never under ``reclaim_order="compact_first"``) until the free and pending pages reach
+        the watermark: the largest family offloaded so far, at most an eighth of the pool. A hit
+        on a host family then finds its pages free at once and waits for one copy only, not for an
+        offload first and then its restore. Called by the scheduler before each plan. Returns the
+        families offloaded."""
+        if self.host is None or self.reclaim_order != "offload_first":
+            return 0
+        target = min(self.pool.num_pages // 8, self._largest_offload)
+        moved = 0
+        while self.pool.num_free + self.pending_pages < target:
+            unit = self._coldest_idle_family()
+            if unit is None or self.host.num_free < len(self._distinct(self.family(unit), "pages")):
+                break
+            self.offload(unit)
+            moved += 1
+        return moved
+
     def _lossy_move(self) -> tuple | None:
         """The pressure steps' next move, as before the host tier: ``("evict", extension, loss per
         page)`` for the idle extension of least value, else ``("compact", prefix, step, kept,
@@ -616,6 +636,7 @@ class PrefixCache:
         self.in_flight[xfer] = InFlight("offload", base, pages, host_pages)
         self.pool.orders.append(Offload(xfer, tuple(pages), tuple(host_pages)))
         self.stats.offloads += 1
+        self._largest_offload = max(self._largest_offload, len(pages))
         return len(pages)
 
     def restore_pages(self, entry: PrefixEntry) -> int:

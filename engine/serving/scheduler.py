@@ -157,6 +157,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))
         for req, _ in draft.items:
             req.max_pages_held = max(req.max_pages_held, len(req.block_table))
+        if self.reuse is not None:
+            self.reuse.cache.keep_free()  # offloads ahead of demand ride this step's plan
         return self._plan(draft)
 
     def _plan(self, draft: _Draft) -> StepPlan:

@@ -638,6 +638,22 @@ MUTANTS: list[Mutant] = [
         (PREFIX + "test_identical_concurrent_cold_pair",),
     ),
     Mutant(
+        "no-free-page-watermark",
+        "no offload ahead of demand: every host hit under pressure waits for an offload and then for its restore",
+        "engine/cache/prefix_cache.py",
+        "target = min(self.pool.num_pages // 8, self._largest_offload)",
+        "target = 0",
+        (HOST + "test_keep_free_offloads_ahead_of_demand_up_to_the_watermark",),
+    ),
+    Mutant(
+        "host-pin-on-the-loop-thread",
+        "host chunks are pinned on the caller's thread (the engine loop), stalling every stream ~0.17 s per 256 MiB",
+        "engine/cache/host_pool.py",
+        "        if (self.pin if prefetch is None else prefetch) and self._chunks:\n",
+        "        if False:\n",
+        ("tests/test_host_tier_data.py::test_prefetch_pins_one_chunk_ahead_on_a_background_thread",),
+    ),
+    Mutant(
         "worker-without-host-tier",
         "a tensor-parallel worker builds no host tier: rank 0's offload and restore orders are not run on its shard",
         "engine/parallel/worker.py",
