@@ -75,7 +75,7 @@ class EngineOptions:
         reclaim_order: with a host tier, the order pages are reclaimed in when the KV pool runs
             short: ``"offload_first"`` (idle prefixes move to host memory, lossless, before any is
             compacted) or ``"compact_first"`` (compaction steps first, then compacted copies move);
-            see :meth:`engine.cache.prefix_cache.PrefixCache.reclaim_once`.
+            see :func:`engine.cache.reclaim.reclaim_once`.
         vision_cache_bytes: bound of the per-session vision-feature cache.
         cuda_graphs: on CUDA, replay captured graphs for decode steps (see
             :mod:`engine.graphs.decode`) and for the vision encoder on image sizes seen before (see

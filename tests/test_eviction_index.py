@@ -59,7 +59,10 @@ class Oracle(Recording):
                 if idle:
                     self.evict(idle[0])
                     continue
-                if self._compact_one():
+                step = next(((e, i, kept) for e, i in self.compactable()
+                             if (kept := self.plan(e, i)) is not None), None)
+                if step is not None:
+                    self.compact(*step)
                     continue
             victims = oracle_order(self)
             if not victims:

@@ -39,8 +39,8 @@ for them instead of preempting anyone). A hit on a host family allocates GPU pag
 :class:`~engine.cache.kv_transfer.Restore`; its requests are admitted once that copy landed. An
 entry keeps its key, tokens, kept positions, scores, images and extensions across the round trip.
 A family on the host is never compacted (compaction runs on the GPU); a compacted prefix may be
-offloaded as it is. How pages are reclaimed, in one place: :meth:`PrefixCache.reclaim_once` and
-docs/ARCHITECTURE.md ("Reclaiming KV pages").
+offloaded as it is. How pages are reclaimed, in one place: :func:`engine.cache.reclaim.reclaim_once`
+and docs/ARCHITECTURE.md ("Reclaiming KV pages"); this module has the moves it chooses among.
 
 What a prefix kept: each prefix entry records which logical prefix tokens its KV still holds
 (:class:`KeptTokens`, set by :meth:`PrefixEntry.record_kept` whenever the entry is compacted), and
@@ -64,6 +64,7 @@ from .compaction import CompactionConfig, pressure_ratios
 from .host_pool import HostPool
 from .kv_pool import PagePool
 from .kv_transfer import Offload, Restore, TransferDone
+from .reclaim import RECLAIM_ORDERS, ReclaimCosts, keep_free, reclaim_once
 
 _clock = itertools.count()
 
@@ -239,35 +240,6 @@ def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
     return n
 
 
-#: The orders in which :meth:`PrefixCache.reclaim_once` tries its moves (see there).
-RECLAIM_ORDERS = ("offload_first", "compact_first")
-
-
-@dataclass(frozen=True)
-class ReclaimCosts:
-    """What :meth:`PrefixCache.reclaim_once` weighs, in one currency: prompt tokens recomputed.
-
-    Each candidate move's expected loss is ``(1 + hits)`` (the entry's uses so far, a proxy of
-    how often it is used again) times its cost per use, divided by the GPU pages it frees; the
-    move of least loss per page is made.
-
-    Attributes:
-        restore_tokens_per_page: cost of bringing one page back from the host tier, as the prompt
-            tokens whose recompute takes as long. Default 0.4: at the 8B shape a page (16 tokens,
-            ~1.2 MB of Scaled-FP8 K/V and scales over 36 layers) restores in ~0.022 ms at the
-            measured ~54 GB/s of pinned host-to-GPU copies (issue 33), while a cold question
-            costs ~94 ms for ~1,650 prompt tokens, ~0.057 ms a token (docs/PERFORMANCE.md).
-        compaction_price: cost of one compaction step of a prefix, as a share of recomputing the
-            whole prefix once per later use: the answers lose accuracy (probe model, keep 0.6:
-            70.2% dense against 58.6%, docs/QUALITY.md) on every later question, not once. 1.0
-            prices a compaction like an eviction of the same tokens, so a compaction (which frees
-            only the share it drops) loses to dropping a colder entry from the host tier.
-    """
-
-    restore_tokens_per_page: float = 0.4
-    compaction_price: float = 1.0
-
-
 @dataclass
 class InFlight:
     """A copy between the tiers not yet landed.
@@ -300,8 +272,8 @@ class PrefixCache:
         host: the host tier entries may move to (None: no host tier).
         reclaim_order: ``"offload_first"`` (lossless moves to the host tier before any compaction)
             or ``"compact_first"`` (compaction steps first, then offloads: compacted copies move);
-            see :meth:`reclaim_once`.
-        costs: the prices :meth:`reclaim_once` weighs (:class:`ReclaimCosts`).
+            see :func:`~engine.cache.reclaim.reclaim_once`.
+        costs: the prices the policy weighs (:class:`~engine.cache.reclaim.ReclaimCosts`).
 
     Raises:
         ValueError: a step without a selector, keep ratios outside (0, 1] or not decreasing, an
@@ -328,7 +300,7 @@ class PrefixCache:
         self._computing: Counter[str] = Counter()
         self._host_refs: Counter[int] = Counter()
         self._xfer_ids = itertools.count(1)
-        self._largest_offload = 0  # pages of the largest family offloaded so far (the watermark's size)
+        self.largest_offload = 0  # pages of the largest family offloaded so far (the watermark's size)
         self.pressure_steps = tuple(s for s in pressure_steps if s.keep_ratio < 1)
         self.prefixes: dict[str, PrefixEntry] = {}
         self.stats = CacheStats()
@@ -440,17 +412,28 @@ class PrefixCache:
         return sorted(leaves, key=eviction_order)
 
     def make_room(self, pages_needed: int) -> bool:
-        """Reclaim pages (:meth:`reclaim_once`, repeatedly) until ``pages_needed`` are free, or will
-        be once the offloads in flight land (:attr:`pending_pages`). Returns whether they are free
+        """Reclaim pages (:func:`~engine.cache.reclaim.reclaim_once`, the policy, repeatedly)
+        until ``pages_needed`` are free, or will be once the offloads in flight land
+        (:attr:`pending_pages`). Returns whether they are free
         now; False with :meth:`room_pending` true means "wait for the copies", not "preempt".
 
         Eviction victims are read from the eviction index in O(log n) per eviction (plus, per
         request reading an entry that would otherwise go first, one more heap operation) instead
         of a sort of every entry."""
         while self.pool.num_free + self.pending_pages < pages_needed:
-            if not self.reclaim_once():
+            if not reclaim_once(self):
                 break
         return self.pool.num_free >= pages_needed
+
+    def keep_free(self) -> int:
+        """Offload idle families ahead of demand, up to the free-page watermark
+        (:func:`~engine.cache.reclaim.keep_free`); the families offloaded."""
+        return keep_free(self)
+
+    def first_evictable(self, kinds: tuple[int, ...]) -> PrefixEntry | None:
+        """The first entry of :meth:`evictable` among ``kinds`` (0: prefixes, 1: extensions) on the
+        GPU, from the eviction index (left queued); None when none may go."""
+        return self._first_evictable(kinds)
 
     def room_pending(self, pages_needed: int) -> bool:
         """Whether ``pages_needed`` pages are not free now but will be once the offloads in flight
@@ -462,88 +445,6 @@ class PrefixCache:
         """GPU pages held by offloads in flight: free once their copies land."""
         return sum(len(f.pages) for f in self.in_flight.values() if f.kind == "offload")
 
-    def reclaim_once(self) -> bool:
-        """Free GPU pages by one move, the one that loses least. The policy, in one place
-        (pseudocode in docs/ARCHITECTURE.md, "Reclaiming KV pages"):
-
-        1. ``lossy`` = with ``pressure_steps``, the idle extension of least value (evicted: its
-           tail is recomputed on its next use), else the next compaction step
-           (:meth:`compactable`); None without pressure steps.
-        2. With a host tier, ``unit`` = the idle GPU family of least value (a prefix and its
-           extensions no request reads). Under ``reclaim_order="compact_first"`` a compaction
-           ``lossy`` goes first. If the host tier has room for ``unit``, it is offloaded (lossless).
-           If not, the host families of least value that would make room are the alternative:
-           dropping them and offloading ``unit`` costs their recompute plus ``unit``'s restore;
-           that is done when it costs less per GPU page freed than ``lossy`` (:class:`ReclaimCosts`).
-        3. Else ``lossy`` is made.
-        4. Else the GPU entry of least value is evicted (last).
-
-        Returns whether a move was made (False: nothing may go)."""
-        lossy = self._lossy_move()
-        unit = self._coldest_idle_family() if self.host is not None else None
-        if unit is not None and not (self.reclaim_order == "compact_first" and lossy is not None):
-            pages = self._distinct(self.family(unit), "pages")
-            victims = self._host_victims(len(pages))
-            if victims is not None:
-                loss = sum(self._recompute_loss(v) for v in victims) + self._restore_loss(unit, len(pages))
-                if lossy is None or loss / len(pages) <= lossy[-1]:
-                    for victim in victims:
-                        self.evict_host(victim)
-                    self.offload(unit)
-                    return True
-        if lossy is not None:
-            kind, entry, *rest = lossy
-            if kind == "evict":
-                self.evict(entry)
-            else:
-                step, kept, _ = rest
-                self.compact(entry, step, kept)
-            return True
-        victim = self._first_evictable((0, 1))
-        if victim is None:
-            return False
-        self.evict(victim)
-        return True
-
-    def keep_free(self) -> int:
-        """Offload idle families ahead of demand (lossless moves only, while the host tier has
-        room, never under ``reclaim_order="compact_first"``) until the free and pending pages reach
-        the watermark: the largest family offloaded so far, at most an eighth of the pool. A hit
-        on a host family then finds its pages free at once and waits for one copy only, not for an
-        offload first and then its restore. Called by the scheduler before each plan. Returns the
-        families offloaded."""
-        if self.host is None or self.reclaim_order != "offload_first":
-            return 0
-        target = min(self.pool.num_pages // 8, self._largest_offload)
-        moved = 0
-        while self.pool.num_free + self.pending_pages < target:
-            unit = self._coldest_idle_family()
-            if unit is None or self.host.num_free < len(self._distinct(self.family(unit), "pages")):
-                break
-            self.offload(unit)
-            moved += 1
-        return moved
-
-    def _lossy_move(self) -> tuple | None:
-        """The pressure steps' next move, as before the host tier: ``("evict", extension, loss per
-        page)`` for the idle extension of least value, else ``("compact", prefix, step, kept,
-        loss per page)`` for the first compaction that frees a page; None without pressure steps
-        or when neither exists."""
-        if not self.pressure_steps:
-            return None
-        idle = self._first_evictable((1,))
-        if idle is not None:
-            own = [p for p in idle.pages if self.pool.refcount[p] == 1]
-            tail = len(idle.tokens) - idle.prefix_len
-            return ("evict", idle, (1 + idle.hits) * tail / max(1, len(own)))
-        for entry, step in self.compactable():
-            kept = self.plan(entry, step)
-            if kept is not None:
-                freed = len(entry.pages) - self.pool.pages_for(len(kept))
-                loss = (1 + entry.hits) * len(entry.tokens) * self.costs.compaction_price / freed
-                return ("compact", entry, step, kept, loss)
-        return None
-
     # ------------------------------------------------------------------ the host tier
     def family(self, entry: PrefixEntry) -> list[PrefixEntry]:
         """The prefix ``entry`` is or extends, then its live extensions: the unit that moves
@@ -552,7 +453,7 @@ class PrefixCache:
         return [base, *(c for c in base.children if c.alive)]
 
     @staticmethod
-    def _distinct(members: list[PrefixEntry], attr: str) -> list[int]:
+    def distinct(members: list[PrefixEntry], attr: str) -> list[int]:
         """The distinct pages (``attr``: ``"pages"`` or ``"host_pages"``) of ``members``, in order."""
         return list(dict.fromkeys(p for m in members for p in getattr(m, attr)))
 
@@ -576,13 +477,13 @@ class PrefixCache:
         members = self.family(base)
         return (max(m.value() for m in members), max(m.last_used for m in members))
 
-    def _coldest_idle_family(self) -> PrefixEntry | None:
+    def coldest_idle_family(self) -> PrefixEntry | None:
         """The prefix of the idle GPU family (:meth:`_idle_family`) of least value, or None. A scan
         of the prefixes (an offload is rare next to a step)."""
         idle = [e for e in self.prefixes.values() if self._idle_family(e) is not None and e.pages]
         return min(idle, key=self._family_order, default=None)
 
-    def _host_victims(self, pages_needed: int) -> list[PrefixEntry] | None:
+    def host_victims(self, pages_needed: int) -> list[PrefixEntry] | None:
         """The host families to drop, least value first, so ``pages_needed`` host pages are free:
         [] when they are already, None when dropping every idle one would not do."""
         free = self.host.num_free
@@ -593,21 +494,10 @@ class PrefixCache:
                 if e.alive and e.tier == "host" and not any(m.users for m in self.family(e)))
         for base in sorted(idle, key=self._family_order):
             victims.append(base)
-            free += len(self._distinct(self.family(base), "host_pages"))
+            free += len(self.distinct(self.family(base), "host_pages"))
             if free >= pages_needed:
                 return victims
         return None
-
-    def _recompute_loss(self, base: PrefixEntry) -> float:
-        """Expected prompt tokens recomputed if ``base``'s family is dropped: each member's own
-        tokens (an extension's beyond its prefix) times its uses."""
-        return sum((1 + m.hits) * (len(m.tokens) - (m.prefix_len if m.parent is not None else 0))
-                   for m in self.family(base))
-
-    def _restore_loss(self, base: PrefixEntry, pages: int) -> float:
-        """Expected cost (prompt tokens) of restoring ``base``'s family of ``pages`` pages again."""
-        uses = 1 + sum(m.hits for m in self.family(base))
-        return uses * pages * self.costs.restore_tokens_per_page
 
     def offload(self, base: PrefixEntry) -> int:
         """Move prefix ``base`` and its extensions to the host tier: host pages are taken, an
@@ -621,7 +511,7 @@ class PrefixCache:
         members = self._idle_family(base)
         if members is None:
             raise RuntimeError("offload of a prefix entry that a request reads")
-        pages = self._distinct(members, "pages")
+        pages = self.distinct(members, "pages")
         host_pages = self.host.allocate(len(pages))
         where = dict(zip(pages, host_pages, strict=True))
         xfer = next(self._xfer_ids)
@@ -636,12 +526,12 @@ class PrefixCache:
         self.in_flight[xfer] = InFlight("offload", base, pages, host_pages)
         self.pool.orders.append(Offload(xfer, tuple(pages), tuple(host_pages)))
         self.stats.offloads += 1
-        self._largest_offload = max(self._largest_offload, len(pages))
+        self.largest_offload = max(self.largest_offload, len(pages))
         return len(pages)
 
     def restore_pages(self, entry: PrefixEntry) -> int:
         """GPU pages a restore of ``entry``'s family takes."""
-        return len(self._distinct(self.family(entry), "host_pages"))
+        return len(self.distinct(self.family(entry), "host_pages"))
 
     def restore(self, entry: PrefixEntry) -> None:
         """Bring ``entry``'s family back from the host tier: GPU pages are taken (the caller made
@@ -656,7 +546,7 @@ class PrefixCache:
         if not base.alive or base.tier != "host":
             raise RuntimeError("restore of a prefix entry that is not in the host tier")
         members = self.family(base)
-        host_pages = self._distinct(members, "host_pages")
+        host_pages = self.distinct(members, "host_pages")
         pages = self.pool.allocate(len(host_pages))  # one reference each: the copy's, until it lands
         where = dict(zip(host_pages, pages, strict=True))
         xfer = next(self._xfer_ids)
@@ -840,15 +730,6 @@ class PrefixCache:
         both read it."""
         return self.pressure_steps[step].kept_positions(entry.prefix_len, list(entry.spans), scores=entry.scores,
                                                         within=entry.kept.positions)
-
-    def _compact_one(self) -> bool:
-        """Compact the first entry of :meth:`compactable` whose step frees a page; whether one was."""
-        for entry, step in self.compactable():
-            kept = self.plan(entry, step)
-            if kept is not None:
-                self.compact(entry, step, kept)
-                return True
-        return False
 
     def compact(self, entry: PrefixEntry, step: int, kept: torch.Tensor) -> int:
         """Compact prefix ``entry`` in place to the logical positions ``kept`` (int64 increasing, a

@@ -591,8 +591,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "compaction-before-offload",
         "under offload_first the cache compacts a prefix (losing visual tokens) while the host tier has room",
-        "engine/cache/prefix_cache.py",
-        'if unit is not None and not (self.reclaim_order == "compact_first" and lossy is not None):',
+        "engine/cache/reclaim.py",
+        'if unit is not None and not (cache.reclaim_order == "compact_first" and lossy is not None):',
         "if unit is not None and lossy is None:",
         (HOST + "test_offload_comes_before_any_compaction_and_frees_the_pages_once_the_copy_lands",),
     ),
@@ -616,9 +616,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "host-loss-ignores-victims",
         "dropping host families to take an offload is priced as free: a hot host entry goes rather than a cold GPU prefix being compacted",
-        "engine/cache/prefix_cache.py",
-        "loss = sum(self._recompute_loss(v) for v in victims) + self._restore_loss(unit, len(pages))",
-        "loss = self._restore_loss(unit, len(pages))",
+        "engine/cache/reclaim.py",
+        "loss = sum(recompute_loss(cache, v) for v in victims) + restore_loss(cache, unit, len(pages))",
+        "loss = restore_loss(cache, unit, len(pages))",
         (HOST + "test_host_full_compacts_when_the_host_holds_what_is_worth_more",),
     ),
     Mutant(
@@ -640,8 +640,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "no-free-page-watermark",
         "no offload ahead of demand: every host hit under pressure waits for an offload and then for its restore",
-        "engine/cache/prefix_cache.py",
-        "target = min(self.pool.num_pages // 8, self._largest_offload)",
+        "engine/cache/reclaim.py",
+        "target = min(cache.pool.num_pages // 8, cache.largest_offload)",
         "target = 0",
         (HOST + "test_keep_free_offloads_ahead_of_demand_up_to_the_watermark",),
     ),
