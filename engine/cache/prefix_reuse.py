@@ -148,8 +148,6 @@ class PrefixReuse:
         if req.match:
             self.cache.stats.hits += 1
             tel.prefix_tier = "gpu" if req.match.entry.tier == "gpu" else "host"
-            if tel.prefix_tier == "host":
-                self.cache.stats.hits_host += 1
         else:
             self.cache.stats.misses += 1
 
@@ -268,8 +266,9 @@ class PrefixReuse:
             tel.conversation_reuse_tokens = match.length - entry.prefix_len
         base = entry.base
         tel.visual_tokens_kept = base.visual_kept
-        if tel.prefix_tier == "host" and not tel.preempted:
+        if tel.prefix_tier == "host" and not tel.preempted:  # counted once, when it attaches
             tel.restore_ms, tel.restored_pages = base.restore_ms, base.restored_pages
+            self.cache.stats.hits_host += 1
         tel.prefix_pages = self.pool.pages_for(entry.prefix_len - entry.kv_offset)
         tel.prefix_pages_dense = entry.dense_pages
         tel.prefix_form = "compact" if entry.compact else "dense"

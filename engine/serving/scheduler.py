@@ -21,6 +21,12 @@ A request whose public prefix was found in the cache attaches the entry's pages 
 falls back to computing everything, reported as ``stale``, when the entry was evicted since): the
 scheduler decides when, :class:`~engine.cache.prefix_reuse.PrefixReuse` does the attaching.
 
+With a host tier, cached prefixes also move to host memory and back; those copies run beside the
+steps and never preempt anyone: a request whose pages an offload in flight will free waits a
+step, and a request whose entry is being restored, or whose prefix another request is computing
+now, waits while the requests behind it are admitted past it (then attaches it: one computation,
+one copy). See docs/ARCHITECTURE.md, "Reclaiming KV pages".
+
 The scheduler is the one writer of request state (``num_computed``, ``block_table``, ``status``,
 ``kv_offset``, the attached entry): :meth:`Scheduler.schedule` returns a
 :class:`~engine.serving.plan.StepPlan` (data, no live requests), the runner executes it, and
@@ -255,7 +261,6 @@ class Scheduler:
                 return _Admission.IN_FLIGHT
             if self.running or self._room_pending(reuse.restore_pages(match)):
                 return _Admission.NO_PAGES
-            reuse.unpin(req)
             reuse.drop(req)  # nothing runs and nothing lands: it could never come back
             match = None
         pages_for = self.pool.pages_for
@@ -299,8 +304,9 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int, draft: _Draft) -> bool:
         """Give ``req`` pages for its first ``num_tokens`` logical tokens (and a private copy of a
-        shared, partly filled last page), evicting cache entries and then preempting later
-        requests if needed. Returns False when ``req`` itself had to be preempted."""
+        shared, partly filled last page), reclaiming cache pages and then preempting later
+        requests if needed. Returns False when ``req`` itself had to be preempted, or when the
+        pages it needs are held by offloads in flight (it waits a step; nobody is preempted)."""
         table = req.block_table
         cow = bool(table) and req.kv_len % self.pool.page_size != 0 and self.pool.is_shared(table[-1])
         need = self.pool.pages_for(num_tokens - req.kv_offset) - len(table) + cow
