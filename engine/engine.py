@@ -529,7 +529,9 @@ class Engine:
         tower encoded; under tensor parallelism only rank 0 encodes, so they sum to the images
         encoded, not to that times the ranks) and ``steps`` (forwards run; rank 0's is the loop's);
         a worker's also ``page_copies`` and ``slot_moves`` (the copy-on-write copies and compaction
-        moves rank 0 sent it and it applied). One entry with tensor parallelism off.
+        moves rank 0 sent it and it applied), ``offloads`` and ``restores`` (the host-tier copies of
+        its shard it ran) and ``transfers_held`` (its copies not yet let go: 0 between steps on
+        the CPU). One entry with tensor parallelism off.
 
         Raises:
             PrismError: the engine is closed. TensorParallelError: a rank failed.

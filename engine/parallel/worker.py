@@ -101,6 +101,8 @@ def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeC
             plan: StepPlan
             plan, named, shape = message[1]
             runner.take(plan)
+            if runner.transfers is not None:
+                runner.transfers.poll()  # rank 0 reports copies; here finished ones are only let go
             copies += sum(isinstance(order, PageCopy) for order in plan.kv_orders)
             moves += sum(isinstance(order, SlotMove) for order in plan.kv_orders)
             offloads += sum(isinstance(order, Offload) for order in plan.kv_orders)
@@ -117,7 +119,8 @@ def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeC
                 steps += 1
         elif kind == "counters":
             conn.send(("counters", {"vision_images_encoded": counter.images, "steps": steps, "page_copies": copies,
-                                 "slot_moves": moves, "offloads": offloads, "restores": restores}))
+                                 "slot_moves": moves, "offloads": offloads, "restores": restores,
+                                 "transfers_held": runner.transfers.in_flight() if runner.transfers else 0}))
         elif kind == "stop":
             return
         else:

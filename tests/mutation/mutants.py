@@ -662,6 +662,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_host_tier_data.py::test_offload_then_restore_elsewhere_is_bit_exact",),
     ),
     Mutant(
+        "worker-keeps-every-copy",
+        "a tensor-parallel worker never lets its finished host-tier copies go (events and index rows pile up)",
+        "engine/parallel/worker.py",
+        "                runner.transfers.poll()  # rank 0 reports copies; here finished ones are only let go\n",
+        "                pass\n",
+        ("tests/test_tensor_parallel.py::test_tp2_host_tier_every_rank_offloads_and_restores_its_shard",),
+    ),
+    Mutant(
         "worker-without-host-tier",
         "a tensor-parallel worker builds no host tier: rank 0's offload and restore orders are not run on its shard",
         "engine/parallel/worker.py",
