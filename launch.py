@@ -53,11 +53,28 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise _Terminated
 
 
+def _host_tier_refusal(settings) -> str | None:
+    """Why the host tier asked for (``--host-cache-bytes`` or ``PRISM_HOST_CACHE_BYTES``) cannot be
+    had on this host (its message says how much there is), or None."""
+    from engine import EngineOptions
+    from engine.errors import InvalidRequestError
+
+    try:
+        EngineOptions(host_cache_bytes=settings.host_cache_bytes).host_budget(settings.tensor_parallel_size)
+    except InvalidRequestError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from app.settings import parse_settings
 
     started = time.monotonic()
     settings = parse_settings(argv)
+    refusal = _host_tier_refusal(settings)
+    if refusal is not None:  # refused at start, not after the server is up and the model loaded
+        print(f"prism: {refusal}", file=sys.stderr)
+        return 2
     data_dir = _private_data_dir(settings.data_path)
     _prepare_environment(data_dir)
 

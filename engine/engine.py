@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import time
 import warnings
 from collections.abc import Iterator
@@ -51,6 +52,8 @@ from .serving.sampling import SamplingParams
 from .serving.scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["Engine", "EngineOptions", "Forgotten"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,9 @@ class Engine:
         full_page = self.pool.page_bytes * world
         pages = budget // full_page
         if pages <= 0:
+            if budget > 0:  # asked for, but smaller than one page: say so rather than run without
+                log.warning("host_cache_bytes=%d holds no KV page (one page is %d bytes): no host tier",
+                            budget, full_page)
             return budget, None, None, None
         reservation = host_memory.reserve(pages * full_page)
         host = HostPool(self.pool, pages)

@@ -273,3 +273,15 @@ def test_the_environment_reader_alone():
     assert host_cache_bytes_from_env({"PRISM_HOST_CACHE_BYTES": " 64M "}) == 64 << 20
     with pytest.raises(InvalidRequestError, match="not a size"):
         host_cache_bytes_from_env({"PRISM_HOST_CACHE_BYTES": "-1"})
+
+
+def test_launch_refuses_a_host_tier_larger_than_the_host_before_starting(tmp_path, capsys, monkeypatch):
+    """A newcomer's finding: ``--host-cache-bytes 1T`` started the server, whose model load then
+    failed (503 for ever). Now launch.py exits at once with the message (how much there is)."""
+    import launch
+
+    monkeypatch.delenv("PRISM_HOST_CACHE_BYTES", raising=False)
+    code = launch.main(["--host-cache-bytes", str(1 << 60), "--data-dir", str(tmp_path / "data")])
+    err = capsys.readouterr().err
+    assert code == 2 and "host" in err and "GiB" in err
+    assert not (tmp_path / "data").exists()  # nothing was started or written

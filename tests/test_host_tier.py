@@ -461,6 +461,12 @@ def test_clear_and_forget_drop_the_host_tier(tiny_engine_factory, photos):
     assert stats["cache_host_entries"] == stats["host_pages_used"] == stats["cache_entries"] == 0
 
 
+def test_a_budget_below_one_page_says_there_is_no_tier(tiny_engine_factory, caplog):
+    with caplog.at_level("WARNING", logger="engine.engine"):
+        engine = small(tiny_engine_factory, host_cache_bytes=5)
+    assert engine.host is None and "holds no KV page" in caplog.text
+
+
 def test_no_host_tier_when_its_budget_is_zero(tiny_engine_factory, photos):
     engine = small(tiny_engine_factory, host_pages=0)
     assert engine.host is None and engine.loop.runner.transfers is None
@@ -526,3 +532,47 @@ def test_a_slow_restore_holds_only_its_own_request(tiny_engine_factory, photos):
     assert runner.result().telemetry.generated_tokens == 40
     cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
     assert outs[0].token_ids == cold.generate(media_first_messages([a], QUESTIONS[1]), SP).token_ids
+
+
+def hold_copies(engine, polls: int) -> None:
+    """Make the engine's tier copies land ``polls`` polls after they finished (a slow bus)."""
+    transfers, held = engine.loop.runner.transfers, []
+    poll = transfers.poll
+
+    def late_poll():
+        held.extend([done, polls] for done in poll())
+        ready = [done for done, n in held if n == 0]
+        held[:] = [[done, n - 1] for done, n in held if n > 0]
+        return ready
+
+    transfers.poll = late_poll
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_concurrent_questions_over_host_resident_sessions_all_finish_exactly(tiny_engine_factory, media_path, seed):
+    """Found by a newcomer's load test: five sessions that push each other to the host tier, then
+    25 questions at once (five per session, in a shuffled order). Every one must finish (no
+    request attaches an entry still coming back, no pool filled by restored families that no
+    running request can reclaim) and equal a cold run."""
+    import random
+
+    names = ("astronaut.png", "coins.png", "coffee.png", "rocket.jpg", "chelsea.png")
+    pics = []
+    for name in names:
+        with Image.open(media_path(name)) as im:
+            pics.append(im.convert("RGB"))
+    engine = small(tiny_engine_factory, pages=12, host_pages=60, max_num_batched_tokens=64)
+    cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
+    for i, img in enumerate(pics):
+        engine.generate(media_first_messages([img], QUESTIONS[0]), SP, cache_salt=f"s{i}")
+    hold_copies(engine, polls=2)  # as on a GPU: a copy lands a few steps after it started
+    asks = [(i, q) for i in range(len(pics)) for q in range(5)]
+    random.Random(seed).shuffle(asks)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    handles = [engine.submit(media_first_messages([pics[i]], QUESTIONS[q % 3] + " " * q), sp, cache_salt=f"s{i}")
+               for i, q in asks]
+    outs = [h.result(timeout=120) for h in handles]
+    for (i, q), out in zip(asks, outs, strict=True):
+        assert out.token_ids == cold.generate(media_first_messages([pics[i]], QUESTIONS[q % 3] + " " * q), sp).token_ids
+    stats = engine.stats()
+    assert stats["cache_restores"] >= 1 and stats["pages_used"] == stats["cache_pages"]

@@ -147,7 +147,8 @@ def test_tp2_host_tier_every_rank_offloads_and_restores_its_shard(tiny_ckpt, den
     tp2 = tp_engine(tiny_ckpt, **{**DENSE, "kv_cache_bytes": 6 * page, "host_cache_bytes": 24 * 2 * page})
     try:
         assert tp2.host.num_pages == 24
-        asks = [(colour, question) for question in ("What is here?", "Which colour?") for colour in ("red", "navy", "olive")]
+        asks = [(colour, question) for question in ("What is here?", "Which colour?")
+                for colour in ("red", "navy", "olive")]
         for colour, question in asks:
             messages = media_first_messages(images(colour), question)
             two = tp2.generate(messages, SP, cache_salt=colour)

@@ -117,6 +117,7 @@ class PrefixReuse:
         self.namespace = namespace
         self.conversation_reuse = conversation_reuse
         self.mode = mode
+        self._pinned_restores = 0  # requests holding a family they ordered back (restores_pinned)
 
     def key_namespace(self) -> str:
         """The compaction part of every prefix key. Under ``"on_pressure"`` it names the policy
@@ -207,7 +208,14 @@ class PrefixReuse:
         self.cache.restore(match.entry)
         match.entry.users += 1
         req.restoring = match.entry
+        self._pinned_restores += 1
         req.telemetry.prefix_tier = "host"
+
+    def restores_pinned(self) -> int:
+        """Requests holding a restored (or restoring) family for themselves: the scheduler orders
+        the next restore only when none does, so waiting restores can never fill the pool with
+        families no running request can reclaim."""
+        return self._pinned_restores
 
     def unpin(self, req: CachingRequest) -> None:
         """``req`` no longer waits for the entry it ordered back (it attaches it now, or it
@@ -215,6 +223,7 @@ class PrefixReuse:
         if req.restoring is not None:
             req.restoring.users -= 1
             req.restoring = None
+            self._pinned_restores -= 1
 
     def begin_compute(self, req: CachingRequest) -> None:
         """``req`` computes its prefix cold: later requests for it wait instead of computing it too."""

@@ -188,7 +188,8 @@ class TensorParallelGroup:
 
     def start_workers(self, pool_spec: dict, graphs: dict | None) -> None:
         """Tell every worker its KV pool (``pool_spec``: :class:`~engine.cache.kv_pool.PagePool`
-        keyword arguments, rank 0's page count, and ``host_pages``: the host tier's pages, 0 for none) and the step graphs to capture (``graphs``:
+        keyword arguments, rank 0's page count, and ``host_pages``: the host tier's pages, 0 for
+        none) and the step graphs to capture (``graphs``:
         :func:`~engine.graphs.capture.capture_step_graphs` keywords, or None), in the order rank 0
         captures them, so their collectives pair up."""
         self.send(("init", pool_spec, graphs))

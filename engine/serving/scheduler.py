@@ -144,6 +144,7 @@ class Scheduler:
                 if n:
                     draft.items.append((req, n))
                     budget -= n
+        self._restored_first()
         passed: list[Request] = []  # waiting for a copy or a computation in flight: others go past
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -217,6 +218,15 @@ class Scheduler:
                 sampled.append((req, token))
         return sampled
 
+    def _restored_first(self) -> None:
+        """A waiting request whose restore has landed goes to the front of the queue: its family
+        is kept on the GPU for it (pinned), so nobody behind it can use those pages, and a request
+        ahead of it that needs them would wait for ever."""
+        ready = [r for r in self.waiting if r.restoring is not None and r.restoring.tier == "gpu"]
+        for req in ready:
+            self.waiting.remove(req)
+        self.waiting.extendleft(reversed(ready))
+
     def _landed(self, output: StepOutput) -> None:
         """The copies between the KV tiers the runner saw land: the cache frees and installs their
         pages; the requests waiting for a restore that failed fail (only they)."""
@@ -253,17 +263,23 @@ class Scheduler:
         if reuse is not None and reuse.waits(req):
             return _Admission.IN_FLIGHT
         match = reuse.admission_match(req) if reuse is not None else None
+        if match is not None and reuse.waits(req):  # the fresh lookup found an entry coming back
+            return _Admission.IN_FLIGHT
+        pages_for = self.pool.pages_for
         if match is not None and reuse.on_host(match):
+            if reuse.restores_pinned():
+                return _Admission.IN_FLIGHT  # one restore at a time holds pages for its request
+            first = min(len(req.tokens) - match.length, self.config.max_num_batched_tokens)
+            need = reuse.restore_pages(match) + pages_for(match.kv_len + first) - pages_for(match.kv_len) + 1
             with reuse.pinned(match):  # making room must not drop the entry from the host tier
-                room = self._free_pages(reuse.restore_pages(match))
+                room = self._free_pages(need)  # the family, and its question's first chunk
             if room:
                 reuse.restore(req, match)
                 return _Admission.IN_FLIGHT
-            if self.running or self._room_pending(reuse.restore_pages(match)):
+            if self.running or self._room_pending(need):
                 return _Admission.NO_PAGES
             reuse.drop(req)  # nothing runs and nothing lands: it could never come back
             match = None
-        pages_for = self.pool.pages_for
         if match is not None:
             first = min(len(req.tokens) - match.length, self.config.max_num_batched_tokens)
             need = pages_for(match.kv_len + first) - pages_for(match.kv_len) + 1
@@ -277,6 +293,7 @@ class Scheduler:
                 # copy, the parent's own last page, an extension's tail): waiting would spin
                 # forever on a request that fits the pool. Compute it cold: the entry becomes
                 # evictable.
+                self.reuse.unpin(req)  # its restored family may go too, or nothing fits
                 self.reuse.drop(req)
                 match = None
         if match is not None:

@@ -615,7 +615,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "host-loss-ignores-victims",
-        "dropping host families to take an offload is priced as free: a hot host entry goes rather than a cold GPU prefix being compacted",
+        "dropping host families to take an offload is priced as free: a hot host entry goes rather than a cold "
+        "GPU prefix being compacted",
         "engine/cache/reclaim.py",
         "loss = sum(recompute_loss(cache, v) for v in victims) + restore_loss(cache, unit, len(pages))",
         "loss = restore_loss(cache, unit, len(pages))",
