@@ -514,7 +514,9 @@ def ask(engine, group: Group, arrival: Arrival, sampling, planned: float) -> dic
             "computed_tokens": tel.computed_tokens, "generated_tokens": tel.generated_tokens,
             "encoder_ran": tel.vision_encoder_ran, "preempted": tel.preempted, "prefix_form": tel.prefix_form,
             "prefix_tier": getattr(tel, "prefix_tier", None), "restore_ms": getattr(tel, "restore_ms", 0.0),
-            "restored_pages": getattr(tel, "restored_pages", 0), "token_ids": list(done.token_ids)}
+            "restored_pages": getattr(tel, "restored_pages", 0), "token_ids": list(done.token_ids),
+            "planned": planned, "late_ms": late_ms, "queue_ms": tel.queue_ms, "preprocess_ms": tel.preprocess_ms,
+            "vision_ms": tel.vision_ms, "prefill_ms": tel.prefill_ms}
 
 
 def summarise(results: list[dict], before: dict, after: dict, start: float) -> dict:
@@ -563,8 +565,12 @@ def summarise(results: list[dict], before: dict, after: dict, start: float) -> d
         "measured_s": end - start,
         **tier_metrics(ok),
         **host_counters(before, after),
+        # where each request's TTFT went (the tail's causes): its arrival after the phase began
+        # (``at_ms``), how late the client sent it, the engine's queue / preprocessing / prefill
         "per_request": [{k: r.get(k) for k in ("group", "question", "state", "ttft_ms", "computed_tokens",
-                                               "prefix_tier", "restore_ms", "error")}
+                                               "prefix_tier", "restore_ms", "late_ms", "queue_ms",
+                                               "preprocess_ms", "vision_ms", "prefill_ms", "error")}
+                        | {"at_ms": (r["planned"] - start) * 1e3 if "planned" in r else None}
                         for r in results],
     }
 

@@ -12,13 +12,17 @@ Memory comes in large chunks, each allocated the first time one of its pages is 
 sized at 100 GiB costs nothing until used; pinning is slow and pinned memory is scarce, so it is
 never taken up front). Chunks are kept once allocated, until :meth:`HostPool.close`.
 
-Pinning is slow (measured on the H200 host: 0.17 s for 256 MiB, 0.63 s for 1 GiB), and a chunk
-pinned on the engine loop's thread stalls every stream for that long: on the working-set
-benchmark at ``deep`` such stalls put host hits' TTFT p99 at ~250 ms while their copies took
-2-5 ms. So with ``prefetch`` (default: when pinned) one chunk is allocated ahead of need, on a
-background thread (``torch.empty`` releases the GIL while it pins): the first at construction,
-the next whenever a chunk is first used. A chunk still being pinned when a copy needs it is waited
-for, never allocated twice.
+Pinning is slow, and the CUDA driver serialises it with the engine loop's kernel launches and
+copies even when another thread pins. With ``prefetch`` (default: when pinned) one chunk is
+allocated ahead of need, on a background thread: the first at construction, the next whenever a
+chunk is first used; a chunk still being pinned when a copy needs it is waited for, never
+allocated twice. How it pins matters more than where (``benchmarks/bench_pin_stall.py`` on the
+H200, docs/PERFORMANCE.md "Pinning without stalls"): ``cudaHostAlloc`` (``torch.empty(...,
+pin_memory=True)``) of 256 MiB took 147 ms, and the loop's steps (0.14 ms alone) took up to 562 ms
+meanwhile, which put host hits' TTFT p99 at 181-253 ms on the working-set benchmark at ``deep``
+while their copies took 2-10 ms. So a chunk is pageable memory first, every page touched on the
+background thread (the page faults happen outside the driver), then registered with
+``cudaHostRegister``: 35 ms a chunk, the loop's longest step 15 ms.
 
 FP8 payloads are stored as ``uint8`` (their bytes): copies move bits, never values.
 
@@ -316,7 +320,12 @@ class HostPool:
         if self._pinner is not None:
             self._pinner.shutdown(wait=True)  # a chunk being pinned is finished, then dropped
             self._pinner = None
+        ahead = [f.result() for f in self._ahead.values() if f.exception() is None]
         self._ahead.clear()
+        if self.pin:
+            for chunk in [*self._chunks, *ahead]:
+                if chunk is not None:
+                    _unpin(chunk.raw)
         self._chunks = [None] * len(self._chunks)
         self._closed = True
         if self.pin and hasattr(torch._C, "_host_emptyCache"):
@@ -356,7 +365,8 @@ class HostPool:
     def _new_chunk(self, c: int) -> HostChunk:
         """Allocate chunk ``c``'s memory and views (no shared state: runs on either thread)."""
         n = min(self.chunk_pages, self.num_pages - c * self.chunk_pages)
-        raw = torch.empty((n, self.layout.row_bytes), dtype=torch.uint8, pin_memory=self.pin)
+        raw = _pinned_empty((n, self.layout.row_bytes)) if self.pin else torch.empty((n, self.layout.row_bytes),
+                                                                                     dtype=torch.uint8)
         views = list(self.layout.views(raw))
         if not self._scaled:
             views += [None, None]
@@ -382,6 +392,29 @@ class HostPool:
             del self._free_starts[i], self._free_stops[i]
         self._free_starts.insert(i, start)
         self._free_stops.insert(i, stop)
+
+
+def _pinned_empty(shape: tuple[int, int]) -> torch.Tensor:
+    """A uint8 host tensor of ``shape``, page-locked and registered with CUDA
+    (``cudaHostRegister``), its pages faulted in first (see the module docstring for why not
+    ``torch.empty(..., pin_memory=True)``). Released by :func:`_unpin` before it is freed.
+
+    Raises:
+        RuntimeError: registering failed (no CUDA driver, or the host refused to lock the memory).
+    """
+    raw = torch.empty(shape, dtype=torch.uint8)
+    raw.fill_(0)  # touch every page here, so the driver locks resident pages instead of faulting them
+    if raw.numel():
+        err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0))
+        if err:
+            raise RuntimeError(f"pinning {raw.numel()} bytes of host memory failed (cudaError {err})")
+    return raw
+
+
+def _unpin(raw: torch.Tensor) -> None:
+    """Undo :func:`_pinned_empty`'s registration (the memory is freed when ``raw`` goes)."""
+    if raw.numel():
+        torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
 
 
 def _ranges(sorted_ids: list[int]) -> list[tuple[int, int]]:

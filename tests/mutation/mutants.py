@@ -655,6 +655,22 @@ MUTANTS: list[Mutant] = [
         ("tests/test_host_tier_data.py::test_prefetch_pins_one_chunk_ahead_on_a_background_thread",),
     ),
     Mutant(
+        "host-pin-ahead-leaks",
+        "close() keeps a chunk pinned ahead of need and never used registered: its pinned memory is never given back",
+        "engine/cache/host_pool.py",
+        "            for chunk in [*self._chunks, *ahead]:\n",
+        "            for chunk in self._chunks:\n",
+        ("tests/test_host_tier_data.py::test_pinned_chunks_are_touched_registered_and_unregistered_at_close",),
+    ),
+    Mutant(
+        "host-pin-never-released",
+        "close() unregisters no chunk: pinned host memory stays locked after the engine closed",
+        "engine/cache/host_pool.py",
+        "        if self.pin:\n            for chunk in",
+        "        if False:\n            for chunk in",
+        ("tests/test_host_tier_data.py::test_pinned_chunks_are_touched_registered_and_unregistered_at_close",),
+    ),
+    Mutant(
         "restore-to-the-wrong-rows",
         "a restore scatters a page's layers into the wrong rows of the pool (a restored hit reads another page's KV)",
         "engine/cache/kv_transfer.py",
