@@ -8,6 +8,7 @@ and compare bits, every layer, K/V and scales; pages not restored into must be u
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import pytest
@@ -123,10 +124,14 @@ class FakeCudart:
 
     def __init__(self):
         self.registered: dict[int, int] = {}
-        self.touched_first: list[bool] = []
 
     def cudaHostRegister(self, ptr, size, flags):  # noqa: N802  (CUDA's name)
-        assert ptr not in self.registered
+        # CUDA locks the OS pages the range touches and refuses one that is locked already
+        # (cudaErrorHostMemoryAlreadyRegistered, 712)
+        pages = set(range(ptr // mmap.PAGESIZE, -(-(ptr + size) // mmap.PAGESIZE)))
+        if any(pages & set(range(p // mmap.PAGESIZE, -(-(p + n) // mmap.PAGESIZE)))
+               for p, n in self.registered.items()):
+            return 712
         self.registered[ptr] = size
         return 0
 
@@ -149,7 +154,14 @@ def test_pinned_chunks_are_touched_registered_and_unregistered_at_close(monkeypa
     host = HostPool(pool, 10, pin=True, chunk_pages=4, prefetch=False)
     pages = host.allocate(4)
     raw = host.chunk(0).raw
-    assert fake.registered == {raw.data_ptr(): raw.numel()} and raw.numel() == 4 * host.layout.row_bytes
+    # whole OS pages of its own: two small chunks on one heap page made CUDA refuse the second
+    page = mmap.PAGESIZE
+    assert raw.numel() == 4 * host.layout.row_bytes and raw.data_ptr() % page == 0
+    assert fake.registered == {raw.data_ptr(): -(-raw.numel() // page) * page}
+    other = HostPool(pool, 1, pin=True, prefetch=False)
+    other.allocate(1)
+    assert len(fake.registered) == 2  # the fake refuses a page registered twice, as CUDA does
+    other.close()
     assert pages == [0, 1, 2, 3]
     host.close()
     assert fake.registered == {}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import mmap
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -399,16 +400,27 @@ def _pinned_empty(shape: tuple[int, int]) -> torch.Tensor:
     (``cudaHostRegister``), its pages faulted in first (see the module docstring for why not
     ``torch.empty(..., pin_memory=True)``). Released by :func:`_unpin` before it is freed.
 
+    The driver locks whole OS pages and refuses a page that is registered already
+    (``cudaErrorHostMemoryAlreadyRegistered``): two small allocations of the heap can share a
+    page. So the tensor is a page-aligned view of a larger allocation whose registered pages
+    (its size rounded up to whole pages) belong to it alone.
+
     Raises:
         RuntimeError: registering failed (no CUDA driver, or the host refused to lock the memory).
     """
-    raw = torch.empty(shape, dtype=torch.uint8)
+    nbytes = math.prod(shape)
+    if not nbytes:
+        return torch.empty(shape, dtype=torch.uint8)
+    page = mmap.PAGESIZE
+    span = -(-nbytes // page) * page
+    base = torch.empty(span + page, dtype=torch.uint8)
+    offset = -base.data_ptr() % page
+    raw = base[offset:offset + span]
     raw.fill_(0)  # touch every page here, so the driver locks resident pages instead of faulting them
-    if raw.numel():
-        err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0))
-        if err:
-            raise RuntimeError(f"pinning {raw.numel()} bytes of host memory failed (cudaError {err})")
-    return raw
+    err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), span, 0))
+    if err:
+        raise RuntimeError(f"pinning {span} bytes of host memory failed (cudaError {err})")
+    return raw[:nbytes].view(shape)
 
 
 def _unpin(raw: torch.Tensor) -> None:
