@@ -1,7 +1,7 @@
 """Prism's inference engine for Qwen3-VL.
 
 Public API: :class:`Engine`, :class:`SamplingParams`, :class:`RequestHandle` (what
-``Engine.submit`` returns), :class:`Completion`, :class:`Telemetry` and the :class:`PrismError` family.
+``Engine.submit`` returns), :class:`WarmHandle` (what ``Engine.warm`` returns), :class:`Completion`, :class:`Telemetry` and the :class:`PrismError` family.
 """
 
 from .engine import Engine, EngineOptions, Forgotten
@@ -18,7 +18,7 @@ from .errors import (
     TensorParallelError,
 )
 from .inputs.prompts import media_first_messages
-from .serving.handle import RequestHandle
+from .serving.handle import RequestHandle, WarmHandle
 from .serving.outputs import Completion, Telemetry
 from .serving.sampling import SamplingParams
 
@@ -40,5 +40,6 @@ __all__ = [
     "SamplingParams",
     "Telemetry",
     "TensorParallelError",
+    "WarmHandle",
     "media_first_messages",
 ]

@@ -46,7 +46,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from .errors import EngineAbortedError, InvalidRequestError, PrismError
-from .serving.handle import OutputChannel, RequestHandle, is_final
+from .inputs.prompts import prefix_messages
+from .serving.handle import OutputChannel, RequestHandle, WarmHandle, is_final
 from .serving.outputs import Completion
 from .serving.sampling import SamplingParams
 
@@ -89,6 +90,16 @@ class EngineClient(abc.ABC):
         Raises:
             InvalidRequestError, InvalidImageError, InvalidVideoError, RequestTooLargeError,
             EngineOverloadedError, PrismError: as ``Engine.submit``, raised here as in-process.
+        """
+
+    @abc.abstractmethod
+    def warm(self, images, *, system: str | None = None, cache_salt: str | None = None):
+        """Build and cache the public prefix of questions about ``images`` ahead of the first (as
+        :meth:`engine.Engine.warm`): returns its :class:`~engine.serving.handle.WarmHandle`.
+
+        Raises:
+            InvalidRequestError, InvalidImageError, InvalidVideoError, RequestTooLargeError,
+            EngineOverloadedError, PrismError: as ``Engine.warm``, raised here as in-process.
         """
 
     @abc.abstractmethod
@@ -168,6 +179,9 @@ class InProcessClient(EngineClient):
 
     def submit(self, messages, sampling=None, *, cache_salt=None):
         return self.engine.submit(messages, sampling, cache_salt=cache_salt)
+
+    def warm(self, images, *, system=None, cache_salt=None):
+        return self.engine.warm(images, system=system, cache_salt=cache_salt)
 
     def cancel(self, handle, wait: bool = True) -> None:
         self.engine.cancel(handle, wait)
@@ -422,14 +436,16 @@ class _Core:
             except (EOFError, OSError):
                 break
             kind, cid = command[0], command[1]
-            if kind == "submit":
+            if kind in ("submit", "warm"):
                 _, _, rid, messages, sampling, salt, new = command
                 try:
                     messages = take_blobs(messages, new, self.keys, self.blobs)
                 except _MissingBlob as exc:
                     self.reply(cid, partial(_raise, exc))
                     continue
-                self.pool.submit(self.reply, cid, partial(self.submit, rid, messages, sampling, salt))
+                call = partial(self.submit, rid, messages, sampling, salt) if kind == "submit" else \
+                    partial(self.warm, rid, messages, salt)
+                self.pool.submit(self.reply, cid, call)
             elif kind == "cancel":
                 self.pool.submit(self.reply, cid, partial(self.cancel, *command[2:]))
             elif kind == "call":
@@ -454,6 +470,12 @@ class _Core:
         self.handles[rid] = handle
         asyncio.run_coroutine_threadsafe(self.forward(rid, handle), self.loop)
         return handle.prompt_tokens
+
+    def warm(self, rid: int, messages, salt) -> int:
+        warm = self.engine.warm_prefix(messages, cache_salt=salt)
+        self.handles[rid] = warm.handle
+        asyncio.run_coroutine_threadsafe(self.forward(rid, warm.handle), self.loop)
+        return warm.prefix_tokens
 
     def cancel(self, rid: int, wait: bool) -> None:
         handle = self.handles.get(rid)
@@ -590,19 +612,11 @@ class ProcessClient(EngineClient):
 
     # ------------------------------------------------------------------ the interface
     def submit(self, messages, sampling=None, *, cache_salt=None) -> RequestHandle:
-        rid, channel = next(self._ids), OutputChannel()
-        with self._lock:
-            self._channels[rid] = channel
-        try:
-            try:
-                prompt_tokens = self._submit(rid, messages, sampling, cache_salt, resend=False)
-            except _MissingBlob:  # the child's keys went another way: send every byte this time
-                prompt_tokens = self._submit(rid, messages, sampling, cache_salt, resend=True)
-        except BaseException:
-            with self._lock:
-                self._channels.pop(rid, None)
-            raise
-        return RequestHandle(rid, channel, partial(self._cancel, rid), prompt_tokens=prompt_tokens)
+        return self._open("submit", messages, sampling, cache_salt)
+
+    def warm(self, images, *, system=None, cache_salt=None) -> WarmHandle:
+        handle = self._open("warm", prefix_messages(images, system=system), None, cache_salt)
+        return WarmHandle(handle, handle.prompt_tokens)
 
     def cancel(self, handle, wait: bool = True) -> None:
         handle.cancel(wait)
@@ -650,10 +664,27 @@ class ProcessClient(EngineClient):
             self._reader.join(10)
 
     # ------------------------------------------------------------------ helpers
-    def _submit(self, rid, messages, sampling, salt, *, resend: bool) -> int:
+    def _open(self, kind: str, messages, sampling, salt) -> RequestHandle:
+        """Send a request (``kind`` ``"submit"``) or a warm (``"warm"``: the child replies with
+        the prefix length, which becomes the handle's ``prompt_tokens``) and make its handle."""
+        rid, channel = next(self._ids), OutputChannel()
+        with self._lock:
+            self._channels[rid] = channel
+        try:
+            try:
+                tokens = self._submit(rid, messages, sampling, salt, resend=False, kind=kind)
+            except _MissingBlob:  # the child's keys went another way: send every byte this time
+                tokens = self._submit(rid, messages, sampling, salt, resend=True, kind=kind)
+        except BaseException:
+            with self._lock:
+                self._channels.pop(rid, None)
+            raise
+        return RequestHandle(rid, channel, partial(self._cancel, rid), prompt_tokens=tokens)
+
+    def _submit(self, rid, messages, sampling, salt, *, resend: bool, kind: str = "submit") -> int:
         with self._send_lock:
             sent, new = send_blobs(messages, self._keys, salt=salt or "", resend=resend)
-            future = self._request("submit", (rid, sent, sampling, salt, new), locked=True)
+            future = self._request(kind, (rid, sent, sampling, salt, new), locked=True)
         try:
             return future.result()
         except _MissingBlob as exc:

@@ -34,7 +34,7 @@ from .cache.vision_cache import VisionCache
 from .errors import InvalidRequestError, PrismError
 from .graphs.capture import capture_step_graphs, graphs_supported
 from .graphs.vision import VisionGraphs
-from .inputs.prompts import Prompt, PromptBuilder
+from .inputs.prompts import Prompt, PromptBuilder, prefix_messages
 from .inputs.uploads import UPLOADS
 from .inputs.vision_features import VisionLookup
 from .model.config import ModelConfig
@@ -42,7 +42,7 @@ from .model.hub import resolve_checkpoint
 from .model.qwen3_vl import Qwen3VL, eos_token_ids, load_model
 from .model.vision import EncodeCounter, VisionFeatures
 from .options import EngineOptions, pick_device, pick_dtype
-from .serving.handle import RequestHandle
+from .serving.handle import RequestHandle, WarmHandle
 from .serving.intake import Intake
 from .serving.loop import EngineLoop
 from .serving.outputs import Completion
@@ -336,6 +336,57 @@ class Engine:
         self.loop.submit(req)
         return RequestHandle(req.id, req.outbox, functools.partial(self.loop.cancel, req),
                              prompt_tokens=req.num_prompt, request=req)
+
+    def warm(self, images, *, system: str | None = None, cache_salt: str | None = None) -> WarmHandle:
+        """Build and cache the public prefix that every question about ``images`` attaches, before
+        the first question comes (the app calls it when a chat's images change).
+
+        The prefix is that of :func:`~engine.inputs.prompts.media_first_messages` ``(images,
+        question, system=system)`` for any question: the images preprocessed, encoded (vision
+        tower and DeepStack) and prefilled up to the last image's ``<|vision_end|>``; nothing is
+        sampled. A warm runs below every question (docs/ARCHITECTURE.md, "Warms"): it takes only
+        free pages or those of entries nobody hit, is the first to give its pages up, and is
+        dropped when there is no room (its ``result()`` raises EngineOverloadedError). A question
+        sent while the warm computes waits for it and hits its prefix (``Telemetry.warmed`` on the
+        first that attaches it). Warming a cached prefix (on the GPU or in the host tier) ends at
+        once.
+
+        Args:
+            images: as :func:`~engine.inputs.prompts.media_first_messages` takes them (image
+                sources, image parts with a ``sha256``, ``{"video": ...}`` parts), in order.
+            system: the system message the questions will carry, if any.
+            cache_salt: the chat session (as :meth:`generate`).
+
+        Returns:
+            a :class:`~engine.serving.handle.WarmHandle`: ``result(timeout)`` gives the prefix
+            length in tokens once it is cached, ``cancel()`` stops it and frees its pages.
+
+        Raises:
+            InvalidRequestError: no images, malformed parts, or prefix caching off.
+            InvalidImageError, InvalidVideoError: an image or clip cannot be used.
+            RequestTooLargeError: a question after this prefix would not fit the engine's limit.
+            EngineOverloadedError: the waiting queue is full.
+            PrismError: the engine is closed.
+        """
+        return self.warm_prefix(prefix_messages(images, system=system), cache_salt=cache_salt)
+
+    def warm_prefix(self, messages, *, cache_salt: str | None = None) -> WarmHandle:
+        """:meth:`warm` for the public prefix of ``messages`` (everything up to the last image's
+        or video's ``<|vision_end|>``; what follows is not computed): the form the engine core in
+        another process receives. Raises: as :meth:`warm`."""
+        intake = self.intake
+        if self.loop.closed or intake is None:
+            raise PrismError("engine is closed")
+        if self.parallel is not None:
+            self.parallel.check()
+        salt = self.options.salt(cache_salt)
+        submitted = time.perf_counter()
+        prompt = self.prompts.build(messages, salt)
+        req = intake.warm_request(prompt, salt, submitted)
+        self.loop.submit(req)
+        handle = RequestHandle(req.id, req.outbox, functools.partial(self.loop.cancel, req),
+                               prompt_tokens=req.num_prompt, request=req)
+        return WarmHandle(handle, prompt.prefix_len)
 
     def cancel(self, handle: RequestHandle, wait: bool = True) -> None:
         """Stop the request of ``handle`` (what :meth:`submit` returned); its KV pages are freed

@@ -400,10 +400,11 @@ def _pinned_empty(shape: tuple[int, int]) -> torch.Tensor:
     (``cudaHostRegister``), its pages faulted in first (see the module docstring for why not
     ``torch.empty(..., pin_memory=True)``). Released by :func:`_unpin` before it is freed.
 
-    The driver locks whole OS pages and refuses a page that is registered already
-    (``cudaErrorHostMemoryAlreadyRegistered``): two small allocations of the heap can share a
-    page. So the tensor is a page-aligned view of a larger allocation whose registered pages
-    (its size rounded up to whole pages) belong to it alone.
+    The memory is an anonymous mapping of its own (``mmap``), whole OS pages from its first byte:
+    the driver locks whole pages and refuses one registered already
+    (``cudaErrorHostMemoryAlreadyRegistered``), which two small heap allocations sharing a page
+    ran into; and torch sees the tensor's storage as pinned (``is_pinned``) only when the storage
+    starts where the registration does.
 
     Raises:
         RuntimeError: registering failed (no CUDA driver, or the host refused to lock the memory).
@@ -411,11 +412,8 @@ def _pinned_empty(shape: tuple[int, int]) -> torch.Tensor:
     nbytes = math.prod(shape)
     if not nbytes:
         return torch.empty(shape, dtype=torch.uint8)
-    page = mmap.PAGESIZE
-    span = -(-nbytes // page) * page
-    base = torch.empty(span + page, dtype=torch.uint8)
-    offset = -base.data_ptr() % page
-    raw = base[offset:offset + span]
+    span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    raw = torch.frombuffer(mmap.mmap(-1, span), dtype=torch.uint8)  # the tensor keeps the mapping alive
     raw.fill_(0)  # touch every page here, so the driver locks resident pages instead of faulting them
     err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), span, 0))
     if err:

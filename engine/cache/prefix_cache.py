@@ -123,6 +123,8 @@ class PrefixEntry:
             extensions always share one tier (they move together).
         host_pages: its block table in the host tier while it is there (one host reference each).
         restore_ms, restored_pages: the copy that last brought it back from the host tier.
+        warmed: built by a warm (``Engine.warm``) and not attached by a request since: the first
+            request that attaches it reports ``Telemetry.warmed`` and clears it.
     """
 
     key: str
@@ -147,6 +149,7 @@ class PrefixEntry:
     host_pages: list[int] = field(default_factory=list)
     restore_ms: float = 0.0
     restored_pages: int = 0
+    warmed: bool = False
 
     @property
     def base(self) -> PrefixEntry:
@@ -434,6 +437,18 @@ class PrefixCache:
         """The first entry of :meth:`evictable` among ``kinds`` (0: prefixes, 1: extensions) on the
         GPU, from the eviction index (left queued); None when none may go."""
         return self._first_evictable(kinds)
+
+    def evict_unhit(self, pages_needed: int) -> bool:
+        """Evict idle GPU entries that no request ever hit, least value first, until
+        ``pages_needed`` pages are free: the only pages a warm may take beyond free ones (a warmed
+        prefix is such an entry itself). Stops at the first entry in eviction order with a hit;
+        never compacts or offloads. Returns whether the pages are free."""
+        while self.pool.num_free < pages_needed:
+            victim = self._first_evictable((0, 1))
+            if victim is None or victim.hits > 0:
+                return False
+            self.evict(victim)
+        return True
 
     def room_pending(self, pages_needed: int) -> bool:
         """Whether ``pages_needed`` pages are not free now but will be once the offloads in flight

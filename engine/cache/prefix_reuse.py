@@ -69,6 +69,7 @@ class CachingRequest(Protocol):
     attached: PrefixEntry | None
     cold_prefix: bool
     restoring: PrefixEntry | None
+    warm: bool
 
     @property
     def kv_len(self) -> int: ...
@@ -281,6 +282,8 @@ class PrefixReuse:
         tel.prefix_pages = self.pool.pages_for(entry.prefix_len - entry.kv_offset)
         tel.prefix_pages_dense = entry.dense_pages
         tel.prefix_form = "compact" if entry.compact else "dense"
+        if base.warmed and not tel.preempted:
+            tel.warmed, base.warmed = True, False
 
     def detach(self, entry: PrefixEntry) -> None:
         """A request no longer uses ``entry``, which it attached (its page references are its own
@@ -326,6 +329,7 @@ class PrefixReuse:
             method = None if dense else self.compaction.method
             entry.record_kept(KeptTokens(kept, method, self.compaction.keep_ratio if method else 1.0))
             entry.scores = scores
+            entry.warmed = req.warm
             entry.users += 1
         return Compacted(table, n - k, entry)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +86,13 @@ class ProcessedImages:
             and half the bytes to cache and to copy there in bfloat16.
         cache_bytes: bound of the cache (patch tensor bytes).
 
-    Counters: ``cache_hits`` (images taken from the cache), ``cache_mismatches`` (cached PIL
-    images refused because their size or grid did not match the image given).
+    Concurrent requests about the same image of one salt (eight first questions sent at once, or a
+    question beside the app's warm at upload) process it once: the first processes it, the others
+    wait for its result (an error included) instead of processing it again.
+
+    Counters: ``cache_hits`` (images taken from the cache, or from another request's processing of
+    it in flight), ``cache_mismatches`` (cached PIL images refused because their size or grid did
+    not match the image given), ``processed`` (images opened and processed).
     """
 
     def __init__(self, image_processor, *, size: dict, image_options: ImageOptions,
@@ -101,7 +106,9 @@ class ProcessedImages:
         self._cached_bytes = 0
         self.cache_hits = 0
         self.cache_mismatches = 0
+        self.processed = 0
         self._lock = threading.Lock()  # prompts are built in every caller's thread
+        self._in_flight: dict[tuple[str, str], Future] = {}  # (salt, key) being processed by some thread
 
     @property
     def cache_entries(self) -> int:
@@ -165,9 +172,41 @@ class ProcessedImages:
         for source, item in zip(sources, found, strict=True):
             if item is None:
                 todo.setdefault((id(source.src), source.claim), source)
-        done = dict(zip(todo, _side_by_side(lambda source: self._process(source, salt), list(todo.values())),
+        done = dict(zip(todo, _side_by_side(lambda source: self._process_once(source, salt), list(todo.values())),
                         strict=True))
         return [item or done[(id(s.src), s.claim)] for s, item in zip(sources, found, strict=True)]
+
+    def _process_once(self, source: Source, salt: str) -> ProcessedImage:
+        """:meth:`_process`, or the result of the thread processing the same image of the same salt
+        now. An image without a key is processed every time. When the other thread fails (its
+        bytes did not match the digest it claimed, say), this one processes its own image: one
+        request's bad input never fails another's."""
+        if source.key is None:
+            return self._process(source, salt)
+        key = (salt, source.key if source.claim is None else "claim:" + source.claim)
+        with self._lock:
+            running = self._in_flight.get(key)
+            if running is None:
+                mine = self._in_flight[key] = Future()
+        if running is not None:
+            try:
+                item = running.result()
+            except Exception:
+                return self._process(source, salt)
+            with self._lock:
+                self.cache_hits += 1
+            return item
+        try:
+            item = self._process(source, salt)
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        else:
+            mine.set_result(item)
+            return item
+        finally:
+            with self._lock:
+                del self._in_flight[key]
 
     def _cached(self, salt: str, source: Source) -> ProcessedImage | None:
         """The salt's processed image for ``source``, or None. A PIL image's entry must match its
@@ -235,6 +274,8 @@ class ProcessedImages:
         return image, key, image_sha256(image)
 
     def _process(self, source: Source, salt: str) -> ProcessedImage:
+        with self._lock:
+            self.processed += 1
         image, key, sha = self.open(source, salt)
         out = self.image_processor(images=[image], size=self.size, return_tensors="pt")
         grid = tuple(out["image_grid_thw"][0].tolist())

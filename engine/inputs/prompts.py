@@ -559,3 +559,16 @@ def media_first_messages(images, question: str, history=None, *, system: str | N
         messages.append({"role": "assistant", "content": answer})
         messages.append({"role": "user", "content": f"Question: {q}"})
     return messages
+
+
+#: The question :func:`prefix_messages` puts after the images: the prefix's tokens do not depend on
+#: it (the prefix ends at the last image's ``<|vision_end|>``, a special token), and a warm never
+#: computes it.
+PLACEHOLDER_QUESTION = "?"
+
+
+def prefix_messages(images, *, system: str | None = None) -> list[dict]:
+    """Messages whose public prefix is the one :func:`media_first_messages` ``(images, question,
+    system=system)`` has for every question: what a warm (``Engine.warm``) builds. ``images`` and
+    ``system`` as there."""
+    return media_first_messages(images, PLACEHOLDER_QUESTION, system=system)

@@ -5,7 +5,8 @@ The loop thread (or, with the core in its own process, the thread that reads the
 exception it failed with, into its :class:`OutputChannel`. The caller reads them through a
 :class:`RequestHandle`, from a thread (``for item in handle``) or from an asyncio event loop
 (``async for item in handle``) without polling: ``put`` wakes a blocked thread and schedules the
-awaiting coroutine on its own event loop.
+awaiting coroutine on its own event loop. A warm (``Engine.warm``) is a request too: its
+:class:`WarmHandle` wraps a :class:`RequestHandle` and reads the prefix length as its result.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from ..errors import PrismError
 from .outputs import Completion
 
 #: What a channel carries: a text delta, the final completion, or the error the request failed with.
@@ -208,3 +210,46 @@ class RequestHandle:
         if isinstance(self._final, BaseException):
             raise self._final
         return self._final
+
+
+class WarmHandle:
+    """A warm in progress (returned by :meth:`engine.Engine.warm`): a session's public prefix being
+    built ahead of its first question.
+
+    Args:
+        handle: the warm request's :class:`RequestHandle` (its completion carries no text).
+        prefix_tokens: the prefix's length in tokens (visual placeholders included).
+
+    Attributes:
+        id, prefix_tokens: the request's id and the prefix's length.
+        handle: as given (the engine core forwards its outputs like any request's).
+    """
+
+    def __init__(self, handle: RequestHandle, prefix_tokens: int):
+        self.handle = handle
+        self.id = handle.id
+        self.prefix_tokens = prefix_tokens
+
+    @property
+    def done(self) -> bool:
+        """Whether its outcome (cached, cancelled or an error) has been read."""
+        return self.handle.done
+
+    def result(self, timeout: float | None = None) -> int:
+        """Wait until the prefix is cached; returns its length in tokens (at once when it was
+        cached before the warm was asked for).
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds (the warm goes on).
+            PrismError: the warm was cancelled or dropped (``EngineOverloadedError``: no room for it),
+                or failed as the question would (the images could not be encoded, the engine closed).
+        """
+        done = self.handle.result(timeout)
+        if done.finish_reason == "cancelled":
+            raise PrismError("the warm was cancelled before its prefix was cached")
+        return self.prefix_tokens
+
+    def cancel(self, wait: bool = True) -> None:
+        """Stop the warm and free its pages (a prefix it cached already stays cached). With
+        ``wait``, returns once they are free; harmless after the end."""
+        self.handle.cancel(wait)

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 from ..cache.prefix_reuse import PrefixReuse
-from ..errors import RequestTooLargeError
+from ..errors import InvalidRequestError, RequestTooLargeError
 from ..inputs.prompts import Prompt
 from .detokenize import TextStream
 from .request import Request
@@ -56,6 +56,24 @@ class Intake:
         req.salt = salt
         if self.reuse is not None:
             req.prefix_key = self.reuse.key(prompt, salt)
+        return req
+
+    def warm_request(self, prompt: Prompt, salt: str, submitted: float) -> Request:
+        """A warm for ``prompt``'s public prefix (a media-first prompt whose question is a
+        placeholder): it computes the prefix only, samples nothing, and ends once the prefix is
+        cached (:class:`~engine.serving.scheduler.Scheduler`).
+
+        Raises:
+            InvalidRequestError: prefix caching is off, or the prompt has no image or video.
+            RequestTooLargeError: a question after this prefix would leave no room to generate.
+        """
+        if self.reuse is None:
+            raise InvalidRequestError("the prefix cache is off in this engine: there is nothing to warm")
+        if prompt.prefix_len == 0:
+            raise InvalidRequestError("nothing to warm: the images are missing (a warm needs at least one image "
+                                      "or video)")
+        req = self.request(prompt, SamplingParams(max_tokens=1), salt, submitted)
+        req.warm = True
         return req
 
     def fitted(self, prompt: Prompt, sampling: SamplingParams) -> SamplingParams:

@@ -18,6 +18,7 @@ timings in its output; what a prefix hit reused is reported by the prefix cache,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -106,7 +107,7 @@ class EngineLoop:
             if self._stopping:
                 raise PrismError("engine is closed")
             limit = self.scheduler.config.max_waiting
-            if len(self._inbox) + len(self.scheduler.waiting) >= limit:
+            if len(self._inbox) + len(self.scheduler.waiting) + len(self.scheduler.warming) >= limit:
                 raise EngineOverloadedError(f"Prism is busy: {limit} requests are already waiting. Try again shortly.")
             self._inbox.append(req)
             self._cv.notify()
@@ -133,10 +134,14 @@ class EngineLoop:
 
     def counters(self) -> dict:
         """The loop's part of :meth:`Engine.stats() <engine.Engine.stats>`: running and waiting
-        requests (the inbox counts as waiting), steps run, tokens generated."""
+        requests (the inbox counts as waiting; warms are counted apart: ``warms_waiting``), steps
+        run, tokens generated, and the warms' counters
+        (:class:`~engine.serving.scheduler.WarmStats`)."""
         with self._cv:
-            return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting) + len(self._inbox),
-                    "steps": self.steps, "tokens_generated": self.tokens_generated}
+            s = self.scheduler
+            return {"running": len(s.running), "waiting": len(s.waiting) + sum(not r.warm for r in self._inbox),
+                    "warms_waiting": len(s.warming) + sum(r.warm for r in self._inbox),
+                    "steps": self.steps, "tokens_generated": self.tokens_generated, **dataclasses.asdict(s.warm_stats)}
 
     def close(self) -> bool:
         """Stop the loop (running requests fail with PrismError), wait for its thread and drop the
@@ -172,6 +177,7 @@ class EngineLoop:
             # scheduling evicts and attaches cache entries: never beside stats() or a clear
             plan = self.scheduler.schedule()
             self._note_scheduled(plan)
+            self._settle()  # warms found cached or dropped while scheduling end now, steps or not
         if plan.is_empty():
             return False
         try:
@@ -202,7 +208,7 @@ class EngineLoop:
         """Take the inbox (each request's prefix is looked up here) and the cancellations. Holds
         the lock."""
         for req in self._inbox:
-            if self.reuse is not None:
+            if self.reuse is not None and not req.warm:  # a warm asks nothing of the cache yet
                 self.reuse.look_up(req)
             self.scheduler.add(req)
         self._inbox.clear()
@@ -220,8 +226,7 @@ class EngineLoop:
             self.steps += 1
         self._note_step(plan, output)
         sampled = self.scheduler.update(plan, output)
-        for req, exc in self.scheduler.take_failures():
-            self._finish(req, exc)
+        self._settle()
         for req_id, exc in output.failed.items():
             req = self.scheduler.request(req_id)
             if req is not None:
@@ -233,6 +238,14 @@ class EngineLoop:
                 req.first_token_at = now
                 req.telemetry.ttft_ms = (now - req.submitted) * 1e3
         return sampled
+
+    def _settle(self) -> None:
+        """Finish what the scheduler set aside: requests that failed outside a step, and warms
+        that are done (cached by them, found cached, or dropped). Holds the lock."""
+        for req, exc in self.scheduler.take_failures():
+            self._finish(req, exc)
+        for req, reason in self.scheduler.take_warmed():
+            self._finish(req, None, reason)
 
     def _deliver(self, req: Request, token: int) -> str | None:
         """Stream ``token`` of ``req`` (already appended to its tokens); the finish reason when it
@@ -331,6 +344,8 @@ class EngineLoop:
             return
         if req.cancelled and reason is None:
             reason = "cancelled"  # a partial answer, for a reader other than the canceller
+            if req.warm:
+                self.scheduler.warm_stats.warms_cancelled += 1
         tail = req.stream.finish()
         if tail:
             req.outbox.put(tail)

@@ -43,6 +43,8 @@ class Telemetry:
         restore_ms: time the host-to-GPU copy of that entry took (0 unless ``prefix_tier`` is
             ``"host"``; not part of ``prefill_ms``).
         restored_pages: KV pages that copy brought back (0 unless restored).
+        warmed: the request is the first to attach a prefix that a warm built (``Engine.warm``,
+            e.g. the app's warm at upload); False for every later request on that prefix.
     """
 
     prompt_tokens: int = 0
@@ -70,6 +72,7 @@ class Telemetry:
     prefix_tier: str | None = None
     restore_ms: float = 0.0
     restored_pages: int = 0
+    warmed: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -65,6 +65,7 @@ class Request:
     cold_prefix: bool = False  # computing its public prefix: compact and cache it at the boundary
     restoring: PrefixEntry | None = None  # the entry it ordered back from the host tier, kept from moving meanwhile
     kv_offset: int = 0  # logical tokens removed by compaction (physical = logical - kv_offset)
+    warm: bool = False  # builds its public prefix only (Engine.warm): never samples, finishes when cached
 
     def __post_init__(self):
         self.tokens = list(self.prompt.input_ids)

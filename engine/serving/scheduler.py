@@ -27,6 +27,16 @@ step, and a request whose entry is being restored, or whose prefix another reque
 now, waits while the requests behind it are admitted past it (then attaches it: one computation,
 one copy). See docs/ARCHITECTURE.md, "Reclaiming KV pages".
 
+Warms (``Engine.warm``: a session's public prefix built before its first question) sit below
+everything else: they wait in a queue of their own, outside the arrival order of questions, and
+are admitted only when no question is left waiting for pages; their prefill chunks take what the
+step's budget leaves, at most ``max_warm_tokens`` a step and no more than ``max_warm_images`` new
+images (the vision encoder runs inside the step); at most ``max_warms_running`` run at once. A
+warm takes only free pages, or the pages of idle entries no request ever hit (a warmed prefix is
+one): it never compacts, offloads or evicts anything of more value, never preempts, and is the
+first preempted when a question needs its pages (it goes back to its queue). A question whose
+prefix a warm is computing waits for it and hits it, as for any computation in flight.
+
 The scheduler is the one writer of request state (``num_computed``, ``block_table``, ``status``,
 ``kv_offset``, the attached entry): :meth:`Scheduler.schedule` returns a
 :class:`~engine.serving.plan.StepPlan` (data, no live requests), the runner executes it, and
@@ -44,7 +54,7 @@ from dataclasses import dataclass, field
 
 from ..cache.kv_pool import PagePool
 from ..cache.prefix_reuse import PrefixReuse
-from ..errors import PrismError
+from ..errors import EngineOverloadedError, PrismError
 from .plan import NewRequest, ScheduledRun, StepOutput, StepPlan
 from .request import Request, Status
 
@@ -56,12 +66,36 @@ class SchedulerConfig:
     Attributes:
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most tokens (prefill + decode) computed in one step.
-        max_waiting: most requests waiting; more are refused with EngineOverloadedError.
+        max_waiting: most requests waiting (warms included); more are refused with
+            EngineOverloadedError.
+        max_warm_tokens: most prefill tokens of warms in one step. At the 8B shape on the H200 a
+            decode step is ~6 ms and 256 prefill tokens add a few ms to the steps a warm shares with
+            running streams (docs/PERFORMANCE.md, "Warm at upload").
+        max_warm_images: most images (or videos) a step's warm chunks reach for the first time, so
+            encode: the encoder runs inside the step (~3 ms an image at the 8B shape). 0: no bound.
+        max_warms_running: most warms holding pages at once.
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256
+    max_warm_tokens: int = 256
+    max_warm_images: int = 1
+    max_warms_running: int = 2
+
+
+@dataclass
+class WarmStats:
+    """Counters of warms (``Engine.stats()``): ``warms`` taken, ``warms_computed`` (their prefix
+    built and cached), ``warms_cached`` (cached already, or built by another request meanwhile:
+    nothing computed), ``warms_cancelled``, ``warms_dropped`` (no room, and nothing running that
+    could free some)."""
+
+    warms: int = 0
+    warms_computed: int = 0
+    warms_cached: int = 0
+    warms_cancelled: int = 0
+    warms_dropped: int = 0
 
 
 class _Admission(enum.Enum):
@@ -94,14 +128,18 @@ class Scheduler:
         self.config = config
         self.reuse = reuse
         self.waiting: deque[Request] = deque()
+        self.warming: deque[Request] = deque()  # warms not admitted yet, in their own order
         self.running: list[Request] = []
+        self.warm_stats = WarmStats()
+        self._warmed: list[tuple[Request, str]] = []  # warms done, with their reason, for the loop to finish
+        self._warms_preempted: list[int] = []  # warms that gave their pages to a question, for the plan
         self._requests: dict[int, Request] = {}  # every request added and not finished, by id
         self._known: set[int] = set()  # ids the runner was sent (NewRequest) and still holds
         self._ended: list[int] = []  # of those, the ones finished since the last plan
         self._failures: list[tuple[Request, Exception]] = []  # to be finished with an error by the loop
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.warming)
 
     def has_news(self) -> bool:
         """Whether the next plan has something for the runner even without work: requests that
@@ -118,7 +156,17 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self._requests[request.id] = request
-        self.waiting.append(request)
+        if request.warm:
+            self.warm_stats.warms += 1
+            self.warming.append(request)
+        else:
+            self.waiting.append(request)
+
+    def take_warmed(self) -> list[tuple[Request, str]]:
+        """Warms that are done, each with its finish reason (``"warmed"``: this warm cached the
+        prefix; ``"cached"``: it was cached already), for the loop to finish; the list is emptied."""
+        warmed, self._warmed = self._warmed, []
+        return warmed
 
     def request(self, req_id: int) -> Request | None:
         """The request of ``req_id`` while it is queued or running (None once finished)."""
@@ -131,7 +179,7 @@ class Scheduler:
         draft = _Draft()
         budget = self.config.max_num_batched_tokens
         for req in list(self.running):
-            if req.status is not Status.RUNNING or req.is_prefilling or budget <= 0:
+            if req.status is not Status.RUNNING or req.is_prefilling or req.warm or budget <= 0:
                 continue
             if self._grow(req, len(req.tokens), draft):
                 draft.items.append((req, 1))
@@ -139,20 +187,25 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status is Status.RUNNING and req.is_prefilling:
+            if req.status is Status.RUNNING and req.is_prefilling and not req.warm:
                 n = self._prefill_chunk(req, budget, draft)
                 if n:
                     draft.items.append((req, n))
                     budget -= n
         self._restored_first()
         passed: list[Request] = []  # waiting for a copy or a computation in flight: others go past
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        blocked = False  # a question waits for pages (or a free slot): warms wait too
+        while self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                blocked = True
+                break
             req = self.waiting[0]
             admission = self._admit(req)
             if admission is _Admission.IN_FLIGHT:
                 passed.append(self.waiting.popleft())
                 continue
             if admission is _Admission.NO_PAGES:
+                blocked = True
                 break  # admit in arrival order only; wait for pages
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -162,6 +215,8 @@ class Scheduler:
                 draft.items.append((req, n))
                 budget -= n
         self.waiting.extendleft(reversed(passed))
+        if self.reuse is not None and not blocked and budget > 0:
+            self._schedule_warms(draft, budget)
         for req, _ in draft.items:
             req.max_pages_held = max(req.max_pages_held, len(req.block_table))
         if self.reuse is not None:
@@ -169,8 +224,8 @@ class Scheduler:
         return self._plan(draft)
 
     def _plan(self, draft: _Draft) -> StepPlan:
-        plan = StepPlan(finished=self._ended, preempted=[r.id for r in draft.preempted])
-        self._ended = []
+        plan = StepPlan(finished=self._ended, preempted=[r.id for r in draft.preempted] + self._warms_preempted)
+        self._ended, self._warms_preempted = [], []
         needs_scores = self.reuse is not None and self.reuse.needs_scores
         for req, n in draft.items:
             start = req.num_computed
@@ -210,6 +265,9 @@ class Scheduler:
                     kept = self.reuse.compact_and_cache(req, output.scores.get(req.id))
                     req.block_table, req.kv_offset, req.attached = kept.block_table, kept.kv_offset, kept.entry
                     req.cold_prefix = False
+                    if req.warm:
+                        self.warm_stats.warms_computed += 1
+                        self._warmed.append((req, "warmed"))
         sampled = []
         for req in done:
             token = output.sampled.get(req.id)
@@ -217,6 +275,86 @@ class Scheduler:
                 req.tokens.append(token)
                 sampled.append((req, token))
         return sampled
+
+    # ------------------------------------------------------------------ warms
+    def _schedule_warms(self, draft: _Draft, budget: int) -> None:
+        """Give warms what the step left: running warms' next chunks first, then new warms
+        admitted from their queue (see the module docstring for the bounds)."""
+        cap = min(budget, self.config.max_warm_tokens)
+        for req in [r for r in self.running if r.warm and r.status is Status.RUNNING]:
+            if cap <= 0:
+                return
+            n = self._warm_chunk(req, cap)
+            if self._grow_warm(req, req.num_computed + n):
+                draft.items.append((req, n))
+                cap -= n
+            elif not self._anything_frees_pages():
+                self._drop_warm(req)  # it holds pages only it waits on: give them back
+        passed: list[Request] = []
+        while self.warming and cap > 0 and len(self.running) < self.config.max_num_seqs:
+            if sum(r.warm for r in self.running) >= self.config.max_warms_running:
+                break
+            req = self.warming.popleft()
+            if self.reuse.waits(req):  # a question (or another warm) computes it right now
+                passed.append(req)
+                continue
+            if self.reuse.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len) is not None:
+                self._requests.pop(req.id, None)
+                self.warm_stats.warms_cached += 1
+                self._warmed.append((req, "cached"))
+                continue
+            n = self._warm_chunk(req, cap)
+            if not self._grow_warm(req, n):
+                if not self._anything_frees_pages():
+                    self._drop_warm(req)
+                    continue
+                self.warming.appendleft(req)
+                break
+            req.status = Status.RUNNING
+            req.cold_prefix = True
+            self.reuse.begin_compute(req)
+            self.running.append(req)
+            draft.items.append((req, n))
+            cap -= n
+        self.warming.extendleft(reversed(passed))
+
+    def _warm_chunk(self, req: Request, cap: int) -> int:
+        """Tokens of a warm's next chunk: up to its prefix boundary, at most ``cap``, stopping
+        before the image past the first ``max_warm_images`` it would reach for the first time."""
+        start = req.num_computed
+        n = min(req.prompt.prefix_len - start, cap)
+        bound = self.config.max_warm_images
+        if bound:
+            firsts = {}
+            for span in req.prompt.spans:  # an item's first span (a video has one per frame)
+                firsts.setdefault((span.kind, span.item), span.start)
+            new = sorted(s for s in firsts.values() if start <= s < start + n)
+            if len(new) > bound:
+                n = new[bound] - start
+        return n
+
+    def _grow_warm(self, req: Request, num_tokens: int) -> bool:
+        """Pages for a warm's first ``num_tokens`` tokens: free ones, or those of idle entries
+        nobody ever hit (:meth:`PrefixCache.evict_unhit`); never anything else. Whether it got them."""
+        need = self.pool.pages_for(num_tokens - req.kv_offset) - len(req.block_table)
+        if need <= 0:
+            return True
+        if self.pool.num_free < need and not self.reuse.cache.evict_unhit(need):
+            return False
+        req.block_table += self.pool.allocate(need)
+        return True
+
+    def _anything_frees_pages(self) -> bool:
+        """Whether pages will come free without a warm's help: a question runs, or copies between
+        the KV tiers are in flight. (Questions waiting on the warm's own prefix free nothing.)"""
+        return any(not r.warm for r in self.running) or bool(self.reuse.cache.in_flight)
+
+    def _drop_warm(self, req: Request) -> None:
+        """Give a warm up (its pages freed): there is no room for it and nothing will make some."""
+        self.warm_stats.warms_dropped += 1
+        self._failures.append((req, EngineOverloadedError(
+            "no KV memory is free to prepare these images ahead of a question; they are processed "
+            "with the first question instead")))
 
     def _restored_first(self) -> None:
         """A waiting request whose restore has landed goes to the front of the queue: its family
@@ -311,9 +449,19 @@ class Scheduler:
         return _Admission.ADMITTED
 
     def _free_pages(self, n: int) -> bool:
+        """Whether ``n`` pages are free, after reclaiming cache pages and then preempting running
+        warms (newest first: a warm is below every question) if needed."""
         if self.pool.num_free >= n:
             return True
-        return self.reuse is not None and self.reuse.make_room(n)
+        if self.reuse is not None and self.reuse.make_room(n):
+            return True
+        while self.pool.num_free < n:
+            warm = next((r for r in reversed(self.running) if r.warm), None)
+            if warm is None:
+                return False
+            self.preempt(warm)
+            self._warms_preempted.append(warm.id)
+        return True
 
     def _room_pending(self, n: int) -> bool:
         """Whether ``n`` pages will be free once the offloads in flight land (wait, do not preempt)."""
@@ -362,7 +510,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.telemetry.preempted += 1
         self.running.remove(req)
-        self.waiting.appendleft(req)
+        (self.warming if req.warm else self.waiting).appendleft(req)
 
     def finish(self, req: Request) -> None:
         """Remove a finished or cancelled request and free its pages (the next plan tells the
@@ -371,6 +519,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.warming:
+            self.warming.remove(req)
         self._detach(req)
         req.status = Status.FINISHED
         self._requests.pop(req.id, None)
