@@ -1,7 +1,8 @@
 """Prism's inference engine for Qwen3-VL.
 
 Public API: :class:`Engine`, :class:`SamplingParams`, :class:`RequestHandle` (what
-``Engine.submit`` returns), :class:`WarmHandle` (what ``Engine.warm`` returns), :class:`Completion`, :class:`Telemetry` and the :class:`PrismError` family.
+``Engine.submit`` returns), :class:`WarmHandle` (what ``Engine.warm`` returns),
+:class:`Completion`, :class:`Telemetry` and the :class:`PrismError` family.
 """
 
 from .engine import Engine, EngineOptions, Forgotten

@@ -102,6 +102,28 @@ def test_an_image_is_sent_once_then_named_by_its_key_and_the_second_question_hit
     assert second.token_ids == first.token_ids
 
 
+def test_a_warm_in_the_child_makes_the_first_question_a_warmed_hit(core, local):
+    """``ProcessClient.warm``: the images cross once (the question then names them by key), the
+    child builds the prefix, and the first question hits it, as in-process."""
+    image = noise_png(5, size=(200, 160))
+    recorder = SentBytes(core._conn)
+    core._conn = recorder
+    try:
+        warm = core.warm([image], cache_salt="warm")
+        assert warm.result(60) == warm.prefix_tokens > 0
+        first = core.generate(media_first_messages([image], "Describe it."), GREEDY, cache_salt="warm")
+    finally:
+        core._conn = recorder.conn
+    sizes = dict(recorder.sizes)
+    assert sizes["warm"] > len(image) > 20 * sizes["submit"]
+    assert (first.telemetry.prefix_cache, first.telemetry.warmed) == ("hit", True)
+    assert first.token_ids == local.generate(media_first_messages([image], "Describe it."), GREEDY,
+                                             cache_salt="warm-local").token_ids
+    assert core.stats()["warms_computed"] >= 1
+    with pytest.raises(InvalidRequestError, match="nothing to warm"):
+        core.warm([], cache_salt="warm")  # the child's error, raised here as in-process
+
+
 def test_another_session_sends_the_same_image_again(core):
     """Blob keys are per session (cache salt): the attacker's session asking about an image the
     victim's session sent gets no shortcut (its request carries the bytes again, so it is not

@@ -161,6 +161,37 @@ def test_tp2_host_tier_every_rank_offloads_and_restores_its_shard(tiny_ckpt, den
         tp2.close()
 
 
+def test_tp2_concurrent_first_questions_and_a_warm_compute_each_prefix_once(dense_pair):
+    """Through the tensor-parallel path: four first questions sent at once on one session's
+    images are one miss and three hits, answered as TP1 answers them one after another; a warm
+    on TP2 makes the next session's first question a warmed hit with TP1's answer."""
+    tp1, tp2 = dense_pair
+    pics = images("purple", "gray")
+    questions = [f"Question {i}: what is here?" for i in range(4)]
+    expected = [tp1.generate(media_first_messages(pics, q), SP, cache_salt="tp1-together").token_ids
+                for q in questions]
+    start, out = threading.Barrier(4), [None] * 4
+
+    def ask(i: int) -> None:
+        start.wait()
+        out[i] = tp2.generate(media_first_messages(pics, questions[i]), SP, cache_salt="together")
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert sorted(c.telemetry.prefix_cache for c in out) == ["hit"] * 3 + ["miss"]
+    assert [c.token_ids for c in out] == expected
+
+    other = images("teal")
+    tp2.warm(other, cache_salt="warmed").result(WAIT_S)
+    done = tp2.generate(media_first_messages(other, "Which colour?"), SP, cache_salt="warmed")
+    assert (done.telemetry.prefix_cache, done.telemetry.warmed) == ("hit", True)
+    assert done.token_ids == tp1.generate(media_first_messages(other, "Which colour?"), SP,
+                                          cache_salt="tp1-warmed").token_ids
+
+
 def test_a_failing_rank_gives_a_clear_error(dense_pair):
     """Runs after the dense pair's other tests: it breaks its TP2 engine. A worker that raises
     (here on a plan it does not know) reports its error and exits; every later request fails with

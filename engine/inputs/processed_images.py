@@ -197,7 +197,8 @@ class ProcessedImages:
                 self.cache_hits += 1
             return item
         try:
-            item = self._process(source, salt)
+            # another thread may have processed and cached it between our cache miss and now
+            item = self._cached(salt, source) or self._process(source, salt)
         except BaseException as exc:
             mine.set_exception(exc)
             raise

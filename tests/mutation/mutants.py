@@ -39,6 +39,7 @@ class Mutant:
 
 PREFIX = "tests/test_prefix_cache.py::"
 HOST = "tests/test_host_tier.py::"
+WARM = "tests/test_warm_scheduler.py::"
 KERNELS = "tests/test_triton_kernels.py::"
 REFERENCE = "tests/test_ops_reference.py::"
 
@@ -693,5 +694,54 @@ MUTANTS: list[Mutant] = [
         "transfers = KVTransfers(pool, HostPool(pool, host_pages)) if host_pages else None",
         "transfers = None",
         ("tests/test_tensor_parallel.py::test_tp2_host_tier_every_rank_offloads_and_restores_its_shard",),
+    ),
+    Mutant(
+        "warm-ahead-of-a-waiting-question",
+        "a warm is admitted while a question waits for pages (warms are not below every question)",
+        "engine/serving/scheduler.py",
+        "        if self.reuse is not None and not blocked and budget > 0:\n",
+        "        if self.reuse is not None and budget > 0:\n",
+        (WARM + "test_no_warm_is_admitted_while_a_question_waits_for_pages",),
+    ),
+    Mutant(
+        "warm-keeps-its-pages",
+        "a question waits for pages a running warm holds instead of taking them (the warm is not preempted)",
+        "engine/serving/scheduler.py",
+        "            warm = next((r for r in reversed(self.running) if r.warm), None)\n",
+        "            warm = None\n",
+        (WARM + "test_a_question_takes_a_running_warms_pages_and_the_warm_resumes_later",),
+    ),
+    Mutant(
+        "warm-evicts-hit-entries",
+        "a warm evicts idle entries that were hit (of more value than the warmed prefix)",
+        "engine/cache/prefix_cache.py",
+        "            if victim is None or victim.hits > 0:\n",
+        "            if victim is None:\n",
+        (WARM + "test_a_warm_evicts_only_entries_nobody_hit_and_is_dropped_when_nothing_frees_pages",),
+    ),
+    Mutant(
+        "warmed-on-every-hit",
+        "every question on a warmed prefix reports Telemetry.warmed, not only the first",
+        "engine/cache/prefix_reuse.py",
+        "            tel.warmed, base.warmed = True, False\n",
+        "            tel.warmed = True\n",
+        (WARM + "test_a_question_for_a_prefix_being_warmed_waits_and_hits_it_first_and_once",
+         "tests/test_warm.py::test_a_warmed_prefix_makes_the_first_question_a_hit_equal_to_a_cold_run"),
+    ),
+    Mutant(
+        "warm-chunk-unbounded-images",
+        "a warm's chunk reaches any number of new images in one step (the encoder work per step is unbounded)",
+        "engine/serving/scheduler.py",
+        "            if len(new) > bound:\n",
+        "            if False:\n",
+        (WARM + "test_a_warms_chunk_reaches_one_new_image_a_step",),
+    ),
+    Mutant(
+        "image-processed-per-request",
+        "concurrent requests for one image of a session each process it (no in-flight sharing)",
+        "engine/inputs/processed_images.py",
+        "            running = self._in_flight.get(key)\n",
+        "            running = None\n",
+        ("tests/test_warm.py::test_eight_concurrent_first_questions_compute_the_prefix_once",),
     ),
 ]
