@@ -167,6 +167,22 @@ def test_pinned_chunks_are_touched_registered_and_unregistered_at_close(monkeypa
     assert fake.registered == {}
 
 
+def test_a_pool_dropped_without_close_unpins_its_chunks(monkeypatch):
+    """Memory unmapped while registered stays registered in the CUDA driver, and the next mapping
+    at that address is refused (cudaError 712, seen on the H200 when tests dropped their pools):
+    a pool garbage-collected without close() unregisters its chunks first."""
+    import gc
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    host = HostPool(make_pool(), 8, pin=True, chunk_pages=4, prefetch=False)
+    host.allocate(8)
+    assert len(fake.registered) == 2
+    del host
+    gc.collect()
+    assert fake.registered == {}
+
+
 def test_a_chunk_that_cannot_be_pinned_fails_the_allocation_and_takes_nothing(monkeypatch):
     class Refusing(FakeCudart):
         def cudaHostRegister(self, ptr, size, flags):  # noqa: N802

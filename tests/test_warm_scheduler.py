@@ -61,16 +61,24 @@ def test_a_warm_takes_what_questions_leave_stops_at_its_prefix_and_never_samples
     check_pages(sched)
 
 
-def test_a_warms_chunk_reaches_one_new_image_a_step():
+def test_a_warms_chunk_reaches_one_new_image_a_step_while_a_question_runs():
     two = [VisualSpan(start=2, grid_h=1, grid_w=4, kind="image", item=0),  # 2 .. 5, end token 6
            VisualSpan(start=8, grid_h=1, grid_w=4, kind="image", item=1)]  # 8 .. 11, end token 12
     ids = [10, 11, 98, 98, 98, 98, 12, 13, 99, 99, 99, 99, 14, 7]
     p = Prompt(ids, torch.arange(14).unsqueeze(0).expand(3, -1).clone(), 0, two, image_hashes=["a", "b"],
                image_keys=["a", "b"])
     sched = make(num_pages=16, budget=16, max_warm_tokens=16, max_warm_images=1)
+    a = submit(sched, request([1, 2, 3], max_tokens=8))
     w = warm(sched, p=p)
-    assert runs(step(sched)) == [(w.id, 0, 8, False)]  # image 0 reached; stops before image 1 starts
-    assert runs(step(sched)) == [(w.id, 8, 5, False)]
+    assert runs(step(sched)) == [(a.id, 0, 3, True), (w.id, 0, 8, False)]  # image 0; stops before image 1
+    assert runs(step(sched)) == [(a.id, 3, 1, True), (w.id, 8, 5, False)]
+    assert sched.take_warmed() == [(w, "warmed")]
+
+
+def test_with_no_question_running_a_warm_goes_at_full_speed():
+    sched = make(num_pages=16, budget=16, max_warm_tokens=4, max_warm_images=1)
+    w = warm(sched)
+    assert runs(step(sched)) == [(w.id, 0, 13, False)]  # the whole prefix, image and all, in one step
     assert sched.take_warmed() == [(w, "warmed")]
 
 
@@ -87,19 +95,21 @@ def test_no_warm_is_admitted_while_a_question_waits_for_pages():
 
 
 def test_a_question_takes_a_running_warms_pages_and_the_warm_resumes_later():
-    sched = make(num_pages=5, budget=16, max_warm_tokens=8, max_warm_images=0)
+    sched = make(num_pages=6, budget=16, max_warm_tokens=8, max_warm_images=0)
+    c = submit(sched, request([1, 2], max_tokens=40))  # a stream: the warm is throttled beside it
     w = warm(sched)
-    assert runs(step(sched)) == [(w.id, 0, 8, False)]  # 2 pages held
-    q = submit(sched, request(list(range(40, 56)), max_tokens=2))  # 16 tokens: 4 pages; 3 are free
+    assert runs(step(sched)) == [(c.id, 0, 2, True), (w.id, 0, 8, False)]  # c 1 page, the warm 2
+    q = submit(sched, request(list(range(40, 56)), max_tokens=2))  # 15 tokens this step: 4 pages; 3 are free
     plan = step(sched)
     assert plan.preempted == [w.id] and w.telemetry.preempted == 1
-    assert runs(plan) == [(q.id, 0, 16, True)]  # the warm gave its pages; it waits in its queue again
+    assert runs(plan) == [(c.id, 2, 1, True), (q.id, 0, 15, False)]  # the warm gave its pages up
     assert list(sched.warming) == [w] and w.num_computed == 0 and q.telemetry.preempted == 0
+    step(sched)
     step(sched)
     finish(sched, q, normal=False)
     while not sched.take_warmed():  # the warm starts over once there is room
         step(sched)
-    assert w.num_computed == 13
+    assert w.num_computed == 13 and c.telemetry.preempted == 0
     check_pages(sched)
 
 

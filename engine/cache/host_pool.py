@@ -336,6 +336,15 @@ class HostPool:
     def closed(self) -> bool:
         return self._closed
 
+    def __del__(self):
+        # a pool dropped without close() (a test's, say) still unpins its chunks: their memory is
+        # otherwise kept mapped for the process's life (see _unpin)
+        if not getattr(self, "_closed", True) and self.pin:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001  (interpreter shutdown: nothing left to give back)
+                pass
+
     # ------------------------------------------------------------------ internals
     def _check_open(self) -> None:
         if self._closed:
@@ -413,18 +422,31 @@ def _pinned_empty(shape: tuple[int, int]) -> torch.Tensor:
     if not nbytes:
         return torch.empty(shape, dtype=torch.uint8)
     span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    raw = torch.frombuffer(mmap.mmap(-1, span), dtype=torch.uint8)  # the tensor keeps the mapping alive
+    region = mmap.mmap(-1, span)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive too
     raw.fill_(0)  # touch every page here, so the driver locks resident pages instead of faulting them
     err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), span, 0))
     if err:
         raise RuntimeError(f"pinning {span} bytes of host memory failed (cudaError {err})")
+    with _REGISTERED_LOCK:
+        _REGISTERED[raw.data_ptr()] = region
     return raw[:nbytes].view(shape)
 
 
 def _unpin(raw: torch.Tensor) -> None:
-    """Undo :func:`_pinned_empty`'s registration (the memory is freed when ``raw`` goes)."""
-    if raw.numel():
+    """Undo :func:`_pinned_empty`'s registration, then let the mapping go with the last tensor
+    that uses it (never before: memory unmapped while registered stays registered in the driver,
+    and the next mapping at that address is refused as registered already). Idempotent."""
+    with _REGISTERED_LOCK:
+        region = _REGISTERED.pop(raw.data_ptr(), None)
+    if region is not None:
         torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
+
+
+#: Pinned regions by address, each held here from its registration to its unregistration, so that
+#: it is never unmapped while registered (see :func:`_unpin`).
+_REGISTERED: dict[int, mmap.mmap] = {}
+_REGISTERED_LOCK = threading.Lock()
 
 
 def _ranges(sorted_ids: list[int]) -> list[tuple[int, int]]:

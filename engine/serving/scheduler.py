@@ -30,8 +30,9 @@ one copy). See docs/ARCHITECTURE.md, "Reclaiming KV pages".
 Warms (``Engine.warm``: a session's public prefix built before its first question) sit below
 everything else: they wait in a queue of their own, outside the arrival order of questions, and
 are admitted only when no question is left waiting for pages; their prefill chunks take what the
-step's budget leaves, at most ``max_warm_tokens`` a step and no more than ``max_warm_images`` new
-images (the vision encoder runs inside the step); at most ``max_warms_running`` run at once. A
+step's budget leaves, and while a question runs at most ``max_warm_tokens`` a step and no more
+than ``max_warm_images`` new images (the vision encoder runs inside the step; with no question
+running a warm goes at full speed); at most ``max_warms_running`` run at once. A
 warm takes only free pages, or the pages of idle entries no request ever hit (a warmed prefix is
 one): it never compacts, offloads or evicts anything of more value, never preempts, and is the
 first preempted when a question needs its pages (it goes back to its queue). A question whose
@@ -279,12 +280,15 @@ class Scheduler:
     # ------------------------------------------------------------------ warms
     def _schedule_warms(self, draft: _Draft, budget: int) -> None:
         """Give warms what the step left: running warms' next chunks first, then new warms
-        admitted from their queue (see the module docstring for the bounds)."""
-        cap = min(budget, self.config.max_warm_tokens)
+        admitted from their queue (see the module docstring for the bounds). With no question
+        running, the bounds are off: nobody's steps get slower, and a question waiting for the
+        warm's prefix should not wait for a throttled warm."""
+        contended = any(not r.warm for r in self.running)
+        cap = min(budget, self.config.max_warm_tokens) if contended else budget
         for req in [r for r in self.running if r.warm and r.status is Status.RUNNING]:
             if cap <= 0:
                 return
-            n = self._warm_chunk(req, cap)
+            n = self._warm_chunk(req, cap, contended)
             if self._grow_warm(req, req.num_computed + n):
                 draft.items.append((req, n))
                 cap -= n
@@ -303,7 +307,7 @@ class Scheduler:
                 self.warm_stats.warms_cached += 1
                 self._warmed.append((req, "cached"))
                 continue
-            n = self._warm_chunk(req, cap)
+            n = self._warm_chunk(req, cap, contended)
             if not self._grow_warm(req, n):
                 if not self._anything_frees_pages():
                     self._drop_warm(req)
@@ -318,12 +322,13 @@ class Scheduler:
             cap -= n
         self.warming.extendleft(reversed(passed))
 
-    def _warm_chunk(self, req: Request, cap: int) -> int:
-        """Tokens of a warm's next chunk: up to its prefix boundary, at most ``cap``, stopping
-        before the image past the first ``max_warm_images`` it would reach for the first time."""
+    def _warm_chunk(self, req: Request, cap: int, contended: bool = True) -> int:
+        """Tokens of a warm's next chunk: up to its prefix boundary, at most ``cap``, and while
+        ``contended`` stopping before the image past the first ``max_warm_images`` it would reach
+        for the first time."""
         start = req.num_computed
         n = min(req.prompt.prefix_len - start, cap)
-        bound = self.config.max_warm_images
+        bound = self.config.max_warm_images if contended else 0
         if bound:
             firsts = {}
             for span in req.prompt.spans:  # an item's first span (a video has one per frame)

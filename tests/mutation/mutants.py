@@ -734,7 +734,7 @@ MUTANTS: list[Mutant] = [
         "engine/serving/scheduler.py",
         "            if len(new) > bound:\n",
         "            if False:\n",
-        (WARM + "test_a_warms_chunk_reaches_one_new_image_a_step",),
+        (WARM + "test_a_warms_chunk_reaches_one_new_image_a_step_while_a_question_runs",),
     ),
     Mutant(
         "image-processed-per-request",
