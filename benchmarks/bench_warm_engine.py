@@ -130,11 +130,13 @@ def main(argv=None) -> int:
             tpot = {"alone": [], "with_warm": []}
             for r in range(args.repeats):
                 tpot["alone"].append(stream_tpot(engine, streaming, "stream", args.stream_tokens))
-                other = session_photos(600 + r, args, photos)
-                handles = []
-                tpot["with_warm"].append(stream_tpot(
-                    engine, streaming, "stream", args.stream_tokens,
-                    during=lambda other=other: handles.append(engine.warm(other, cache_salt=f"during-{r}"))))
+                other, salt, handles = session_photos(600 + r, args, photos), f"during-{r}", []
+
+                def start_warm(other=other, salt=salt, handles=handles):
+                    handles.append(engine.warm(other, cache_salt=salt))
+
+                tpot["with_warm"].append(
+                    stream_tpot(engine, streaming, "stream", args.stream_tokens, during=start_warm))
                 for h in handles:
                     h.result(120)
                 log(f"TPOT p50 alone {tpot['alone'][-1]:.3f} ms, with a warm {tpot['with_warm'][-1]:.3f} ms")

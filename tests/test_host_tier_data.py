@@ -183,13 +183,34 @@ def test_a_pool_dropped_without_close_unpins_its_chunks(monkeypatch):
     assert fake.registered == {}
 
 
-def test_a_chunk_that_cannot_be_pinned_fails_the_allocation_and_takes_nothing(monkeypatch):
-    class Refusing(FakeCudart):
-        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802
-            return 2  # cudaErrorMemoryAllocation
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+class Refusing(FakeCudart):
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802
+        return 2  # cudaErrorMemoryAllocation
+
+
+def test_a_chunk_that_cannot_be_registered_comes_from_the_pinned_allocator(monkeypatch):
+    from engine.cache import host_pool
+
+    fake, fallback = Refusing(), []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(host_pool, "_host_alloc",
+                        lambda shape: fallback.append(shape) or torch.empty(shape, dtype=torch.uint8))
     host = HostPool(make_pool(), 10, pin=True, chunk_pages=4, prefetch=False)
-    with pytest.raises(RuntimeError, match="pinning .* failed"):
+    assert host.allocate(3) == [0, 1, 2]
+    assert fallback == [(4, host.layout.row_bytes)] and fake.registered == {}
+    host.close()  # nothing registered to undo
+
+
+def test_a_chunk_that_cannot_be_pinned_at_all_fails_the_allocation_and_takes_nothing(monkeypatch):
+    from engine.cache import host_pool
+
+    def no_driver(shape):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    monkeypatch.setattr(host_pool, "_host_alloc", no_driver)
+    host = HostPool(make_pool(), 10, pin=True, chunk_pages=4, prefetch=False)
+    with pytest.raises(RuntimeError, match="no NVIDIA driver"):
         host.allocate(3)
     assert host.num_free == 10 and host.bytes_allocated == 0
 

@@ -32,6 +32,7 @@ This module owns the memory and the bookkeeping only; the copies are in :mod:`.k
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import mmap
 import threading
@@ -43,6 +44,8 @@ from typing import NamedTuple
 import torch
 
 from .kv_pool import OutOfPagesError, PagePool
+
+log = logging.getLogger(__name__)
 
 #: Default chunk size: this many bytes' worth of whole pages (at least one page).
 CHUNK_BYTES = 256 << 20
@@ -415,22 +418,37 @@ def _pinned_empty(shape: tuple[int, int]) -> torch.Tensor:
     ran into; and torch sees the tensor's storage as pinned (``is_pinned``) only when the storage
     starts where the registration does.
 
+    Where registering fails, the chunk comes from torch's pinned allocator instead
+    (:func:`_host_alloc`, logged once): slower to pin, as correct.
+
     Raises:
-        RuntimeError: registering failed (no CUDA driver, or the host refused to lock the memory).
+        RuntimeError: no pinned memory either way (no CUDA driver, or the host refused to lock it).
     """
     nbytes = math.prod(shape)
     if not nbytes:
         return torch.empty(shape, dtype=torch.uint8)
     span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    region = mmap.mmap(-1, span)
+    # private and anonymous, what the C allocator maps for a large block
+    region = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive too
     raw.fill_(0)  # touch every page here, so the driver locks resident pages instead of faulting them
     err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), span, 0))
     if err:
-        raise RuntimeError(f"pinning {span} bytes of host memory failed (cudaError {err})")
+        global _FELL_BACK
+        if not _FELL_BACK:
+            _FELL_BACK = True
+            log.warning("registering %d bytes of host memory with CUDA failed (cudaError %d): the host tier "
+                        "pins its chunks with cudaHostAlloc instead (slower to pin, stalls the engine loop)", span, err)
+        return _host_alloc(shape)
     with _REGISTERED_LOCK:
         _REGISTERED[raw.data_ptr()] = region
     return raw[:nbytes].view(shape)
+
+
+def _host_alloc(shape: tuple[int, int]) -> torch.Tensor:
+    """Pinned memory from torch's allocator (``cudaHostAlloc``): the fallback of
+    :func:`_pinned_empty`. Raises: RuntimeError: no CUDA driver, or the host refused."""
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
 
 
 def _unpin(raw: torch.Tensor) -> None:
@@ -447,6 +465,7 @@ def _unpin(raw: torch.Tensor) -> None:
 #: it is never unmapped while registered (see :func:`_unpin`).
 _REGISTERED: dict[int, mmap.mmap] = {}
 _REGISTERED_LOCK = threading.Lock()
+_FELL_BACK = False  # logged the fallback to cudaHostAlloc once
 
 
 def _ranges(sorted_ids: list[int]) -> list[tuple[int, int]]:
