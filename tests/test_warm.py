@@ -18,7 +18,13 @@ import pytest
 from PIL import Image
 
 from engine import SamplingParams, media_first_messages
-from engine.errors import InvalidImageError, InvalidRequestError, PrismError, RequestTooLargeError
+from engine.errors import (
+    EngineOverloadedError,
+    InvalidImageError,
+    InvalidRequestError,
+    PrismError,
+    RequestTooLargeError,
+)
 from engine.serving.request import Status
 
 SP = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -185,3 +191,16 @@ def test_cancelling_a_warm_frees_its_pages(tiny_engine_factory):
     stats = engine.stats()
     assert (stats["pages_used"], stats["cache_prefixes"], stats["warms_cancelled"]) == (used, 0, 1)
     assert not engine.loop.scheduler.warming and not engine.loop.scheduler.running
+
+
+def test_queued_warms_never_turn_a_question_away(tiny_engine_factory):
+    """Questions and warms are bounded apart (``max_waiting`` each): a burst of uploads cannot
+    make the engine refuse a question as overloaded."""
+    engine = tiny_engine_factory(**EXACT, max_waiting=2)
+    with engine.loop.paused():  # nothing leaves the inbox meanwhile
+        warms = [engine.warm(photos(c), cache_salt=c) for c in ("red", "blue")]
+        with pytest.raises(EngineOverloadedError):
+            engine.warm(photos("green"), cache_salt="green")
+        handle = engine.submit(media_first_messages(photos("red"), "What is it?"), SP, cache_salt="q")
+    assert handle.result(WAIT_S).telemetry.prefix_cache == "miss"
+    assert [w.result(WAIT_S) > 0 for w in warms] == [True, True]

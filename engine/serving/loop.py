@@ -107,7 +107,9 @@ class EngineLoop:
             if self._stopping:
                 raise PrismError("engine is closed")
             limit = self.scheduler.config.max_waiting
-            if len(self._inbox) + len(self.scheduler.waiting) + len(self.scheduler.warming) >= limit:
+            # questions and warms are bounded apart: queued warms never turn a question away
+            queued = self.scheduler.warming if req.warm else self.scheduler.waiting
+            if sum(r.warm == req.warm for r in self._inbox) + len(queued) >= limit:
                 raise EngineOverloadedError(f"Prism is busy: {limit} requests are already waiting. Try again shortly.")
             self._inbox.append(req)
             self._cv.notify()

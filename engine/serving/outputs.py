@@ -87,7 +87,9 @@ class Completion:
         token_ids: generated token ids (an end-of-sequence token that ended generation included).
         prompt_token_ids: the prompt's token ids as the model saw them.
         finish_reason: ``"stop"`` (EOS or a stop string), ``"length"`` (``max_tokens`` reached) or
-            ``"cancelled"`` (stopped by :meth:`Engine.cancel`; the text so far).
+            ``"cancelled"`` (stopped by :meth:`Engine.cancel`; the text so far); a warm's
+            (``Engine.warm``, no text): ``"warmed"`` (it cached the prefix) or ``"cached"`` (the
+            prefix was cached already).
         telemetry: timings and counts.
     """
 

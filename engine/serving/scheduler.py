@@ -67,8 +67,8 @@ class SchedulerConfig:
     Attributes:
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most tokens (prefill + decode) computed in one step.
-        max_waiting: most requests waiting (warms included); more are refused with
-            EngineOverloadedError.
+        max_waiting: most questions waiting, and apart from them most warms waiting; more are
+            refused with EngineOverloadedError.
         max_warm_tokens: most prefill tokens of warms in one step. At the 8B shape on the H200 a
             decode step is ~6 ms and 256 prefill tokens add a few ms to the steps a warm shares with
             running streams (docs/PERFORMANCE.md, "Warm at upload").
@@ -303,7 +303,6 @@ class Scheduler:
                 passed.append(req)
                 continue
             if self.reuse.cache.lookup(req.prefix_key, req.tokens, req.prompt.prefix_len) is not None:
-                self._requests.pop(req.id, None)
                 self.warm_stats.warms_cached += 1
                 self._warmed.append((req, "cached"))
                 continue
