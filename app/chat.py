@@ -5,6 +5,11 @@ plain values, and returns records and :class:`TurnView` snapshots that the page 
 render. Every prompt is built with :func:`engine.media_first_messages` (images first, then the
 question), so the prefix up to the last image is the same for every question of a session and the
 engine's compact prefix cache can serve it.
+
+That prefix is warmed (:mod:`app.warming`) whenever a session's images change (an upload, a
+removal, a continued copy of a share) and, after a start, for the most recently used sessions
+(:meth:`ChatService.warm_recent`), with exactly the images, order and salt its questions use
+(:meth:`ChatService.prompt_images`): the first question is a hit too.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from sessions import (
     SessionStore,
     StoreError,
 )
+
+from .warming import PrefixWarmer
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +121,11 @@ def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
     ``prefix HIT (host · restored 103 pages in 2.6 ms) · TTFT ...``; a hit in the KV pool reads
     as it always did.
 
+    The first question that attaches a prefix a warm built (telemetry ``warmed``) says so:
+    ``prefix HIT (warmed at upload) · TTFT 12 ms`` (``warmed at start`` after a start's warming,
+    telemetry ``warmed_by``); with the host tier too, ``prefix HIT (warmed at upload; host ·
+    restored ...)``.
+
     A ``miss`` says that the prefix is now cached: it is the expected first question about a
     set of images, not a failure.
 
@@ -124,8 +136,11 @@ def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
         return ""
     prefix = str(tel.get("prefix_cache", "off"))
     head = f"prefix {prefix.upper()}"
-    if prefix == "hit" and tel.get("prefix_tier") == "host":
-        head += f" ({_restored(tel)})"
+    if prefix == "hit":
+        notes = ([_warmed(tel)] if tel.get("warmed") else []) + ([_restored(tel)] if tel.get("prefix_tier") == "host"
+                                                                  else [])
+        if notes:
+            head += f" ({'; '.join(notes)})"
     elif prefix == "miss":
         head += " (now cached)"
     elif prefix == "stale":
@@ -155,6 +170,17 @@ def telemetry_line(tel: dict, finish_reason: str | None = None) -> str:
     elif finish_reason == "length":
         parts.append("hit max tokens")
     return " · ".join(parts)
+
+
+#: How the chip names the event whose warm built the prefix a first question attached (telemetry
+#: ``warmed``; the app adds ``warmed_by``, the :data:`app.warming.SOURCES` value of the session's warm).
+WARMED_AT = {"upload": "warmed at upload", "restart": "warmed at start"}
+
+
+def _warmed(tel: dict) -> str:
+    """``warmed at upload``: the first question after a warm (any source but a start reads as
+    the upload: a removal or a continued copy changed the images the same way)."""
+    return WARMED_AT.get(str(tel.get("warmed_by") or "upload"), WARMED_AT["upload"])
 
 
 #: File names of clips: such a file that is no image is refused with the video reader's reason.
@@ -307,6 +333,8 @@ class ActiveTurn:
         """Store the finished turn and return its view."""
         if completion is not None:
             text, tel, reason = completion.text, completion.telemetry.to_dict(), completion.finish_reason
+            if tel.get("warmed"):  # which warm built it, for the chip (at upload, at start)
+                tel["warmed_by"] = self.service.warmer.source(self.session.id) or "upload"
         else:
             text, tel, reason = self.text, {}, "cancelled" if cancelled else "error"
         try:
@@ -329,20 +357,34 @@ class ChatService:
         max_upload_bytes: uploads larger than this are refused before being read.
 
     ``metrics`` (an :class:`~app.metrics.Metrics`, set by :func:`app.server.create_app`; None:
-    not counted) counts every answer that reached the engine.
+    not counted) counts every answer that reached the engine, and the warms.
+
+    ``warmer`` (:class:`~app.warming.PrefixWarmer`) holds each session's prefix warm; ``warming``
+    (``--warm``; default True) says whether image changes and :meth:`warm_recent` start any.
     """
 
-    def __init__(self, store: SessionStore, engine_source, *, max_upload_bytes: int = 50 * 2**20):
+    def __init__(self, store: SessionStore, engine_source, *, max_upload_bytes: int = 50 * 2**20,
+                 warming: bool = True):
         self.store = store
         self.engine_source = engine_source
         self.max_upload_bytes = max_upload_bytes
-        self.metrics = None
+        self.warmer = PrefixWarmer(engine_source)
+        self.warming = warming
+        self._metrics = None
         self._active: dict[str, list] = {}
         self._active_turns: set[int] = set()
         # sessions whose answer is being started (claimed before its turn is stored): with _active,
         # what makes a chat busy, so two tabs cannot start or change answers of one chat at once
         self._starting: set[str] = set()
         self._lock = threading.Lock()
+
+    @property
+    def metrics(self):
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, value) -> None:
+        self._metrics = self.warmer.metrics = value
 
     # ------------------------------------------------------------------ engine
     def engine_or_none(self):
@@ -403,7 +445,9 @@ class ChatService:
             NotFound, PermissionDenied, ValueError: as :meth:`SessionStore.fork_session`.
         """
         session = self.store.fork_session(share, owner)
-        return self.store.rename_session(session.id, owner, copy_title(session.title))
+        session = self.store.rename_session(session.id, owner, copy_title(session.title))
+        self.warm_session(session)  # usually cached already: the original's salt and images
+        return session
 
     def delete(self, session_id: str, owner: str) -> None:
         """Delete the owner's session: refused while an answer of it is being written, the store
@@ -416,6 +460,7 @@ class ChatService:
         """
         session = self._owned(session_id, owner)
         self._refuse_if_busy(session.id)
+        self.warmer.cancel(session.id)
         self.store.delete_session(session.id, owner)
         self.forget(session.cache_salt)
 
@@ -423,7 +468,8 @@ class ChatService:
         """Revoke one of the session's share links, then have the engine forget the session's
         salt (what the visitors' copies of a "can continue" share warmed with the owner), in a
         thread of its own: the owner's answers in progress finish first, and the click need not
-        wait for them. Returns that thread (None when nothing was revoked).
+        wait for them. Every prefix warm under that salt (the session's, its copies') is
+        cancelled first. Returns that thread (None when nothing was revoked).
 
         Raises:
             ChatError: the session is not the owner's. NotFound, PermissionDenied: the share is
@@ -431,6 +477,7 @@ class ChatService:
         """
         session = self._owned(session_id, owner)
         self.store.revoke_share(share_id, owner)
+        self.warmer.cancel_salt(session.cache_salt)  # the session's and its continued copies'
         worker = threading.Thread(target=self.forget, args=(session.cache_salt,), name="prism-forget", daemon=True)
         worker.start()
         return worker
@@ -487,7 +534,10 @@ class ChatService:
         if existing is None and uploads and not stored:
             self.store.delete_session(session.id, owner)
             return None, problems
-        return self.store.get_session(session.id, owner=owner) or session, problems
+        session = self.store.get_session(session.id, owner=owner) or session
+        if stored:
+            self.warm_session(session)
+        return session, problems
 
     def _add_media(self, session_id: str, owner: str, data: bytes, label: str) -> None:
         """Store one upload as a clip when its first bytes say so, else as an image. A file named
@@ -541,8 +591,90 @@ class ChatService:
         try:
             self.store.remove_image(session.id, owner, sha)
         except NotFound:
-            pass  # already gone (another tab)
-        return self.store.get_session(session.id, owner=owner) or session
+            return self.store.get_session(session.id, owner=owner) or session  # already gone (another tab)
+        session = self.store.get_session(session.id, owner=owner) or session
+        self.warm_session(session)  # the smaller set (or, with none left, the warm cancelled)
+        return session
+
+    # ------------------------------------------------------------------ warming
+    def prompt_images(self, session: Session) -> list[dict]:
+        """The image list every question of ``session`` passes to :func:`media_first_messages`,
+        in the session's order: ``{"image": path, "sha256": digest}`` per image (the store is
+        content-addressed: the digest spares the engine hashing the file again, and it checks it
+        when it processes), ``{"video": path}`` per clip; a path is None when the file is missing
+        on the server. Warms use exactly this list and the session's salt, or their prefix would
+        not be the one the questions look up."""
+        kinds = {r.sha256: r.kind for r in self.store.list_images(session.id)}
+        return [{"video": self.store.image_path(sha)} if kinds.get(sha) == "video"
+                else {"image": self.store.image_path(sha), "sha256": sha} for sha in session.image_shas]
+
+    def warm_session(self, session: Session, source: str = "upload"):
+        """Warm ``session``'s prefix (its images as they are now, :meth:`prompt_images`, under its
+        salt), superseding its previous warm; a session without images (or with a file missing)
+        has its warm cancelled instead. Nothing with ``warming`` off. Best-effort: returns the
+        :meth:`~app.warming.PrefixWarmer.warm` future, or None when nothing was started."""
+        images = self.prompt_images(session) if session.image_shas else []
+        if not self.warming or not images or any(p.get("image", p.get("video")) is None for p in images):
+            self.warmer.cancel(session.id)
+            return None
+        return self.warmer.warm(session.id, images, session.cache_salt, source)
+
+    def warm_recent(self, share: float, *, candidates: int = 64, timeout_s: float = 600.0) -> list[str]:
+        """After a start (the server's, or a restarted engine core's: both begin with an empty
+        cache), warm the most recently used sessions' prefixes, newest first, one at a time,
+        while their pages fit in ``share`` of the KV pool (``stats()["pages_total"]``).
+
+        A session's pages are estimated before it is warmed from its prompt's length
+        (:meth:`~engine.client.EngineClient.count_prompt_tokens` of its media-first prompt with an
+        empty question, a few tokens more than the prefix, in pages of ``stats()["page_size"]``):
+        the dense size, so with compaction the warmed prefix holds no more than counted. A
+        session that does not fit is skipped (an older, smaller one may); once warmed, its real
+        prefix length is what is counted. Sessions with a warm of their own on this engine already
+        (changed since the start) are left to it. At most ``candidates`` sessions are looked at; one warm
+        is waited for up to ``timeout_s`` (warms run below every question: a busy engine delays
+        them), then counted as estimated and left running. Best-effort: errors are logged.
+
+        Returns the ids of the sessions warmed (or left warming).
+        """
+        engine = self.engine_or_none()
+        if engine is None or share <= 0 or not self.warming:
+            return []
+        try:
+            stats = engine.stats()
+            budget, page = int(stats["pages_total"] * share), max(1, int(stats["page_size"]))
+            sessions = self.store.recent_sessions(candidates)
+        except (PrismError, StoreError, KeyError) as exc:
+            log.info("warming recent chats skipped: %s", exc)
+            return []
+        used, warmed = 0, []
+        for session in sessions:
+            images = self.prompt_images(session)
+            if any(p.get("image", p.get("video")) is None for p in images) or self.warmer.active(session.id):
+                continue
+            try:
+                tokens = engine.count_prompt_tokens(media_first_messages(images, ""), cache_salt=session.cache_salt)
+            except PrismError as exc:
+                log.info("not warming chat %s: %s", session.id, exc)
+                continue
+            pages = -(-tokens // page)
+            if used + pages > budget:
+                continue
+            future = self.warmer.warm(session.id, images, session.cache_salt, "restart")
+            try:
+                handle = future.result(timeout_s)
+                if handle is None:
+                    continue
+                pages = -(-int(handle.result(timeout=timeout_s)) // page)
+            except TimeoutError:
+                pass  # still warming: counted as estimated
+            except PrismError as exc:  # cancelled by a newer change, refused by the engine
+                log.info("warming chat %s after the start ended: %s", session.id, exc)
+                continue
+            used += pages
+            warmed.append(session.id)
+        if warmed:
+            log.info("warmed %d recent chat(s) after the start: %d of %d pages", len(warmed), used, budget)
+        return warmed
 
     # ------------------------------------------------------------------ questions
     def ask(self, session_id: str | None, owner: str, question: str, options: ChatOptions | None = None
@@ -575,11 +707,7 @@ class ChatService:
         if options.history:
             history = [(t.question, t.answer) for t in self.store.list_turns(session.id)
                        if t.finished_at is not None and not t.error and t.answer]
-        # the store is content-addressed: passing each file's digest spares the engine reading
-        # and hashing every image again for each question (it checks the digest when it processes)
-        kinds = {r.sha256: r.kind for r in self.store.list_images(session.id)}
-        images = [{"video": self.store.image_path(sha)} if kinds.get(sha) == "video"
-                  else {"image": self.store.image_path(sha), "sha256": sha} for sha in session.image_shas]
+        images = self.prompt_images(session)  # the very list the session's warms use
         if session.title == DEFAULT_TITLE and not self.store.list_turns(session.id):
             session = self.store.rename_session(session.id, owner, title_from(question))
         turn = self.store.add_turn(session.id, question)
@@ -685,7 +813,9 @@ class ChatService:
             return bool(session_id and self._active.get(session_id))
 
     def cancel_all(self) -> int:
-        """Cancel every answer in progress (shutdown)."""
+        """Cancel every answer in progress, and every prefix warm (shutdown). Returns how many
+        answers."""
+        self.warmer.cancel_all()
         with self._lock:
             handles = [h for active in self._active.values() for h in active]
         for handle in handles:
@@ -743,14 +873,15 @@ class ChatService:
 
     # ------------------------------------------------------------------ panels
     def session_stats(self, session_id: str | None) -> dict:
-        """For the session panel: per-turn TTFT and prefix state, and the prefix's page use."""
+        """For the session panel: per-turn TTFT, prefix state and whether a warm built that
+        prefix (``warmed``), and the prefix's page use."""
         rows, pages = [], None
         for n, view in enumerate(self.turns(session_id), 1):
             tel = view.telemetry
             if view.status == "error" or not tel:
                 continue
             rows.append({"turn": n, "ttft_ms": float(tel.get("ttft_ms", 0.0)),  # rounded once, when shown
-                         "prefix": str(tel.get("prefix_cache", "off"))})
+                         "prefix": str(tel.get("prefix_cache", "off")), "warmed": bool(tel.get("warmed"))})
             if tel.get("prefix_pages"):
                 pages = {"compact": int(tel["prefix_pages"]), "dense": int(tel.get("prefix_pages_dense") or 0),
                          "visual_tokens": int(tel.get("visual_tokens", 0)),

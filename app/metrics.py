@@ -21,7 +21,12 @@ under the prefix cache (idle prefixes' KV pages offloaded to host RAM, restored 
 ``prism:prefix_cache_restores_total`` (host -> GPU), ``prism:prefix_cache_host_evictions_total``
 (entries dropped from the host tier), ``prism:prefix_cache_host_pages{state}`` (``used``, ``free``;
 both 0 when the tier is off) and ``prism:prefix_cache_restore_time_seconds`` (per request that hit
-the host tier: the host-to-GPU copy, apart from the prefill).
+the host tier: the host-to-GPU copy, apart from the prefill). Prefixes built before their first
+question (issue 34): ``prism:prefix_cache_warms_total{source}`` (warms the engine accepted, by why
+they were started: ``upload``, a chat's images changed; ``restart``, recent chats after a start;
+``api``, ``POST /v1/prefix_cache/warm``; counted by the app) and
+``prism:prefix_cache_warm_results_total{result}`` (the engine's own count of how its warms ended:
+``computed``, ``cached`` already when asked, ``cancelled``).
 
 Two sources: each finished request (chat turn or API call) is observed once, by the code that
 read its answer, into the request counters and histograms; the engine's own counters and gauges
@@ -41,16 +46,20 @@ from prometheus_client.exposition import choose_encoder
 
 from engine import Completion
 
+from .warming import SOURCES
+
 # No "<name>_created" series beside each counter and histogram (vLLM turns them off too): they
 # double the page and no dashboard reads them. A process-wide switch of prometheus_client.
 prometheus_client.disable_created_metrics()
 
-__all__ = ["FINISHED_REASONS", "Metrics", "finished_reason"]
+__all__ = ["FINISHED_REASONS", "WARM_SOURCES", "Metrics", "finished_reason"]
 
 #: Values of ``prism:request_success_total``'s ``finished_reason`` label: vLLM's ``stop``,
 #: ``length`` and ``abort`` (cancelled: the user's Stop, a client that went away, a shutdown),
 #: and ``error`` (the request failed in the engine).
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+#: Values of ``prism:prefix_cache_warms_total``'s ``source`` label.
+WARM_SOURCES = SOURCES
 # Seconds. TTFT spans a prefix hit on a GPU (~10 ms) to a cold multi-image prompt on a CPU (~1 min).
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -103,6 +112,11 @@ class Metrics:
         self.restore = Histogram("prism:prefix_cache_restore_time_seconds", "Per request whose prefix hit was "
                                  "served from the host-memory tier: time copying its KV pages back to the GPU "
                                  "(not part of the prefill).", buckets=_RESTORE_BUCKETS, registry=r)
+        self.warms = Counter("prism:prefix_cache_warms", "Prefix warms started (the engine accepted them), by "
+                             "source: upload (a chat's images changed), restart (recent chats after a start), "
+                             "api (POST /v1/prefix_cache/warm).", ["source"], registry=r)
+        for source in WARM_SOURCES:
+            self.warms.labels(source)
         r.register(_EngineCollector(loader))
 
     def observe(self, completion: Completion) -> None:
@@ -127,6 +141,10 @@ class Metrics:
         """Count a request that ended without a completion: ``"error"`` (failed in the engine)
         or ``"abort"`` (its reader went away)."""
         self.requests.labels(reason if reason in FINISHED_REASONS else "error").inc()
+
+    def observe_warm(self, source: str) -> None:
+        """Count one warm the engine accepted, started for ``source`` (one of :data:`WARM_SOURCES`)."""
+        self.warms.labels(source if source in WARM_SOURCES else "api").inc()
 
     def observe_rejected(self, status: int) -> None:
         """Count an API request refused with HTTP ``status`` before it reached the engine."""
@@ -187,6 +205,7 @@ class _EngineCollector:
         entries.add_metric(["extension"], s["cache_entries"] - s["cache_prefixes"])
         yield entries
         yield from _host_tier(s)
+        yield _warm_results(s)
 
 
 def _lookups(s: dict) -> CounterMetricFamily:
@@ -222,6 +241,17 @@ def _host_tier(s: dict):
     pages.add_metric(["used"], used)
     pages.add_metric(["free"], max(0, total - used))
     yield pages
+
+
+def _warm_results(s: dict) -> CounterMetricFamily:
+    """``prism:prefix_cache_warm_results_total{result}`` from the engine's warm counters (all 0 on
+    an engine without warms)."""
+    results = CounterMetricFamily("prism:prefix_cache_warm_results", "Prefix warms, by how they ended in the "
+                                  "engine: computed (built), cached (already cached when asked), cancelled.",
+                                  labels=["result"])
+    for result in ("computed", "cached", "cancelled"):
+        results.add_metric([result], s.get(f"warms_{result}", 0))
+    return results
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

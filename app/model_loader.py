@@ -188,6 +188,7 @@ class ModelLoader:
         self._ready_event = threading.Event()
         self.restarts = 0
         self._closed = False
+        self._listeners: list = []
 
     @classmethod
     def ready(cls, engine, choice: ModelChoice, settings: Settings | None = None) -> ModelLoader:
@@ -201,6 +202,28 @@ class ModelLoader:
         loader.load_seconds = 0.0
         loader._ready_event.set()
         return loader
+
+    def on_ready(self, callback) -> None:
+        """Call ``callback(engine)`` each time an engine becomes ready: after the first load and
+        after every restart of a core process that died (each new core starts with empty caches),
+        and at once if one is ready now. Each call runs in a daemon thread of its own (a callback
+        may block, e.g. warming prefixes); its exceptions are logged."""
+        with self._lock:
+            self._listeners.append(callback)
+            engine = self.engine if self.state == "ready" else None
+        if engine is not None:
+            self._notify([callback], engine)
+
+    @staticmethod
+    def _notify(callbacks, engine) -> None:
+        def run(callback):
+            try:
+                callback(engine)
+            except Exception:
+                log.exception("a model-ready callback failed")
+
+        for callback in callbacks:
+            threading.Thread(target=run, args=(callback,), name="prism-on-ready", daemon=True).start()
 
     def start(self) -> None:
         """Start loading in the background (returns at once)."""
@@ -255,6 +278,9 @@ class ModelLoader:
         say(f"model ready: {self.model_id} on {engine.device} ({engine.dtype}, KV {engine.options.kv_cache_dtype}) "
             f"after {self.load_seconds:.1f} s")
         self._ready_event.set()
+        with self._lock:
+            listeners = list(self._listeners)
+        self._notify(listeners, engine)
 
     def _crashed(self, client) -> None:
         """The core process died (called from its client's reader thread, once every waiting

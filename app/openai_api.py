@@ -1,4 +1,5 @@
-"""An OpenAI-compatible API: ``POST /v1/chat/completions`` and ``GET /v1/models``.
+"""An OpenAI-compatible API: ``POST /v1/chat/completions`` and ``GET /v1/models``, and Prism's
+``POST /v1/prefix_cache/warm`` (below).
 
 Messages may mix text parts, ``image_url`` parts and ``video_url`` parts (an MP4, WebM or animated
 GIF clip, as vLLM accepts them) whose URL is a base64 ``data:`` URL (remote URLs are refused: the
@@ -29,6 +30,23 @@ Who may call, and what is shared (see README, "What stays with its owner"):
   an HMAC of that key under a per-process server secret (so a long random ``prompt_cache_key`` is
   a capability: only who knows it reaches that cache). With keys, the salt is per API key, and
   per ``prompt_cache_key`` within a key.
+* ``POST /v1/prefix_cache/warm`` (issue 34) builds a prefix before its first question, for a
+  client that knows its images before its questions. Its body is a chat request's ``messages``
+  (parsed as ``/v1/chat/completions`` parses them: the same ``data:`` URL parts, media and size
+  limits) laid out media-first, the layout :func:`engine.media_first_messages` writes: an optional
+  system message, then a user message whose content starts with ``"Image 1: "``, the first image,
+  then ``"\\nImage 2: "``, the second, ... (clips as ``Video N: `` parts, numbered apart), and
+  anything after the last one (the question, or nothing). Images elsewhere, or other text between
+  them, are a 400 naming the text expected: only that layout's prefix can be warmed, and a later
+  chat request hits it when its messages start the same way. ``prompt_cache_key`` is required
+  (400 without: an anonymous request is its own cache session, nothing could ever find what it
+  warmed); the salt is derived from it exactly as for a chat request. ``wait`` (default true):
+  answer once the prefix is cached, ``200 {"object": "prefix_cache.warm", "status": "cached",
+  "prefix_tokens": N}``; false: at once, ``202`` with ``"status": "warming"`` and
+  ``"prefix_tokens": null`` (a chat request sent meanwhile joins the warm in the engine). A client
+  that goes away does not cancel the warm. Refusals as for a chat request (401, 404 for another
+  ``model``, 415, 429, 503, 400 for bad input or a prefix longer than the context). Counted in
+  ``/metrics`` as ``prism:prefix_cache_warms_total{source="api"}``.
 * A browser on another origin cannot drive the API: request bodies must be
   ``Content-Type: application/json`` (anything else is 415, so a cross-origin form or
   ``text/plain`` post is refused), and a cross-origin preflight is answered only for the origins
@@ -309,6 +327,54 @@ class _ObjectBudget:
         return obj
 
 
+def warm_prefix_of(messages: list[dict]) -> tuple[list, str | None]:
+    """The images (and clips, ``{"video": bytes}``) and the system prompt of engine messages
+    (:func:`convert_messages`' output) laid out media-first (see the module docstring), for
+    :meth:`~engine.client.EngineClient.warm`: ``warm(images, system=system)`` builds the prefix
+    that these messages, with any question after the last image, attach.
+
+    Raises:
+        APIError: 400 naming what differs from that layout: a system message that is not text,
+            no user message after it, no image, text other than the layout's between (or before)
+            the images, or an image or clip outside the first user message.
+    """
+    rest, system = list(messages), None
+    if rest and rest[0]["role"] == "system":
+        content = rest.pop(0)["content"]
+        if isinstance(content, list):
+            if any(p["type"] != "text" for p in content):
+                raise _bad("messages[0]: a system message holds text only", "messages")
+            content = "".join(p["text"] for p in content)
+        system = content or None
+    first = len(messages) - len(rest)
+    if not rest or rest[0]["role"] != "user":
+        raise _bad(f"messages[{first}] must be the user message holding the images (after an optional system "
+                   "message)", "messages")
+    content = rest[0]["content"]
+    media, counts, text = [], {"image": 0, "video": 0}, ""
+    for part in content if isinstance(content, list) else [{"type": "text", "text": content}]:
+        if part["type"] == "text":
+            text += part["text"]
+            continue
+        kind = part["type"]
+        counts[kind] += 1
+        expected = ("\n" if media else "") + f"{kind.capitalize()} {counts[kind]}: "
+        if text != expected:
+            shown = text if len(text) <= 80 else text[:79] + "…"
+            raise _bad(f"messages[{first}]: the text before {kind} {counts[kind]} must be exactly {expected!r}, "
+                       f"got {shown!r}: only the media-first layout's prefix can be warmed (Image 1: <image>, then "
+                       "\\nImage 2: <image>, ...; the question after the last one)", "messages")
+        media.append(part["image"] if kind == "image" else {"video": part["video"]})
+        text = ""
+    if not media:
+        raise _bad(f"messages[{first}] holds no image or video: there is no prefix to warm", "messages")
+    for n, msg in enumerate(rest[1:], first + 1):
+        if isinstance(msg["content"], list) and any(p["type"] != "text" for p in msg["content"]):
+            raise _bad(f"messages[{n}]: every image and video of a warm must be in the first user message",
+                       "messages")
+    return media, system
+
+
 def _is_unicode(text: str) -> bool:
     """Whether ``text`` has no lone UTF-16 surrogate (UTF-8 cannot encode one)."""
     try:
@@ -359,6 +425,8 @@ class OpenAIAPI:
         self.app = FastAPI(title="Prism API", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_api_route("/models", self.models, methods=["GET"])
         self.app.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        self.app.add_api_route("/prefix_cache/warm", self.warm_prefix, methods=["POST"])
+        self._warms: set = set()  # warms not waited for, held until they finish (or shutdown cancels them)
         if cors_origins:
             self.app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                                     allow_headers=["Authorization", "Content-Type"], max_age=600)
@@ -370,6 +438,8 @@ class OpenAIAPI:
         handles = list(self._active)
         for handle in handles:
             handle.cancel(wait=False)
+        for warm in list(self._warms):  # prefix warms too (not counted: no answer is cut short)
+            warm.cancel(wait=False)
         return len(handles)
 
     def authorize(self, request: Request) -> bytes | None:
@@ -453,18 +523,7 @@ class OpenAIAPI:
                 raise _bad("stream must be true or false", "stream")
             options = body.get("stream_options") or {}
             include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-            if self._stopping:
-                raise APIError(503, "the server is shutting down", "server_error")
-            engine = self.loader.engine
-            if engine is None:
-                state = getattr(self.loader, "state", None)
-                if state == "failed":
-                    raise APIError(503, "the engine is not available (see /healthz); the server must be restarted",
-                                   "server_error", code="engine_unavailable")
-                why = ("the engine is restarting (its process stopped)" if state == "restarting"
-                       else "the model is still loading")
-                raise APIError(503, f"{why}; retry shortly", "server_error", code="loading",
-                               headers={"Retry-After": "5"})
+            engine = self._engine()
             handle = await run_in_threadpool(self._submit, engine, messages, sampling, salt)
         except APIError as exc:
             self.metrics.observe_rejected(exc.status)
@@ -475,6 +534,97 @@ class OpenAIAPI:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, handle, rid)
+
+    def _engine(self):
+        """The engine client, or the 503 of a server shutting down, loading, restarting or failed."""
+        if self._stopping:
+            raise APIError(503, "the server is shutting down", "server_error")
+        engine = self.loader.engine
+        if engine is None:
+            state = getattr(self.loader, "state", None)
+            if state == "failed":
+                raise APIError(503, "the engine is not available (see /healthz); the server must be restarted",
+                               "server_error", code="engine_unavailable")
+            why = ("the engine is restarting (its process stopped)" if state == "restarting"
+                   else "the model is still loading")
+            raise APIError(503, f"{why}; retry shortly", "server_error", code="loading",
+                           headers={"Retry-After": "5"})
+        return engine
+
+    async def warm_prefix(self, request: Request):
+        """``POST /v1/prefix_cache/warm``: build the prefix of a media-first request's images
+        before its question (see the module docstring)."""
+        try:
+            api_key = self.authorize(request)
+            if not _is_json(request):
+                raise APIError(415, "the request body must be JSON, sent with Content-Type: application/json",
+                               code="unsupported_media_type")
+            body = await self._body(request)
+            self.check_model(body)
+            key = prompt_cache_key_of(body)
+            if key is None:
+                raise _bad("prompt_cache_key is required: a request without one is its own cache session, so "
+                           "nothing could ever use the prefix it warmed; send the same prompt_cache_key here and "
+                           "with the chat requests that should find it", "prompt_cache_key")
+            images, system = warm_prefix_of(convert_messages(body.get("messages"), self.max_image_bytes,
+                                                             self.max_media))
+            wait = body.get("wait", True)
+            if not isinstance(wait, bool):
+                raise _bad("wait must be true or false", "wait")
+            salt = self.salt_for(api_key, key)
+            engine = self._engine()
+            handle = await run_in_threadpool(self._warm, engine, images, system, salt)
+        except APIError as exc:
+            self.metrics.observe_rejected(exc.status)
+            return exc.response()
+        self.metrics.observe_warm("api")
+        self._warms = {h for h in self._warms if not h.done} | {handle}  # the finished ones let go
+        if not wait and not handle.done:
+            return JSONResponse({"object": "prefix_cache.warm", "status": "warming", "prefix_tokens": None},
+                                status_code=202)
+        try:
+            tokens = await run_in_threadpool(self._warm_result, handle)
+        except APIError as exc:
+            self.metrics.observe_rejected(exc.status)
+            return exc.response()
+        finally:
+            self._warms.discard(handle)
+        return {"object": "prefix_cache.warm", "status": "cached", "prefix_tokens": tokens}
+
+    @staticmethod
+    def _warm(engine, images, system, salt):
+        """``engine.warm``, its refusals as API errors (as :meth:`_submit` maps a chat request's)."""
+        warm = getattr(engine, "warm", None)
+        if warm is None:
+            raise APIError(501, "this engine cannot warm prefixes", "server_error", code="not_implemented")
+        try:
+            return warm(images, system=system, cache_salt=salt)
+        except (InvalidImageError, InvalidRequestError) as exc:
+            raise _bad(str(exc), "messages") from None
+        except EngineOverloadedError as exc:
+            raise APIError(429, str(exc), "server_error") from None
+        except EngineAbortedError as exc:
+            raise _failure(exc) from None
+        except PrismError as exc:
+            raise APIError(500, str(exc), "server_error") from None
+
+    def _warm_result(self, handle) -> int:
+        """The warmed prefix's length in tokens, once cached; the engine's errors as API errors
+        (a warm cancelled under it, by a shutdown or the engine: 503 ``aborted``)."""
+        try:
+            return int(handle.result())
+        except (InvalidImageError, InvalidRequestError) as exc:
+            raise _bad(str(exc), "messages") from None
+        except EngineOverloadedError as exc:
+            raise APIError(429, str(exc), "server_error") from None
+        except EngineAbortedError as exc:
+            raise _failure(exc) from None
+        except PrismError as exc:
+            if "cancel" in str(exc).lower():
+                why = "the server is shutting down" if self._stopping else "it was cancelled in the engine"
+                raise APIError(503, f"the warm was stopped before the prefix was cached: {why}", "server_error",
+                               code="aborted") from None
+            raise APIError(500, f"the warm failed: {exc}", "server_error") from None
 
     def _aborted(self) -> APIError:
         """The error of an answer cancelled before its end (503: retry, elsewhere or later)."""

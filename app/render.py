@@ -238,19 +238,25 @@ def _bar(parts: list[tuple[str, float, str]]) -> str:
 
 
 PREFIX_COLOURS = {"hit": "#16a34a", "miss": "#2563eb", "stale": "#d97706", "off": "#64748b"}
+#: The mark above a bar whose question attached a prefix a warm built (telemetry ``warmed``).
+WARMED_MARK = "#f59e0b"
 
 
 def ttft_chart(rows: list[dict], *, width: int = 300, height: int = 170) -> str:
-    """An inline SVG bar chart of TTFT per question, each bar coloured by its prefix state.
+    """An inline SVG bar chart of TTFT per question, each bar coloured by its prefix state; a
+    question whose prefix a warm built (the first after an upload or a start) has a diamond above
+    its bar, and "warmed" in its tooltip and the legend.
 
-    ``rows``: ``{"turn": n, "ttft_ms": float, "prefix": "hit"|"miss"|"stale"|"off"}`` (the
-    session panel shows the last 24).
+    ``rows``: ``{"turn": n, "ttft_ms": float, "prefix": "hit"|"miss"|"stale"|"off", "warmed":
+    bool}`` (``warmed`` may be absent: False; the session panel shows the last 24).
     """
     title = '<div class="prism-kv-title">Time to first token per question</div>'
     if not rows:
         return title + '<div class="prism-panel-note">Bars appear here as questions are answered.</div>'
     rows = rows[-24:]
-    left, bottom, top = 6, 18, 16
+    labelled = len(rows) <= 12
+    # a warmed bar's diamond sits above its value label: the top margin leaves room for it at the peak
+    left, bottom, top = 6, 18, 16 + (10 if any(r.get("warmed") for r in rows) else 0)
     plot_h = height - bottom - top
     peak = max(r["ttft_ms"] for r in rows) or 1.0
     step = (width - left) / len(rows)
@@ -261,15 +267,24 @@ def ttft_chart(rows: list[dict], *, width: int = 300, height: int = 170) -> str:
         x, y = left + i * step + (step - bar_w) / 2, top + plot_h - h
         mid = x + bar_w / 2
         colour = PREFIX_COLOURS.get(r["prefix"], PREFIX_COLOURS["off"])
-        label = f"Q{int(r['turn'])}: {r['prefix'].upper()} · TTFT {r['ttft_ms']:,.0f} ms"
+        warmed = bool(r.get("warmed"))
+        label = (f"Q{int(r['turn'])}: {r['prefix'].upper()}{' (warmed)' if warmed else ''} · "
+                 f"TTFT {r['ttft_ms']:,.0f} ms")
         parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar_w:.1f}" height="{h:.1f}" rx="2" fill="{colour}">'
                      f"<title>{_e(label)}</title></rect>")
-        if len(rows) <= 12:
+        if warmed:  # above the value label (when shown)
+            cy, d = y - (14 if labelled else 6), 3.5
+            parts.append(f'<path class="prism-chart-warmed" d="M{mid:.1f} {cy - d:.1f} L{mid + d:.1f} {cy:.1f} '
+                         f'L{mid:.1f} {cy + d:.1f} L{mid - d:.1f} {cy:.1f} Z" fill="{WARMED_MARK}">'
+                         f"<title>{_e(label)}</title></path>")
+        if labelled:
             value, name = f"{r['ttft_ms']:,.0f}", f"Q{int(r['turn'])}"
             parts.append(f'<text x="{mid:.1f}" y="{y - 3:.1f}" class="prism-chart-value">{value}</text>')
             parts.append(f'<text x="{mid:.1f}" y="{height - 4}" class="prism-chart-label">{name}</text>')
     present = [k for k in PREFIX_COLOURS if any(r["prefix"] == k for r in rows)]
     legend = "".join(f'<span class="prism-dot" style="background:{PREFIX_COLOURS[k]}"></span>{k}' for k in present)
+    if any(r.get("warmed") for r in rows):
+        legend += f' <span class="prism-warmed-mark" style="color:{WARMED_MARK}">◆</span>warmed'
     svg = (f'<svg class="prism-chart" viewBox="0 0 {width} {height}" width="100%" role="img" '
            f'aria-label="TTFT per question in milliseconds">{"".join(parts)}</svg>')
     return f'{title}{svg}<div class="prism-legend">{legend} <span class="prism-unit">(TTFT in ms)</span></div>'

@@ -20,8 +20,8 @@ Routes (ours are registered before Gradio's mount, so they take precedence):
   ``GET /s/<token>/prefix``: the same for a shared session while the share is live. Another
   owner's session, an unknown id or token: the same 404. Never the cache salt.
 * ``/prism-static/...``: our CSS and JS from ``static/`` (Gradio keeps ``/static`` for its own files).
-* ``/v1/models``, ``/v1/chat/completions``: see :mod:`app.openai_api` (a sub-application with its
-  own API keys and CORS, mounted at ``/v1``).
+* ``/v1/models``, ``/v1/chat/completions``, ``/v1/prefix_cache/warm``: see :mod:`app.openai_api`
+  (a sub-application with its own API keys and CORS, mounted at ``/v1``).
 
 Every browser gets an owner key in an HttpOnly cookie (:class:`OwnerCookieMiddleware`); it is
 the only credential for its sessions and is never put in a page.
@@ -154,14 +154,21 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     files) is a 404, no owner cookie is set, and Gradio is never imported.
 
     The app's :class:`~app.metrics.Metrics` (its own registry) counts the chat's and the API's
-    requests: it is attached to ``chat`` here."""
+    requests and warms: it is attached to ``chat`` here, and so is ``--warm``.
+
+    While the app runs (its lifespan), each time an engine becomes ready (the first load, a
+    restarted core) the most recently used chats' prefixes are warmed within ``--warm-share`` of
+    the KV pool (:meth:`~app.chat.ChatService.warm_recent`; not headless: no chat asks there)."""
     chat = chat or ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
     metrics = Metrics(loader)
     chat.metrics = metrics
+    chat.warming = settings.warm == "on"
 
     @asynccontextmanager
     async def lifespan(_app):
         anyio.to_thread.current_default_thread_limiter().total_tokens = WORKER_THREADS
+        if not headless and chat.warming and settings.warm_share > 0 and hasattr(loader, "on_ready"):
+            loader.on_ready(lambda _engine: chat.warm_recent(settings.warm_share))
         async with anyio.create_task_group() as tasks:
             uploads = getattr(app.state, "uploads", None)
             if uploads is not None:  # leftovers of failed or abandoned uploads, while the server runs

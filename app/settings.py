@@ -88,6 +88,17 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    """A share in [0, 1] (0 turns the feature off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
 def default_data_dir() -> Path:
     """The per-user data folder (``~/.local/share/prism`` on Linux)."""
     from platformdirs import user_data_dir
@@ -123,6 +134,8 @@ class Settings:
     cors_origins: tuple[str, ...] = ()
     body_timeout_s: float = 120.0
     max_media_per_request: int | None = None
+    warm: str = "on"
+    warm_share: float = 0.25
 
     @property
     def media_per_request(self) -> int:
@@ -220,6 +233,14 @@ _OPTIONS = [
     ("--body-timeout-s", "body_timeout_s", _seconds, None,
      "seconds a request's body may take to arrive after its headers (408 after that; slow headers "
      "need a proxy in front)"),
+    ("--warm", "warm", str, ("on", "off"),
+     "on: the chat builds a session's image prefix (vision encoder and prefill) as soon as its images "
+     "change (upload, removal, a continued copy of a shared chat), so its first question is a prefix hit, "
+     "and after a start the most recently used chats' prefixes (--warm-share); off: the first question "
+     "computes it (POST /v1/prefix_cache/warm works either way)"),
+    ("--warm-share", "warm_share", _share, None,
+     "share of the KV pool, in [0, 1], that the most recently used chats' image prefixes may fill when the "
+     "server (or a restarted engine core) starts, warmed before anyone asks; 0: none warmed at a start"),
     ("--api-key-file", "api_key_file", Path, None,
      "a file of API keys for /v1, one per line ('#' starts a comment line), besides any --api-key"),
 ]

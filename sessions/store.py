@@ -320,6 +320,18 @@ class SessionStore:
                         videos[link["session_id"]].add(link["sha256"])
             return [session_from_row(row, shas[row["id"]], videos[row["id"]]) for row in rows]
 
+    def recent_sessions(self, limit: int) -> list[Session]:
+        """Up to ``limit`` sessions holding at least one image or clip, of every owner, most
+        recently updated first. For the server's own use (warming prefixes after a start,
+        :meth:`app.chat.ChatService.warm_recent`), never for a page: it crosses owners."""
+        limit = max(0, int(limit))
+        with self._read() as db:
+            ids = [row["id"] for row in db.query(
+                "SELECT s.id FROM sessions s WHERE EXISTS (SELECT 1 FROM session_images si WHERE si.session_id = s.id) "
+                "ORDER BY s.updated_at DESC, s.created_at DESC, s.id LIMIT ?", [limit])]
+            sessions = [load_session(db, session_id) for session_id in ids]
+        return [s for s in sessions if s is not None]
+
     def get_session(self, session_id: str, owner: str | None = None) -> Session | None:
         """Return the session, or ``None``.
 

@@ -17,8 +17,9 @@ from app.settings import Settings
 from sessions import SessionStore
 
 OWNER = "m" * 43
-#: Every label a Prism series may carry: outcomes, tiers, kinds and states, never a session, key or prompt.
-ALLOWED_LABELS = {"finished_reason", "status", "result", "tier", "kind", "state", "le"}
+#: Every label a Prism series may carry: outcomes, tiers, kinds, states and sources (why a warm started), never
+#: a session, key or prompt.
+ALLOWED_LABELS = {"finished_reason", "status", "result", "tier", "kind", "state", "source", "le"}
 
 
 def make_app(tmp_path, engine, **settings):
