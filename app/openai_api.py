@@ -334,8 +334,8 @@ def warm_prefix_of(messages: list[dict]) -> tuple[list, str | None]:
     that these messages, with any question after the last image, attach.
 
     Raises:
-        APIError: 400 naming what differs from that layout: a system message that is not text,
-            no user message after it, no image, text other than the layout's between (or before)
+        APIError: 400 naming what differs from that layout: a system message that is not text
+            or empty, no user message after it, no image, text other than the layout's between (or before)
             the images, or an image or clip outside the first user message.
     """
     rest, system = list(messages), None
@@ -345,7 +345,10 @@ def warm_prefix_of(messages: list[dict]) -> tuple[list, str | None]:
             if any(p["type"] != "text" for p in content):
                 raise _bad("messages[0]: a system message holds text only", "messages")
             content = "".join(p["text"] for p in content)
-        system = content or None
+        if not content:  # media_first_messages leaves an empty one out: a request with it has another prefix
+            raise _bad("messages[0]: an empty system message cannot be warmed (leave it out, here and in the chat "
+                       "requests)", "messages")
+        system = content
     first = len(messages) - len(rest)
     if not rest or rest[0]["role"] != "user":
         raise _bad(f"messages[{first}] must be the user message holding the images (after an optional system "

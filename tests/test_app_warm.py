@@ -525,3 +525,127 @@ def test_a_warmer_alone_cancels_by_key_and_salt():
     # no engine yet (loading): nothing started, nothing kept
     idle = PrefixWarmer(types.SimpleNamespace(engine=None))
     assert idle.warm("a", ["x.png"], "s").result(10) is None and idle.handle("a") is None
+
+
+# ---------------------------------------------------------------------------------- on the tiny checkpoint
+@pytest.fixture(scope="module")
+def engine(tiny_engine_factory):
+    return tiny_engine_factory(kv_cache_bytes=64 << 20)
+
+
+@pytest.fixture
+def real_chat(store, engine):
+    engine.clear_prefix_cache()
+    return ChatService(store, ModelLoader.ready(engine, ModelChoice("tiny", "tiny", True, "test")))
+
+
+def answer(active):
+    return list(active)[-1]
+
+
+def test_upload_then_the_first_question_is_a_warmed_hit(real_chat, engine, photos):
+    session, _ = real_chat.add_images(None, OWNER, [("a.png", photos[0]), ("b.png", photos[1])])
+    tokens = started(real_chat, session.id).result(120)
+    assert tokens > 2 * 256  # two photos' visual tokens and their labels
+    first = answer(real_chat.ask(session.id, OWNER, "What is in the pictures?", FAST))
+    assert first.telemetry["prefix_cache"] == "hit" and first.telemetry["warmed"] is True
+    assert first.telemetry["cached_tokens"] == tokens and not first.telemetry.get("vision_encoder_ran")
+    assert first.line.startswith("prefix HIT (warmed at upload) · TTFT ")
+    second = answer(real_chat.ask(session.id, OWNER, "And the colours?", FAST))
+    assert second.telemetry["prefix_cache"] == "hit" and not second.telemetry["warmed"]
+    assert second.line.startswith("prefix HIT · TTFT ")
+    rows = real_chat.session_stats(session.id)["turns"]
+    assert [r["warmed"] for r in rows] == [True, False]
+    assert ttft_chart(rows).count('class="prism-chart-warmed"') == 1
+    # the stored turn keeps it: the chip reads the same after a reload
+    assert real_chat.turns(session.id)[0].line.startswith("prefix HIT (warmed at upload) · TTFT ")
+
+
+def test_a_question_sent_while_its_prefix_warms_is_a_hit(real_chat, engine, photos):
+    session, _ = real_chat.add_images(None, OWNER, [("a.png", photos[2])])
+    started(real_chat, session.id)  # in the engine: the question joins it, or finds it cached
+    first = answer(real_chat.ask(session.id, OWNER, "What is it?", FAST))
+    assert first.telemetry["prefix_cache"] == "hit"
+
+
+def test_deleting_a_chat_during_its_warm_frees_its_pages(real_chat, engine, photos):
+    engine.clear_prefix_cache()
+    before = engine.stats()["pages_used"]
+    session, _ = real_chat.add_images(None, OWNER, [("a.png", photos[0]), ("b.png", photos[1])])
+    warm = started(real_chat, session.id)
+    real_chat.delete(session.id, OWNER)
+    try:
+        warm.result(60)
+    except PrismError:
+        pass  # cancelled before it was cached
+    deadline = time.monotonic() + 30
+    while engine.stats()["pages_used"] != before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["pages_used"] == before  # cancelled, or cached and then forgotten
+
+
+def test_restart_warming_on_the_engine_is_bounded_and_says_so(real_chat, engine, store, photos):
+    sessions = _sessions(store, photos, 3)  # one photo each: the newest is the last
+    stats = engine.stats()
+    prompt = engine.count_prompt_tokens(media_first_messages(real_chat.prompt_images(sessions[-1]), ""),
+                                        cache_salt=sessions[-1].cache_salt)
+    pages = -(-prompt // stats["page_size"])
+    share = (pages * 1.5) / stats["pages_total"]  # room for one session, not two
+    assert real_chat.warm_recent(share) == [sessions[-1].id]
+    assert real_chat.warmer.handle(sessions[-1].id).done
+    first = answer(real_chat.ask(sessions[-1].id, OWNER, "What is it?", FAST))
+    assert first.telemetry["prefix_cache"] == "hit" and first.telemetry["warmed"] is True
+    assert first.line.startswith("prefix HIT (warmed at start) · TTFT ")
+    other = answer(real_chat.ask(sessions[0].id, OWNER, "What is it?", FAST))
+    assert other.telemetry["prefix_cache"] == "miss"  # not warmed: outside the share
+
+
+@pytest.fixture
+def real_api(tmp_path, engine):
+    engine.clear_prefix_cache()
+    store = SessionStore(tmp_path / "data")
+    loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny-test", False, "test"))
+    app = create_app(Settings(data_dir=tmp_path / "data", max_upload_mb=2, api_keys=("k1",)), store, loader,
+                     mount_ui=False)
+    with TestClient(app) as client:
+        yield client
+    store.close()
+
+
+def test_a_warmed_key_then_a_chat_request_with_it_is_a_warmed_hit(real_api, photos):
+    urls = [data_url(photos[0]), data_url(photos[1])]
+    r = real_api.post("/v1/prefix_cache/warm", headers=AUTH,
+                      json={"prompt_cache_key": "chat-9", "messages": media_first_openai(urls)})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["prefix_tokens"]
+    assert r.json()["status"] == "cached" and tokens > 2 * 256
+    body = {"messages": media_first_openai(urls, "What is in them?"), "max_tokens": 3, "temperature": 0,
+            "prompt_cache_key": "chat-9"}
+    assert real_api.post("/v1/chat/completions", json=body).status_code == 401
+    out = real_api.post("/v1/chat/completions", json=body, headers=AUTH).json()
+    tel = out["prism"]["telemetry"]
+    assert tel["prefix_cache"] == "hit" and tel["warmed"] is True
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == tokens
+    again = real_api.post("/v1/chat/completions", json={**body, "messages": media_first_openai(urls, "Colours?")},
+                          headers=AUTH).json()["prism"]["telemetry"]
+    assert again["prefix_cache"] == "hit" and not again["warmed"]
+    # another key has its own salt: a miss, warm or not
+    other = real_api.post("/v1/chat/completions", json={**body, "prompt_cache_key": "chat-10"},
+                          headers=AUTH).json()["prism"]["telemetry"]
+    assert other["prefix_cache"] == "miss"
+    # warming it again: cached already, at once
+    r = real_api.post("/v1/prefix_cache/warm", headers=AUTH,
+                      json={"prompt_cache_key": "chat-9", "messages": media_first_openai(urls, "anything")})
+    assert r.json() == {"object": "prefix_cache.warm", "status": "cached", "prefix_tokens": tokens}
+
+
+def test_an_api_warm_of_a_prefix_longer_than_the_context_is_a_400(tmp_path, tiny_engine_factory, photos):
+    small = tiny_engine_factory(kv_cache_bytes=64 << 20, max_model_len=200)
+    store = SessionStore(tmp_path / "data")
+    loader = ModelLoader.ready(small, ModelChoice("tiny", "tiny-test", False, "test"))
+    with TestClient(create_app(Settings(data_dir=tmp_path / "data"), store, loader, mount_ui=False)) as client:
+        r = client.post("/v1/prefix_cache/warm",
+                        json={"prompt_cache_key": "k", "messages": media_first_openai([data_url(photos[0])])})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"]
+    store.close()
