@@ -26,7 +26,7 @@ question (issue 34): ``prism:prefix_cache_warms_total{source}`` (warms the engin
 they were started: ``upload``, a chat's images changed; ``restart``, recent chats after a start;
 ``api``, ``POST /v1/prefix_cache/warm``; counted by the app) and
 ``prism:prefix_cache_warm_results_total{result}`` (the engine's own count of how its warms ended:
-``computed``, ``cached`` already when asked, ``cancelled``).
+``computed``, ``cached`` already when asked, ``cancelled``, ``dropped`` for lack of room).
 
 Two sources: each finished request (chat turn or API call) is observed once, by the code that
 read its answer, into the request counters and histograms; the engine's own counters and gauges
@@ -247,9 +247,10 @@ def _warm_results(s: dict) -> CounterMetricFamily:
     """``prism:prefix_cache_warm_results_total{result}`` from the engine's warm counters (all 0 on
     an engine without warms)."""
     results = CounterMetricFamily("prism:prefix_cache_warm_results", "Prefix warms, by how they ended in the "
-                                  "engine: computed (built), cached (already cached when asked), cancelled.",
+                                  "engine: computed (built), cached (already cached when asked, or built meanwhile by another "
+                                  "request), cancelled, dropped (no room for it).",
                                   labels=["result"])
-    for result in ("computed", "cached", "cancelled"):
+    for result in ("computed", "cached", "cancelled", "dropped"):
         results.add_metric([result], s.get(f"warms_{result}", 0))
     return results
 

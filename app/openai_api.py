@@ -42,8 +42,8 @@ Who may call, and what is shared (see README, "What stays with its owner"):
   (400 without: an anonymous request is its own cache session, nothing could ever find what it
   warmed); the salt is derived from it exactly as for a chat request. ``wait`` (default true):
   answer once the prefix is cached, ``200 {"object": "prefix_cache.warm", "status": "cached",
-  "prefix_tokens": N}``; false: at once, ``202`` with ``"status": "warming"`` and
-  ``"prefix_tokens": null`` (a chat request sent meanwhile joins the warm in the engine). A client
+  "prefix_tokens": N}``; false: at once, ``202`` with ``"status": "warming"`` and the same
+  ``prefix_tokens`` (a chat request sent meanwhile joins the warm in the engine). A client
   that goes away does not cancel the warm. Refusals as for a chat request (401, 404 for another
   ``model``, 415, 429, 503, 400 for bad input or a prefix longer than the context). Counted in
   ``/metrics`` as ``prism:prefix_cache_warms_total{source="api"}``.
@@ -583,8 +583,8 @@ class OpenAIAPI:
         self.metrics.observe_warm("api")
         self._warms = {h for h in self._warms if not h.done} | {handle}  # the finished ones let go
         if not wait and not handle.done:
-            return JSONResponse({"object": "prefix_cache.warm", "status": "warming", "prefix_tokens": None},
-                                status_code=202)
+            return JSONResponse({"object": "prefix_cache.warm", "status": "warming",
+                                 "prefix_tokens": getattr(handle, "prefix_tokens", None)}, status_code=202)
         try:
             tokens = await run_in_threadpool(self._warm_result, handle)
         except APIError as exc:
@@ -618,7 +618,7 @@ class OpenAIAPI:
             return int(handle.result())
         except (InvalidImageError, InvalidRequestError) as exc:
             raise _bad(str(exc), "messages") from None
-        except EngineOverloadedError as exc:
+        except EngineOverloadedError as exc:  # dropped: no room for it now
             raise APIError(429, str(exc), "server_error") from None
         except EngineAbortedError as exc:
             raise _failure(exc) from None

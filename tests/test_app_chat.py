@@ -35,9 +35,11 @@ def store(tmp_path):
 
 @pytest.fixture
 def chat(store, engine):
+    """The chat without prefix warming: these tests pin the cold path (a session's first question
+    is a miss); tests/test_app_warm.py has the warmed one."""
     engine.clear_prefix_cache()
     loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny", True, "test"))
-    return ChatService(store, loader, max_upload_bytes=2 << 20)
+    return ChatService(store, loader, max_upload_bytes=2 << 20, warming=False)
 
 
 @pytest.fixture(scope="module")

@@ -60,8 +60,9 @@ def test_requests_latencies_cache_and_pool_in_prometheus_format(tmp_path, engine
     """A chat answer about an image (a miss), a second one (a hit, the vision encoder skipped),
     an API answer, an API request for a model that is not served, and a stopped chat answer:
     each shows in its series, named as vLLM names them under ``prism:``, plus the engine's
-    prefix-cache lookups, evictions apart by kind, and KV pool usage."""
-    app, store = make_app(tmp_path, engine)
+    prefix-cache lookups, evictions apart by kind, and KV pool usage. (Without prefix warming,
+    so the first answer is the miss; tests/test_app_warm.py counts the warms.)"""
+    app, store = make_app(tmp_path, engine, warm="off")
     chat = app.state.chat
     with TestClient(app) as client:
         session, _ = chat.add_images(None, OWNER, [(photo.name, photo)])

@@ -546,7 +546,7 @@ def answer(active):
 def test_upload_then_the_first_question_is_a_warmed_hit(real_chat, engine, photos):
     session, _ = real_chat.add_images(None, OWNER, [("a.png", photos[0]), ("b.png", photos[1])])
     tokens = started(real_chat, session.id).result(120)
-    assert tokens > 2 * 256  # two photos' visual tokens and their labels
+    assert tokens > 256 + 2 * 8  # both photos (astronaut.png alone has 256 visual tokens) and their labels
     first = answer(real_chat.ask(session.id, OWNER, "What is in the pictures?", FAST))
     assert first.telemetry["prefix_cache"] == "hit" and first.telemetry["warmed"] is True
     assert first.telemetry["cached_tokens"] == tokens and not first.telemetry.get("vision_encoder_ran")
@@ -618,7 +618,7 @@ def test_a_warmed_key_then_a_chat_request_with_it_is_a_warmed_hit(real_api, phot
                       json={"prompt_cache_key": "chat-9", "messages": media_first_openai(urls)})
     assert r.status_code == 200, r.text
     tokens = r.json()["prefix_tokens"]
-    assert r.json()["status"] == "cached" and tokens > 2 * 256
+    assert r.json()["status"] == "cached" and tokens > 256 + 2 * 8
     body = {"messages": media_first_openai(urls, "What is in them?"), "max_tokens": 3, "temperature": 0,
             "prompt_cache_key": "chat-9"}
     assert real_api.post("/v1/chat/completions", json=body).status_code == 401
@@ -649,3 +649,41 @@ def test_an_api_warm_of_a_prefix_longer_than_the_context_is_a_400(tmp_path, tiny
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"]
     store.close()
+
+
+def test_warms_of_one_photo_in_three_sessions_are_computed_three_times(real_chat, engine, store, photos):
+    """Each session warms under its own salt: the same photo in two chats of one owner and a
+    stranger's is computed three times (no warm finds another session's prefix cached), and each
+    first question is a warmed hit of its own."""
+    before = engine.stats()
+    sessions = [real_chat.add_images(None, owner, [("a.png", photos[1])])[0] for owner in (OWNER, OWNER, VISITOR)]
+    for session in sessions:
+        started(real_chat, session.id).result(120)
+    after = engine.stats()
+    assert after["warms_computed"] - before["warms_computed"] == 3
+    assert after["warms_cached"] == before["warms_cached"]
+    for session, owner in zip(sessions, (OWNER, OWNER, VISITOR), strict=True):
+        first = answer(real_chat.ask(session.id, owner, "What is it?", FAST))
+        assert first.telemetry["prefix_cache"] == "hit" and first.telemetry["warmed"] is True
+
+
+def test_upload_warms_show_in_metrics_on_the_engine(tmp_path, engine, photos):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine.clear_prefix_cache()
+    store = SessionStore(tmp_path / "data")
+    loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny-test", False, "test"))
+    app = create_app(Settings(data_dir=tmp_path / "data"), store, loader, mount_ui=False)
+    before = engine.stats()
+    with TestClient(app) as client:
+        chat = app.state.chat
+        session, _ = chat.add_images(None, OWNER, [("a.png", photos[0])])
+        started(chat, session.id).result(120)
+        chat.warm_session(store.get_session(session.id)).result(10).result(60)  # again: cached already
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
+    store.close()
+    assert samples[("prism:prefix_cache_warms_total", (("source", "upload"),))] == 2
+    results = {r: samples[("prism:prefix_cache_warm_results_total", (("result", r),))]
+               for r in ("computed", "cached", "cancelled", "dropped")}
+    assert results["computed"] == 1 + before["warms_computed"] and results["cached"] == 1 + before["warms_cached"]
