@@ -188,7 +188,7 @@ _CLIP_SUFFIXES = (".mp4", ".m4v", ".mov", ".webm", ".mkv")
 
 #: What the image viewer says of an image whose compact prefix is not cached: the engine keeps it
 #: in memory only, so we cannot tell which of these it is, and do not guess a picture.
-NOT_CACHED = ("Not cached: the model holds no prefix of this chat's images right now (no question asked about "
+NOT_CACHED = ("Not cached: the model holds no prefix of this chat's images right now (not warmed or asked about "
               "them yet, evicted to make room, or the server restarted); the next question computes it again")
 NOT_LOADED = "Not cached: the model is not loaded yet"
 

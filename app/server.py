@@ -162,7 +162,7 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     chat = chat or ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)
     metrics = Metrics(loader)
     chat.metrics = metrics
-    chat.warming = settings.warm == "on"
+    chat.warming = chat.warming and settings.warm == "on"
 
     @asynccontextmanager
     async def lifespan(_app):

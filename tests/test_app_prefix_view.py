@@ -36,7 +36,9 @@ def png(seed: int, size=(384, 256)) -> bytes:
 
 
 def make_app(data, engine):
-    settings = Settings(data_dir=data, max_upload_mb=2)
+    """The app without prefix warming: these tests pin what the viewer says before and after a
+    first question (tests/test_app_warm.py: after an upload's warm)."""
+    settings = Settings(data_dir=data, max_upload_mb=2, warm="off")
     store = SessionStore(data, image_options=settings.image_options())
     loader = ModelLoader.ready(engine, TINY, settings)
     chat = ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)

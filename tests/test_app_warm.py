@@ -687,3 +687,39 @@ def test_upload_warms_show_in_metrics_on_the_engine(tmp_path, engine, photos):
     results = {r: samples[("prism:prefix_cache_warm_results_total", (("result", r),))]
                for r in ("computed", "cached", "cancelled", "dropped")}
     assert results["computed"] == 1 + before["warms_computed"] and results["cached"] == 1 + before["warms_cached"]
+
+
+def test_an_uploaded_photo_is_decoded_once_from_upload_to_warm_to_answer(real_chat, monkeypatch):
+    """The upload's decoded pixels are handed to the engine once (engine/inputs/uploads.py): the
+    warm takes them, and the question finds the photo processed under its salt. One decode in
+    all, at upload."""
+    import io
+
+    from PIL import Image
+
+    from engine.inputs import images as images_module
+
+    count, decode = [0], images_module._decode
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(images_module, "_decode", counted)
+    out = io.BytesIO()
+    Image.effect_noise((96, 80), 60).convert("RGB").save(out, "PNG")
+    session, _ = real_chat.add_images(None, OWNER, [("n.png", out.getvalue())])
+    started(real_chat, session.id).result(120)
+    first = answer(real_chat.ask(session.id, OWNER, "What is it?", FAST))
+    assert first.telemetry["warmed"] is True and count[0] == 1
+
+
+def test_the_image_viewer_shows_the_warmed_prefix_before_any_question(real_chat, photos):
+    """Once the upload's warm has cached the prefix, the viewer draws what it keeps of each image
+    (before, it says "not cached", as after a restart)."""
+    session, _ = real_chat.add_images(None, OWNER, [("a.png", photos[0]), ("b.png", photos[1])])
+    started(real_chat, session.id).result(120)
+    view = real_chat.prefix_view(real_chat.session(session.id, OWNER))
+    assert [i["cached"] for i in view["images"]] == [True, True]
+    assert all(i["summary"].startswith(("all kept", "kept", "Preview")) for i in view["images"]), view
+    assert not real_chat.store.list_turns(session.id)  # no question was asked

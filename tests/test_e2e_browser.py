@@ -1,9 +1,10 @@
 """End to end in a real browser: ``python launch.py`` on a tiny checkpoint, driven by Playwright
 through Debian's Chromium.
 
-Uploads two sample photos, asks two questions, and checks that the first answer's telemetry says
-MISS (the vision encoder ran) and the second HIT (no encoder, the cached prefix reused, only the
-question computed), that Send turns into Stop while an answer streams, that the image cards keep
+Uploads two sample photos, waits for the upload's prefix warm (issue 34), asks two questions, and
+checks that the first answer's telemetry says ``prefix HIT (warmed at upload)`` and the second a
+plain HIT (no encoder, the cached prefix reused, only the question computed; the TTFT chart marks
+the warmed one), that Send turns into Stop while an answer streams, that the image cards keep
 their open and remove buttons off the photo and their labels on one line, that the conversation
 has the window's height at three sizes (one scroll container, the question and the last answer in
 view), that "+ New chat" gets darker
@@ -14,7 +15,7 @@ pastes a small image in the first (a notice says it was upscaled) and removes it
 older answer (the later turns go, the prefix still hits) and edits a past question. Screenshots
 and the server log go to ``artifacts/e2e/`` (``PRISM_UPDATE_SCREENSHOTS=1`` also copies the main
 one to ``docs/screenshot.png``, and the clip's to ``docs/screenshot-video.png``). A first test
-uploads a video clip and asks two questions about it (MISS, then HIT). Finally Ctrl-C (SIGINT)
+uploads a video clip and asks two questions about it (warmed HIT, then HIT). Finally Ctrl-C (SIGINT)
 must stop the server cleanly.
 """
 
@@ -117,6 +118,24 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 
         except Exception:
             time.sleep(0.3)
     pytest.fail(f"the app did not become healthy in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _warms_built(url: str) -> int:
+    """How many prefix warms the server's engine has finished, built or found cached (``/healthz``)."""
+    with urllib.request.urlopen(url + "healthz", timeout=5) as r:
+        stats = json.loads(r.read())["engine"]
+    return stats["warms_computed"] + stats["warms_cached"]
+
+
+def _wait_for_warm(url: str, before: int, timeout: float = 120.0) -> None:
+    """Wait until the upload's warm (issue 34) has cached its prefix: the first question then
+    attaches it, deterministically (sent during the warm it would join it; sent before the warm
+    reached the engine, it would be the one to compute the prefix)."""
+    deadline = time.monotonic() + timeout
+    while _warms_built(url) <= before:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the upload's prefix warm did not finish in {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -282,8 +301,9 @@ def _cancelled_delete_and_guarded_stream(page) -> None:
 
 def test_browser_video_clip_miss_then_hit(sync_playwright, server):
     """A clip uploaded beside nothing else: a video card with its duration and poster frame, then
-    two questions, the first a prefix MISS (the vision encoder ran over the sampled frames) and the
-    second a HIT. Runs before the test below, which stops the server."""
+    two questions about it, both prefix hits: the upload warmed the prefix (the vision encoder ran
+    over the sampled frames then, issue 34), so the first says ``prefix HIT (warmed at upload)``.
+    Runs before the test below, which stops the server."""
     if not CI:  # the server decodes the clip with PyAV: under PRISM_CI=1 it must be there
         pytest.importorskip("av")
     url, _, _ = server
@@ -301,6 +321,7 @@ def test_browser_video_clip_miss_then_hit(sync_playwright, server):
             page.goto(url)
             page.wait_for_selector("#prism-upload input[type=file]", state="attached")
             _short_answers(page)
+            warms = _warms_built(url)
             page.set_input_files("#prism-upload input[type=file]", [str(clip)])
             page.wait_for_selector("#prism-images .prism-video", timeout=120_000)
             label = page.inner_text("#prism-images .prism-video .prism-image-label")
@@ -327,13 +348,14 @@ def test_browser_video_clip_miss_then_hit(sync_playwright, server):
                 page.wait_for_selector(".prism-viewer", state="hidden")
             assert page.query_selector(".prism-notice-error") is None, page.inner_text("#prism-notice")
 
+            _wait_for_warm(url, warms)
             for n, question in enumerate(("What moves in this clip?", "Which way does it pan?"), 1):
                 page.fill("#prism-question textarea", question)
                 page.press("#prism-question textarea", "Enter")
                 page.wait_for_function(ANSWERED, arg=n, timeout=120_000)
             chips = [c.inner_text() for c in page.query_selector_all("#prism-chat .prism-tel")]
-            assert chips[0].startswith("prefix MISS") and "vision encoder ran" in chips[0], chips
-            assert chips[1].startswith("prefix HIT") and "vision encoder ran" not in chips[1], chips
+            assert chips[0].startswith("prefix HIT (warmed at upload) · TTFT") and "vision encoder" not in chips[0], chips
+            assert chips[1].startswith("prefix HIT · TTFT") and "vision encoder ran" not in chips[1], chips
             assert _tokens(chips[1], "computed") < _tokens(chips[1], "reused"), chips
             assert page.query_selector(".prism-tel-error") is None
             page.evaluate("window.scrollTo(0, 0)")
@@ -387,6 +409,7 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             page.locator("#prism-sidebar").screenshot(path=str(ARTIFACTS / "new-chat-hover.png"))
             page.mouse.move(0, 0)
 
+            warms = _warms_built(url)
             page.set_input_files("#prism-upload input[type=file]", [str(p) for p in pictures])
             page.wait_for_function("() => document.querySelectorAll('#prism-images .prism-image').length === 2")
             page.wait_for_function(IMAGES_LOADED)
@@ -395,6 +418,7 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             assert not any(c["overlap"] for c in cards) and all(c["lines"] < 1.5 for c in cards), cards
             page.locator("#prism-images").screenshot(path=str(ARTIFACTS / "image-cards.png"))
 
+            _wait_for_warm(url, warms)  # the upload built the prefix: the first question is a hit too
             page.evaluate(WATCH_STOP)
             page.fill("#prism-question textarea", "What is in the first picture?")
             page.click("#prism-send")
@@ -409,11 +433,13 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
 
             chips = [c.inner_text() for c in page.query_selector_all("#prism-chat .prism-tel")]
             assert len(chips) == 2, chips
-            assert chips[0].startswith("prefix MISS") and "vision encoder ran" in chips[0], chips
-            assert chips[1].startswith("prefix HIT") and "vision encoder ran" not in chips[1], chips
-            # the hit reused the cached prefix and computed only the question (not a timing: the counts)
-            hit_computed = _tokens(chips[1], "computed")
-            assert hit_computed < _tokens(chips[1], "reused") and hit_computed < _tokens(chips[0], "computed"), chips
+            assert chips[0].startswith("prefix HIT (warmed at upload) · TTFT") and "vision encoder" not in chips[0], chips
+            assert chips[1].startswith("prefix HIT · TTFT") and "vision encoder ran" not in chips[1], chips
+            # both reused the warmed prefix and computed only their question (not a timing: the counts)
+            for chip in chips:
+                assert _tokens(chip, "computed") < _tokens(chip, "reused"), chips
+            # the TTFT chart marks the warmed question
+            assert page.locator("#prism-ttft-plot .prism-chart-warmed").count() == 1
             assert page.query_selector(".prism-tel-error") is None
             assert page.query_selector(".prism-notice-error") is None
             assert not page.query_selector_all(".toast-body.error, .toast-wrap .error"), "an error toast is shown"
@@ -433,7 +459,8 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             page.get_by_role("tab", name="Engine").click()
             page.wait_for_selector(".prism-engine")
             hits, misses = _lookups(page)
-            assert (hits - lookups_before[0], misses - lookups_before[1]) == (1, 1), page.inner_text("#prism-engine")
+            # a warm is no lookup: both questions hit, nothing missed
+            assert (hits - lookups_before[0], misses - lookups_before[1]) == (2, 0), page.inner_text("#prism-engine")
             page.screenshot(path=str(ARTIFACTS / "engine-panel.png"))
 
             # share read-only, open the link in a fresh browser context
@@ -468,7 +495,7 @@ def test_browser_chat_share_and_shutdown(sync_playwright, server):
             assert response.status == 200
             text = viewer.inner_text("body")
             assert "What is in the first picture?" in text and "And what is in the second one?" in text
-            assert "prefix MISS" in text and "prefix HIT" in text
+            assert "prefix HIT (warmed at upload)" in text and "prefix HIT · " in text
             assert viewer.locator(".prism-image img").count() == 2
             viewer.wait_for_function(IMAGES_LOADED)  # served by hash under the token: /s/<token>/images/<sha>
             assert viewer.locator("textarea, input, form, #prism-question").count() == 0

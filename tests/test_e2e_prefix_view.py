@@ -68,7 +68,7 @@ def sideways_photo() -> bytes:
 def env(tmp_path_factory, tiny_engine_factory, live_server):
     data = tmp_path_factory.mktemp("prefix-view-data")
     engine = tiny_engine_factory(kv_cache_bytes=64 << 20, compaction_mode="on_pressure")  # the app's default
-    settings = Settings(data_dir=data, max_upload_mb=2)
+    settings = Settings(data_dir=data, max_upload_mb=2, warm="off")  # "not cached" until the first question
     store = SessionStore(data, image_options=settings.image_options())
     loader = ModelLoader.ready(engine, ModelChoice("tiny", "tiny-test", False, "test"), settings)
     chat = ChatService(store, loader, max_upload_bytes=settings.max_upload_bytes)

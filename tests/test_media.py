@@ -192,12 +192,13 @@ def test_a_clip_decoded_under_looser_limits_is_checked_as_decoding_would(limit):
 def test_the_chat_decodes_an_upload_once_from_upload_to_answer(engine, store, decodes):
     """Through the app: a photo and a clip uploaded with ``ChatService.add_images`` and asked about
     are decoded once each (at upload, by the store's validation), and the answer is a miss that
-    ran the vision encoder on them."""
+    ran the vision encoder on them. (Without prefix warming: the hand-off to the first question is
+    what is pinned here; with warming the warm takes it, tests/test_app_warm.py.)"""
     from app.chat import ChatOptions, ChatService
     from app.model_loader import ModelChoice, ModelLoader
 
     chat = ChatService(store, ModelLoader.ready(engine, ModelChoice("tiny", "tiny", True, "test")),
-                       max_upload_bytes=2 << 20)
+                       max_upload_bytes=2 << 20, warming=False)
     session, problems = chat.add_images(None, OWNER, [("p.png", noise_png(107)), ("pan.mp4", CLIP.read_bytes())])
     assert problems == [] and (decodes["images"], decodes["clips"]) == (1, 1)
     *_, view = chat.ask(session.id, OWNER, "What is this?", ChatOptions(temperature=0.0, max_tokens=2))
