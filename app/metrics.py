@@ -247,8 +247,8 @@ def _warm_results(s: dict) -> CounterMetricFamily:
     """``prism:prefix_cache_warm_results_total{result}`` from the engine's warm counters (all 0 on
     an engine without warms)."""
     results = CounterMetricFamily("prism:prefix_cache_warm_results", "Prefix warms, by how they ended in the "
-                                  "engine: computed (built), cached (already cached when asked, or built meanwhile by another "
-                                  "request), cancelled, dropped (no room for it).",
+                                  "engine: computed (built), cached (already cached when asked, or built "
+                                  "meanwhile by another request), cancelled, dropped (no room for it).",
                                   labels=["result"])
     for result in ("computed", "cached", "cancelled", "dropped"):
         results.add_metric([result], s.get(f"warms_{result}", 0))

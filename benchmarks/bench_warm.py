@@ -137,7 +137,8 @@ async def ask(client, urls: list[str], key: str, question: str, max_tokens: int,
         raise RuntimeError("the stream ended without text or a finish_reason")
     generated = telemetry["generated_tokens"]
     return {"ttft_ms": (first - sent) * 1e3, "tpot_ms": (last - first) * 1e3 / (generated - 1) if generated > 1
-            else None, "gap_ms_p50": statistics.median(gaps) if gaps else None, "generated": generated, "prefix_cache": telemetry.get("prefix_cache"),
+            else None, "gap_ms_p50": statistics.median(gaps) if gaps else None, "generated": generated,
+            "prefix_cache": telemetry.get("prefix_cache"),
             "warmed": bool(telemetry.get("warmed")), "engine_ttft_ms": telemetry.get("ttft_ms"),
             "engine_tpot_ms": telemetry.get("tpot_ms"), "cached_tokens": telemetry.get("cached_tokens")}
 
@@ -244,13 +245,15 @@ def table(summary: dict) -> str:
                      f"| {'/'.join(row['prefix_cache'])} | {row['warmed']} of {row['requests']} |")
     lines.append("")
     lines.append(f"warm (POST to 200, waited) p50 {summary['warm_ms_p50']:.1f} ms; prefix {summary['prefix_tokens']} "
-                 f"tokens; warmed / hit {summary['warmed_over_hit']:.2f}x (engine {summary['warmed_over_hit_engine']:.2f}x"
+                 f"tokens; warmed / hit {summary['warmed_over_hit']:.2f}x "
+                 f"(engine {summary['warmed_over_hit_engine']:.2f}x"
                  f"; goal <= 1.2); cold / warmed {summary['cold_over_warmed']:.1f}x")
     if "tpot" in summary:
         t = summary["tpot"]
         lines.append(f"TPOT over {t['tokens']:.0f} tokens, p50 over streams of each stream's mean: alone "
                      f"{t['alone_ms_p50']:.2f} ms, beside {t['warms']} warm(s) of other sessions "
-                     f"{t['beside_warms_ms_p50']:.2f} ms ({t['ratio']:.3f}x; goal <= 1.05); of the gaps between deltas: "
+                     f"{t['beside_warms_ms_p50']:.2f} ms ({t['ratio']:.3f}x; goal <= 1.05); "
+                     "of the gaps between deltas: "
                      f"{t['gap_alone_ms_p50']:.2f} vs {t['gap_beside_warms_ms_p50']:.2f} ms ({t['gap_ratio']:.3f}x)")
     return "\n".join(lines)
 

@@ -723,3 +723,16 @@ def test_the_image_viewer_shows_the_warmed_prefix_before_any_question(real_chat,
     assert [i["cached"] for i in view["images"]] == [True, True]
     assert all(i["summary"].startswith(("all kept", "kept", "Preview")) for i in view["images"]), view
     assert not real_chat.store.list_turns(session.id)  # no question was asked
+
+
+def test_a_clip_and_a_photo_are_warmed_like_photos(real_chat, photos, media_path):
+    """A clip's prefix is warmed as an image's is ({"video": path} in the same list): the first
+    question about a clip and a photo is a warmed hit, the vision encoder not run for it."""
+    pytest.importorskip("av")
+    session, problems = real_chat.add_images(None, OWNER, [("pan.mp4", media_path("pan.mp4")), ("a.png", photos[2])])
+    assert not problems
+    assert [next(iter(p)) for p in real_chat.prompt_images(session)] == ["video", "image"]
+    started(real_chat, session.id).result(120)
+    first = answer(real_chat.ask(session.id, OWNER, "What moves?", FAST))
+    assert first.telemetry["prefix_cache"] == "hit" and first.telemetry["warmed"] is True
+    assert not first.telemetry.get("vision_encoder_ran") and first.line.startswith("prefix HIT (warmed at upload)")

@@ -43,9 +43,11 @@ def store(tmp_path):
 
 @pytest.fixture
 def chat(store, engine):
+    """Without prefix warming: these tests pin the cold path (a clip's first question is a miss);
+    tests/test_app_warm.py has the warmed one."""
     engine.clear_prefix_cache()
     return ChatService(store, ModelLoader.ready(engine, ModelChoice("tiny", "tiny", True, "test")),
-                       max_upload_bytes=2 << 20)
+                       max_upload_bytes=2 << 20, warming=False)
 
 
 # ---------------------------------------------------------------------------------- the store
