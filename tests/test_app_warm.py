@@ -258,10 +258,10 @@ def test_a_warm_superseded_while_the_engine_preprocesses_is_cancelled(store, pho
     session, _ = chat.add_images(session.id, OWNER, [("b.png", photos[1])])
     gate.set()
     settle(fake, 2)
+    older = next(w for w in fake.warms if len(w.images) == 1)  # not warms[0]: the newer call may come first
     deadline = time.monotonic() + 10
-    while not fake.warms[0].cancelled and time.monotonic() < deadline:
+    while not older.cancelled and time.monotonic() < deadline:
         time.sleep(0.005)
-    older = next(w for w in fake.warms if len(w.images) == 1)
     newer = next(w for w in fake.warms if len(w.images) == 2)
     assert older.cancelled and not newer.cancelled and chat.warmer.handle(session.id) is newer
 
