@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import hmac
 import json
@@ -118,6 +119,22 @@ class APIError(Exception):
         message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
         body = {"error": {"message": message, "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+@contextlib.contextmanager
+def _refusals_as_api_errors():
+    """The engine's refusals of a request or a warm, raised when it is handed over, as API errors:
+    bad input 400, overloaded 429, the core gone 503 (:func:`_failure`), anything else 500."""
+    try:
+        yield
+    except (InvalidImageError, InvalidRequestError) as exc:
+        raise _bad(str(exc), "messages") from None
+    except EngineOverloadedError as exc:
+        raise APIError(429, str(exc), "server_error") from None
+    except EngineAbortedError as exc:
+        raise _failure(exc) from None
+    except PrismError as exc:
+        raise APIError(500, str(exc), "server_error") from None
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -600,16 +617,8 @@ class OpenAIAPI:
         warm = getattr(engine, "warm", None)
         if warm is None:
             raise APIError(501, "this engine cannot warm prefixes", "server_error", code="not_implemented")
-        try:
+        with _refusals_as_api_errors():
             return warm(images, system=system, cache_salt=salt)
-        except (InvalidImageError, InvalidRequestError) as exc:
-            raise _bad(str(exc), "messages") from None
-        except EngineOverloadedError as exc:
-            raise APIError(429, str(exc), "server_error") from None
-        except EngineAbortedError as exc:
-            raise _failure(exc) from None
-        except PrismError as exc:
-            raise APIError(500, str(exc), "server_error") from None
 
     def _warm_result(self, handle) -> int:
         """The warmed prefix's length in tokens, once cached; the engine's errors as API errors
@@ -666,16 +675,8 @@ class OpenAIAPI:
 
     @staticmethod
     def _submit(engine, messages, sampling, salt):
-        try:
+        with _refusals_as_api_errors():
             return engine.submit(messages, sampling, cache_salt=salt)
-        except (InvalidImageError, InvalidRequestError) as exc:
-            raise _bad(str(exc), "messages") from None
-        except EngineOverloadedError as exc:
-            raise APIError(429, str(exc), "server_error") from None
-        except EngineAbortedError as exc:
-            raise _failure(exc) from None
-        except PrismError as exc:
-            raise APIError(500, str(exc), "server_error") from None
 
     async def _items(self, request: Request, handle) -> AsyncIterator:
         """The deltas and completion of ``handle`` (a :class:`~engine.RequestHandle`; an error
