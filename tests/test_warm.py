@@ -204,3 +204,19 @@ def test_queued_warms_never_turn_a_question_away(tiny_engine_factory):
         handle = engine.submit(media_first_messages(photos("red"), "What is it?"), SP, cache_salt="q")
     assert handle.result(WAIT_S).telemetry.prefix_cache == "miss"
     assert [w.result(WAIT_S) > 0 for w in warms] == [True, True]
+
+
+def test_forget_cancels_the_sessions_warms_and_nothing_of_them_stays_cached(tiny_engine_factory):
+    """A revoked share or a deleted chat forgets its salt: a warm of that salt still queued must
+    not build the prefix after the forget (the next question would find it)."""
+    engine = tiny_engine_factory(**EXACT)
+    pics = photos("navy", "gold")
+    with engine.loop.paused():  # the warm is still in the inbox when forget comes
+        warm = engine.warm(pics, cache_salt="gone")
+        kept = engine.warm(pics, cache_salt="stays")
+        engine.forget("gone")  # waits (the loop's lock is let go while it does)
+    with pytest.raises(PrismError, match="cancelled"):
+        warm.result(WAIT_S)
+    assert kept.result(WAIT_S) > 0
+    assert ask(engine, pics, "Anything?", "gone").telemetry.prefix_cache == "miss"
+    assert engine.stats()["warms_cancelled"] == 1

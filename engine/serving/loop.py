@@ -128,10 +128,17 @@ class EngineLoop:
 
     def wait_for_salt(self, salt: str) -> None:
         """Return once every request of ``salt`` that is queued or running now has finished
-        (requests submitted later are not waited for), or the loop has stopped. Holds the lock
+        (requests submitted later are not waited for), or the loop has stopped. The salt's warms
+        are cancelled instead: they only build what is about to be forgotten. Holds the lock
         while it checks, so it returns between steps: no step of those requests is in flight."""
         with self._cv:
-            pending = [r for r in (*self._inbox, *self.scheduler.waiting, *self.scheduler.running) if r.salt == salt]
+            s = self.scheduler
+            pending = [r for r in (*self._inbox, *s.waiting, *s.warming, *s.running) if r.salt == salt]
+            for req in pending:
+                if req.warm and not req.cancelled:
+                    req.cancelled = True
+                    self._cancels.append(req)
+            self._cv.notify()
             self._cv.wait_for(lambda: all(r.status is Status.FINISHED for r in pending) or not self._thread.is_alive())
 
     def counters(self) -> dict:

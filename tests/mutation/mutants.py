@@ -744,4 +744,12 @@ MUTANTS: list[Mutant] = [
         "            running = None\n",
         ("tests/test_warm.py::test_eight_concurrent_first_questions_compute_the_prefix_once",),
     ),
+    Mutant(
+        "forget-keeps-warms",
+        "forget leaves the salt's queued warms running: they cache the forgotten session's prefix afterwards",
+        "engine/serving/loop.py",
+        "                if req.warm and not req.cancelled:\n",
+        "                if False:\n",
+        ("tests/test_warm.py::test_forget_cancels_the_sessions_warms_and_nothing_of_them_stays_cached",),
+    ),
 ]
