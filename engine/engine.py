@@ -493,8 +493,9 @@ class Engine:
 
         A request of that salt queued or running when ``forget`` is called finishes first
         (``forget`` does not cancel it: cancel it first to end it sooner), so nothing it computed
-        is left behind; the salt's warms are cancelled (their ``result()`` raises); ``forget`` returns once it has and everything is dropped. A request of the
-        salt submitted meanwhile or later is a new one: it runs, and caches, as usual. Under
+        is left behind; the salt's warms are cancelled (their ``result()`` raises); ``forget``
+        returns once it has and everything is dropped. A request of the salt submitted meanwhile
+        or later is a new one: it runs, and caches, as usual. Under
         ``cache_scope="global"`` nothing is any one session's: nothing is dropped.
 
         Returns:
