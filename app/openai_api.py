@@ -527,14 +527,23 @@ class OpenAIAPI:
         data = [{"id": self._model_id(), "object": "model", "created": int(time.time()), "owned_by": "prism"}]
         return {"object": "list", "data": data if engine_ready or self.loader.model_id else []}
 
+    async def _authorized_json(self, request: Request) -> tuple[bytes | None, dict]:
+        """The caller's API key and the JSON body of a ``/v1`` POST, its model checked.
+
+        Raises:
+            APIError: 401 (:meth:`authorize`), 415 (not JSON), 400 (:meth:`_body`, :meth:`check_model`).
+        """
+        api_key = self.authorize(request)
+        if not _is_json(request):
+            raise APIError(415, "the request body must be JSON, sent with Content-Type: application/json",
+                           code="unsupported_media_type")
+        body = await self._body(request)
+        self.check_model(body)
+        return api_key, body
+
     async def chat_completions(self, request: Request):
         try:
-            api_key = self.authorize(request)
-            if not _is_json(request):
-                raise APIError(415, "the request body must be JSON, sent with Content-Type: application/json",
-                               code="unsupported_media_type")
-            body = await self._body(request)
-            self.check_model(body)
+            api_key, body = await self._authorized_json(request)
             messages = convert_messages(body.get("messages"), self.max_image_bytes, self.max_media)
             sampling = sampling_from(body)
             salt = self.salt_for(api_key, prompt_cache_key_of(body))
@@ -575,12 +584,7 @@ class OpenAIAPI:
         """``POST /v1/prefix_cache/warm``: build the prefix of a media-first request's images
         before its question (see the module docstring)."""
         try:
-            api_key = self.authorize(request)
-            if not _is_json(request):
-                raise APIError(415, "the request body must be JSON, sent with Content-Type: application/json",
-                               code="unsupported_media_type")
-            body = await self._body(request)
-            self.check_model(body)
+            api_key, body = await self._authorized_json(request)
             key = prompt_cache_key_of(body)
             if key is None:
                 raise _bad("prompt_cache_key is required: a request without one is its own cache session, so "
