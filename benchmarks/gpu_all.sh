@@ -15,7 +15,9 @@
 # 4 x B, host 1 x B; ws_deep.json; the goal check needs both files' runs: working_set_report.py per file), tp
 # (benchmarks/bench_tp.py: two GPUs), quality (benchmarks/bench_quality.py on the probe model, QUALITY_ARGS
 # replaces its arguments but --out; default 2,500 held-out samples with the blind control and 500 of the transfer split, every selector x keep ratio), selectors
-# (benchmarks/bench_selectors.py: each selector's miss / hit TTFT at the 8B shape beside uniform's), http (benchmarks/bench_http.py at the 8B shape, in_process and process).
+# (benchmarks/bench_selectors.py: each selector's miss / hit TTFT at the 8B shape beside uniform's), http (benchmarks/bench_http.py at the 8B shape, in_process and process),
+# warm (benchmarks/bench_warm.py at the 8B shape through /v1; WARM_ARGS replaces its arguments but --out). HOST_COPY=0
+# leaves bench_host_copy.py out of hosttier. Web steps (http, warm) need the web wheels in .whl (bench_http.py lists them).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -42,7 +44,8 @@ for step in ${STEPS:-kernels smoke bench}; do
     hosttier) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PRISM_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-300} python3 -m pytest \
              tests/test_host_tier.py tests/test_host_tier_data.py tests/test_prefix_cache.py tests/test_on_pressure.py \
              -q -p no:cacheprovider -n ${TEST_WORKERS:-4} --dist load -rs 2>&1 | tail -25 | tee "$OUT/hosttier_tests.txt"
-           timeout 120 python3 benchmarks/bench_host_copy.py --out "$OUT/host_copy.json" 2>&1 | tail -30 | tee "$OUT/host_copy.txt" ;;
+           [ "${HOST_COPY:-1}" = 0 ] || timeout 120 python3 benchmarks/bench_host_copy.py --out "$OUT/host_copy.json" 2>&1 \
+             | tail -30 | tee "$OUT/host_copy.txt" ;;
     pdl) timeout 300 python3 -m pytest tests/test_pdl.py -q -p no:cacheprovider -rs 2>&1 | tail -15 | tee "$OUT/pdl.txt" ;;
     gemv) timeout 400 python3 benchmarks/sweep_gemv.py 2>&1 | grep -v Warning | tee "$OUT/sweep_gemv.txt" | grep -v "^  " ;;
     sdpa) timeout 200 python3 benchmarks/sweep_sdpa.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/sweep_sdpa.txt" ;;
@@ -68,6 +71,11 @@ for step in ${STEPS:-kernels smoke bench}; do
              ${WS_DEEP_ARGS:---worksets knee,deep --only knee=on_pressure --requests 200 --time-budget-s 470 \
                --variants on_pressure_host4x,on_pressure,dense_host4x,on_pressure_host1x} \
              --out "$OUT/ws_deep.json" 2>&1 | grep -v Warning | tail -40 | tee "$OUT/ws_deep.txt" ;;
+    # issue 34: the first question after an upload, cold vs warmed, through /v1 (launch.py --ui off) at the 8B shape,
+    # and a running stream's TPOT beside warms (writes the 16 GB random checkpoint under /tmp/bh once, as http does)
+    warm) timeout ${WARM_TIMEOUT:-560} python3 benchmarks/bench_warm.py --device cuda --shape 8b --workdir /tmp/bh \
+             ${WARM_ARGS:---images 8 --tpot-tokens 256} --out "$OUT/warm_8b.json" 2>&1 | grep -v Warning | tail -40 \
+             | tee "$OUT/warm.txt" ;;
     # benchmarks/bench_http.py at the 8B shape (writes a 16 GB random checkpoint under /tmp/bh once): /v1 over HTTP
     # (launch.py --ui off) vs the engine API, in-process and the core in its own process; needs the web wheels in .whl
     http) timeout ${HTTP_TIMEOUT:-560} python3 benchmarks/bench_http.py --device cuda --shape 8b --workdir /tmp/bh \

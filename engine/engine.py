@@ -331,7 +331,7 @@ class Engine:
             self.parallel.check()  # a failed rank: refuse at once (TensorParallelError)
         salt = self.options.salt(cache_salt)
         submitted = time.perf_counter()
-        prompt = self.prompts.build(messages, salt)
+        prompt = self.prompts.build(messages, salt, defer=True)
         req = intake.request(prompt, sampling or SamplingParams(), salt, submitted)
         self.loop.submit(req)
         return RequestHandle(req.id, req.outbox, functools.partial(self.loop.cancel, req),
@@ -381,7 +381,7 @@ class Engine:
             self.parallel.check()
         salt = self.options.salt(cache_salt)
         submitted = time.perf_counter()
-        prompt = self.prompts.build(messages, salt)
+        prompt = self.prompts.build(messages, salt, defer=True)
         req = intake.warm_request(prompt, salt, submitted)
         self.loop.submit(req)
         handle = RequestHandle(req.id, req.outbox, functools.partial(self.loop.cancel, req),
@@ -528,7 +528,7 @@ class Engine:
     def count_prompt_tokens(self, messages, *, cache_salt: str | None = None) -> int:
         """Prompt length in tokens of ``messages`` (images processed and cached under
         ``cache_salt``, as :meth:`generate` would; nothing run)."""
-        return len(self.prompts.build(messages, self.options.salt(cache_salt)).input_ids)
+        return len(self.prompts.build(messages, self.options.salt(cache_salt), defer=True).input_ids)
 
     def clear_prefix_cache(self) -> None:
         """Evict every cached prefix that no running request uses."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ BYTE_SOURCES = (str, os.PathLike, bytes, bytearray, memoryview)
 #: array work release the GIL. On a prefix hit hashing is the largest part of the host's work
 #: (8 photos: ~2.7 of 6.4 ms one after another on one core); on a miss the pixel processing is.
 _IMAGE_WORKERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prism-images")
+#: Runs deferred processing (:class:`DeferredPixels`) off the engine loop's thread; a thread of its
+#: own, because the work it starts goes to the image pool and waits there (a pool thread waiting on
+#: its own pool can deadlock it).
+_DEFERRED_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prism-deferred-images")
 
 
 def _side_by_side(fn, items: list) -> list:
@@ -40,16 +45,21 @@ def _side_by_side(fn, items: list) -> list:
 class ProcessedImage:
     """One image as the processor left it: the SHA-256 of its decoded RGB pixels
     (:func:`engine.inputs.images.image_sha256`), patch grid ``(t, h, w)``, patches
-    ``[t*h*w, C*T*P*P]`` and the RGB image's ``(width, height)`` in pixels."""
+    ``[t*h*w, C*T*P*P]`` (None while deferred: see :class:`DeferredPixels`) and the RGB image's
+    ``(width, height)`` in pixels."""
 
     sha256: str
     grid: tuple[int, int, int]
-    pixels: torch.Tensor
+    pixels: torch.Tensor | None
     size: tuple[int, int] = (0, 0)
 
     @property
     def nbytes(self) -> int:
-        return self.pixels.numel() * self.pixels.element_size()
+        return 0 if self.pixels is None else self.pixels.numel() * self.pixels.element_size()
+
+    def without_pixels(self) -> ProcessedImage:
+        """The same image with its patches left out (what the known-image index keeps)."""
+        return ProcessedImage(self.sha256, self.grid, None, self.size)
 
 
 @dataclass
@@ -90,23 +100,38 @@ class ProcessedImages:
     question beside the app's warm at upload) process it once: the first processes it, the others
     wait for its result (an error included) instead of processing it again.
 
+    Beside the pixels, a much longer index keeps what a prompt and its prefix key need of every
+    image a salt sent (SHA-256, grid, size: ~200 bytes, ``known_entries`` of them), after its
+    patches have left the cache. A prompt built with ``defer=True`` takes such an image without
+    processing it again: the prefix key needs only the hashes and the token count, and a prefix hit
+    (on the GPU or in the host tier) never runs the vision encoder; the scheduler has the patches
+    processed (:class:`DeferredPixels`, off the engine loop's thread) only for a prompt that
+    computes its prefix after all.
+
     Counters: ``cache_hits`` (images taken from the cache, or from another request's processing of
     it in flight), ``cache_mismatches`` (cached PIL images refused because their size or grid did
-    not match the image given), ``processed`` (images opened and processed).
+    not match the image given), ``processed`` (images opened and processed), ``deferred`` (images
+    taken from the index without their patches), ``deferred_processed`` (of them, processed later
+    because their prompt computed its prefix).
     """
 
     def __init__(self, image_processor, *, size: dict, image_options: ImageOptions,
-                 pixel_dtype: torch.dtype | None = None, cache_bytes: int = 256 << 20):
+                 pixel_dtype: torch.dtype | None = None, cache_bytes: int = 256 << 20,
+                 known_entries: int = 1 << 16):
         self.image_processor = image_processor
         self.size = size
         self.image_options = image_options
         self.pixel_dtype = pixel_dtype
         self.cache_bytes = cache_bytes
+        self.known_entries = known_entries
         self._processed: OrderedDict[tuple[str, str], ProcessedImage] = OrderedDict()
+        self._known: OrderedDict[tuple[str, str], ProcessedImage] = OrderedDict()  # patches left out
         self._cached_bytes = 0
         self.cache_hits = 0
         self.cache_mismatches = 0
         self.processed = 0
+        self.deferred = 0
+        self.deferred_processed = 0
         self._lock = threading.Lock()  # prompts are built in every caller's thread
         self._in_flight: dict[tuple[str, str], Future] = {}  # (salt, key) being processed by some thread
 
@@ -116,18 +141,24 @@ class ProcessedImages:
         return len(self._processed)
 
     def clear(self) -> None:
-        """Forget every processed image (benchmarks measure processing this way)."""
+        """Forget every processed image and the index of known ones (benchmarks measure
+        processing this way)."""
         with self._lock:
             self._processed.clear()
+            self._known.clear()
             self._cached_bytes = 0
 
     def forget(self, salt: str) -> int:
-        """Drop the salt's processed images; returns how many went."""
+        """Drop the salt's processed images and its entries in the index of known images;
+        returns how many images went (each counted once)."""
         with self._lock:
             gone = [k for k in self._processed if k[0] == salt]
             for key in gone:
                 self._cached_bytes -= self._processed.pop(key).nbytes
-            return len(gone)
+            known = [k for k in self._known if k[0] == salt]
+            for key in known:
+                del self._known[key]
+            return len(set(gone) | set(known))
 
     def sources(self, images: list, claims: list[str | None]) -> list[Source]:
         """Each image part with its cache key: its claimed digest, else :meth:`_source` (side by
@@ -158,16 +189,18 @@ class ProcessedImages:
                 return Source(src, None, None)  # opening it again gives the user the message
         return Source(src, None, None)
 
-    def get(self, sources: list[Source], salt: str) -> list[ProcessedImage]:
+    def get(self, sources: list[Source], salt: str, *, defer: bool = False) -> list[ProcessedImage]:
         """Each image from the salt's cache, or opened, processed and hashed on its own, side by
         side (the processor treats the images of a batch one by one, so the patches are the
-        same); an object given twice is processed once.
+        same); an object given twice is processed once. With ``defer``, an image whose patches
+        have left the cache but which the salt's index still knows comes without them
+        (``pixels`` None; see :class:`DeferredPixels`).
 
         Raises:
             InvalidImageError: as :func:`engine.inputs.images.open_image`.
             InvalidRequestError: a claimed digest does not match the image's bytes.
         """
-        found = [self._cached(salt, s) for s in sources]
+        found = [self._cached(salt, s) or (self._known_image(salt, s) if defer else None) for s in sources]
         todo: dict[tuple[int, str | None], Source] = {}
         for source, item in zip(sources, found, strict=True):
             if item is None:
@@ -228,11 +261,31 @@ class ProcessedImages:
             self.cache_hits += 1
             return item
 
+    def count_deferred_processed(self, n: int) -> None:
+        """Count ``n`` deferred images processed after all (:class:`DeferredPixels`)."""
+        with self._lock:
+            self.deferred_processed += n
+
+    def _known_image(self, salt: str, source: Source) -> ProcessedImage | None:
+        """The salt's index entry for ``source`` (no patches), or None; a PIL image's entry must
+        match its size and patch grid."""
+        if source.key is None:
+            return None
+        key = (salt, source.key)
+        with self._lock:
+            item = self._known.get(key)
+            if item is None or (source.opened is not None and not self._matches(item, source.opened)):
+                return None
+            self._known.move_to_end(key)
+            self.deferred += 1
+            return item
+
     def _matches(self, item: ProcessedImage, image: PILImage.Image) -> bool:
-        """Whether a cached processed image fits ``image``: same size, the grid the processor
-        gives that size, and one row of patches per grid cell."""
+        """Whether a processed image (or an index entry) fits ``image``: same size, the grid the
+        processor gives that size, and one row of patches per grid cell."""
         grid = self.grid_for(image.size)
-        return item.size == image.size and item.grid == grid and item.pixels.shape[0] == grid[0] * grid[1] * grid[2]
+        rows_match = item.pixels is None or item.pixels.shape[0] == grid[0] * grid[1] * grid[2]
+        return item.size == image.size and item.grid == grid and rows_match
 
     def grid_for(self, size: tuple[int, int]) -> tuple[int, int, int]:
         """The patch grid ``(1, h, w)`` the processor gives an image of ``size`` = (width, height)
@@ -290,10 +343,15 @@ class ProcessedImages:
 
     def remember(self, salt: str, key: str | None, item: ProcessedImage) -> None:
         """Cache ``item`` under ``(salt, key)`` (nothing for a None key, an item larger than the
-        bound, or a key already there), dropping the least recently used beyond the bound."""
+        bound, or a key already there), dropping the least recently used beyond the bound; the
+        index of known images keeps it without its patches (up to ``known_entries``)."""
         if key is None:
             return
         with self._lock:
+            self._known[salt, key] = item.without_pixels()
+            self._known.move_to_end((salt, key))
+            while len(self._known) > self.known_entries:
+                self._known.popitem(last=False)
             if (salt, key) in self._processed or item.nbytes > self.cache_bytes:
                 return
             self._processed[salt, key] = item
@@ -301,3 +359,52 @@ class ProcessedImages:
             while self._cached_bytes > self.cache_bytes:
                 _, old = self._processed.popitem(last=False)
                 self._cached_bytes -= old.nbytes
+
+
+class DeferredPixels:
+    """The patches of a prompt's images that were built without them (``defer=True``), processed
+    when the scheduler finds the prompt must compute its prefix (a miss, a stale match, a
+    preempted request whose prefix has gone).
+
+    :meth:`poll` starts the processing on a worker thread the first time it is called and never
+    blocks: the engine loop asks again on its next steps, admitting other requests meanwhile.
+
+    Args:
+        process: ``sources -> processed images`` (the prompt builder's, under its decode bound).
+        pending: ``(index in the prompt, source, the index entry the prompt was built from)``.
+        pixels: the prompt's ``image_pixels`` list; its None items are filled in place.
+
+    Attributes:
+        ms: wall time of the processing in ms, once :meth:`poll` returned True.
+    """
+
+    def __init__(self, process, pending: list[tuple[int, Source, ProcessedImage]], pixels: list):
+        self.process, self.pending, self.pixels = process, pending, pixels
+        self.ms = 0.0
+        self._future: Future | None = None
+        self._started = 0.0
+
+    def poll(self) -> bool:
+        """Whether the patches are in the prompt; starts their processing on the first call.
+
+        Raises:
+            InvalidImageError, ImageDigestMismatchError: as :meth:`ProcessedImages.get`, for the
+                source as it reads now (a file changed or removed since the prompt was built).
+        """
+        if self._future is None:
+            self._started = time.perf_counter()
+            self._future = _DEFERRED_WORKER.submit(self._process)
+        if not self._future.done():
+            return False
+        for (index, _, _), item in zip(self.pending, self._future.result(), strict=True):
+            self.pixels[index] = item.pixels
+        return True
+
+    def _process(self) -> list[ProcessedImage]:
+        items = self.process([source for _, source, _ in self.pending])
+        for (_, _, known), item in zip(self.pending, items, strict=True):
+            if (item.sha256, item.grid) != (known.sha256, known.grid):
+                # the prefix key was taken from the index: other pixels must not compute under it
+                raise InvalidImageError("an image changed while its request waited; send it again")
+        self.ms = (time.perf_counter() - self._started) * 1e3
+        return items

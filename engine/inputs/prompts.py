@@ -31,6 +31,7 @@ pixel processing are the checkpoint's own transformers processor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -44,7 +45,7 @@ from ..errors import InvalidRequestError, RequestTooLargeError
 from ..model.rope import VisualSpan, find_visual_spans, mrope_positions
 from .images import _FORMATS as _IMAGE_FORMATS
 from .images import ImageOptions, image_sha256, open_image
-from .processed_images import BYTE_SOURCES, ProcessedImage, ProcessedImages, Source
+from .processed_images import BYTE_SOURCES, DeferredPixels, ProcessedImage, ProcessedImages, Source
 from .video import DecodedVideo, DecodedVideos, VideoOptions, VideoSampling, sample_indices, video_demuxer
 
 ROLES = ("system", "user", "assistant")
@@ -84,10 +85,16 @@ class Prompt:
     image_hashes: list[str] = field(default_factory=list)
     video_hashes: list[str] = field(default_factory=list)
     image_keys: list[str | None] = field(default_factory=list)
+    deferred: DeferredPixels | None = field(default=None, compare=False, repr=False)
 
     @property
     def pixel_values(self) -> torch.Tensor | None:
-        """All images' patches concatenated (the processor's ``pixel_values``), or None."""
+        """All images' patches concatenated (the processor's ``pixel_values``), or None.
+
+        Raises:
+            ValueError: some images' patches are deferred and not processed yet."""
+        if any(p is None for p in self.image_pixels):
+            raise ValueError("the prompt's deferred images are not processed yet (Prompt.deferred)")
         return torch.cat(self.image_pixels) if self.image_pixels else None
 
     @property
@@ -350,9 +357,12 @@ class PromptBuilder:
 
     def counters(self) -> dict:
         """The processed-image cache's part of :meth:`Engine.stats() <engine.Engine.stats>`: hits,
-        entries and cached PIL images refused for another size or grid."""
+        entries, cached PIL images refused for another size or grid, images taken without their
+        patches (``image_cache_deferred``) and those of them processed later after all
+        (``image_cache_deferred_processed``)."""
         return {"image_cache_hits": self.cache_hits, "image_cache_entries": self.cache_entries,
-                "image_cache_mismatches": self.cache_mismatches}
+                "image_cache_mismatches": self.cache_mismatches, "image_cache_deferred": self.images.deferred,
+                "image_cache_deferred_processed": self.images.deferred_processed}
 
     def namespace(self) -> str:
         """Every setting of this builder that changes a prompt's tokens or pixels (the processor's
@@ -366,11 +376,15 @@ class PromptBuilder:
             f"video_size={sorted(dict(getattr(self.processor.video_processor, 'size', None) or {}).items())}",
         ])
 
-    def build(self, messages, salt: str = "") -> Prompt:
+    def build(self, messages, salt: str = "", *, defer: bool = False) -> Prompt:
         """Tokenise ``messages`` (with the generation prompt) and process their images / videos.
 
         Args:
             salt: the session's cache salt: processed images are reused only under the same salt.
+            defer: take images the salt sent before from the index of known images when their
+                patches have left the cache: the prompt (tokens, hashes, keys) is complete, its
+                ``image_pixels`` hold None for them, and ``deferred`` processes them when asked
+                (the engine asks only when the prompt computes its prefix).
 
         Raises:
             InvalidRequestError: malformed messages.
@@ -397,9 +411,23 @@ class PromptBuilder:
             if raw_videos:
                 prompt = self._build_with_videos(text, sources, raw_videos, salt)
             else:
-                prompt = self._build_from_cache(text, self.images.get(sources, salt))
+                items = self.images.get(sources, salt, defer=defer)
+                prompt = self._build_from_cache(text, items)
+                pending = [(i, s, item) for i, (s, item) in enumerate(zip(sources, items, strict=True))
+                           if item.pixels is None]
+                if pending:
+                    process = functools.partial(self._process_deferred, salt=salt)
+                    prompt.deferred = DeferredPixels(process, pending, prompt.image_pixels)
         prompt.image_keys = [source.key for source in sources]
         return prompt
+
+    def _process_deferred(self, sources: list[Source], salt: str) -> list[ProcessedImage]:
+        """Deferred images processed (:class:`DeferredPixels`), under the same decode bound as
+        every prompt's."""
+        with self._decode_slots:
+            items = self.images.get(sources, salt)
+        self.images.count_deferred_processed(len(items))
+        return items
 
 
 

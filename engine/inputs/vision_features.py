@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.vision_cache import VisionCache
+from ..errors import PrismError
 from ..graphs.vision import VisionGraphs
 from ..model.vision import VisionFeatures, span_features
 from .prompts import Prompt
@@ -91,6 +92,9 @@ class VisionLookup:
         found = [self.cache.get(k) for k in keys]
         missing = [j for j, f in enumerate(found) if f is None]
         if missing:
+            if any(prompt.image_pixels[indices[j]] is None for j in missing):
+                # the scheduler processes deferred images before it admits a prompt that computes
+                raise PrismError("internal error: an image's patches were deferred and never processed")
             pixels = torch.cat([prompt.image_pixels[indices[j]] for j in missing])
             fresh = self._encode_pixels(pixels, [prompt.image_grids[indices[j]] for j in missing], salt)
             offset = 0

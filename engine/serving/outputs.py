@@ -17,7 +17,9 @@ class Telemetry:
         generated_tokens: tokens generated.
         queue_ms: from submission until the engine started the request.
         preprocess_ms: of ``queue_ms``, building the prompt in the caller's thread (chat template,
-            tokeniser, image decoding and processing, or their cache lookups).
+            tokeniser, image decoding and processing, or their cache lookups), plus the processing
+            of images that was deferred (their patches had left the processed-image cache) and
+            done when the prompt had to compute its prefix after all.
         vision_ms: time spent in the vision encoder (0 when it did not run).
         vision_encoder_ran: whether the vision encoder ran for this request.
         prefill_ms: time of the prompt prefill (vision excluded).

@@ -306,6 +306,9 @@ class Scheduler:
                 self.warm_stats.warms_cached += 1
                 self._warmed.append((req, "cached"))
                 continue
+            if not self._pixels_ready(req):
+                passed.append(req)
+                continue
             n = self._warm_chunk(req, cap, contended)
             if not self._grow_warm(req, n):
                 if not self._anything_frees_pages():
@@ -444,6 +447,8 @@ class Scheduler:
             req.num_computed = match.length
             req.kv_offset = match.entry.kv_offset
             return _Admission.ADMITTED
+        if not self._pixels_ready(req):
+            return _Admission.IN_FLIGHT
         first = self._chunk(req, self.config.max_num_batched_tokens, cold=req.prefix_key is not None)
         if not self._free_pages(pages_for(first)):
             return _Admission.NO_PAGES
@@ -451,6 +456,23 @@ class Scheduler:
             req.cold_prefix = True
             reuse.begin_compute(req)
         return _Admission.ADMITTED
+
+    def _pixels_ready(self, req: Request) -> bool:
+        """Whether ``req``, about to compute its prompt, has its images' patches: a prompt built
+        while they were out of the processed-image cache has them processed now, off this thread
+        (it waits, others are admitted past it). A failure fails the request (only it)."""
+        deferred = req.prompt.deferred
+        if deferred is None:
+            return True
+        try:
+            if not deferred.poll():
+                return False
+        except Exception as exc:  # the image as it reads now cannot be used: the user hears why
+            self._failures.append((req, exc))
+            return False
+        req.telemetry.preprocess_ms += deferred.ms
+        req.prompt.deferred = None
+        return True
 
     def _free_pages(self, n: int) -> bool:
         """Whether ``n`` pages are free, after reclaiming cache pages and then preempting running

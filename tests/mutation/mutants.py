@@ -38,6 +38,7 @@ class Mutant:
 
 
 PREFIX = "tests/test_prefix_cache.py::"
+DEFERRED = "tests/test_deferred_images.py::"
 HOST = "tests/test_host_tier.py::"
 WARM = "tests/test_warm_scheduler.py::"
 KERNELS = "tests/test_triton_kernels.py::"
@@ -751,5 +752,46 @@ MUTANTS: list[Mutant] = [
         "                if req.warm and not req.cancelled:\n",
         "                if False:\n",
         ("tests/test_warm.py::test_forget_cancels_the_sessions_warms_and_nothing_of_them_stays_cached",),
+    ),
+    Mutant(
+        "hit-processes-pixels",
+        "a prompt about known images is never deferred: a prefix hit decodes and processes its photos again",
+        "engine/engine.py",
+        "        prompt = self.prompts.build(messages, salt, defer=True)\n        req = intake.request(",
+        "        prompt = self.prompts.build(messages, salt)\n        req = intake.request(",
+        (DEFERRED + "test_a_hit_processes_no_pixels_and_a_miss_processes_them_once",),
+    ),
+    Mutant(
+        "deferred-never-processed",
+        "a deferred prompt that misses is admitted without its patches (the vision encoder fails the request)",
+        "engine/serving/scheduler.py",
+        "        if not self._pixels_ready(req):\n            return _Admission.IN_FLIGHT\n",
+        "",
+        (DEFERRED + "test_a_hit_processes_no_pixels_and_a_miss_processes_them_once",
+         DEFERRED + "test_a_failed_deferred_processing_fails_only_its_request"),
+    ),
+    Mutant(
+        "deferred-warm-unprocessed",
+        "a warm whose images were deferred computes without their patches",
+        "engine/serving/scheduler.py",
+        "            if not self._pixels_ready(req):\n                passed.append(req)\n                continue\n",
+        "",
+        (DEFERRED + "test_a_warm_after_its_pixels_left_the_cache_computes_the_prefix",),
+    ),
+    Mutant(
+        "known-images-unsalted",
+        "the index of known images ignores the salt: another session's prompt is built from it (and faster)",
+        "engine/inputs/processed_images.py",
+        "            item = self._known.get(key)\n",
+        "            item = next((v for k, v in self._known.items() if k[1] == key[1]), None)\n",
+        (DEFERRED + "test_defer_needs_the_same_session_and_a_known_image",),
+    ),
+    Mutant(
+        "forget-keeps-known-images",
+        "forget leaves the salt's index of known images",
+        "engine/inputs/processed_images.py",
+        "            for key in known:\n                del self._known[key]\n",
+        "",
+        (DEFERRED + "test_defer_needs_the_same_session_and_a_known_image",),
     ),
 ]
