@@ -593,9 +593,12 @@ def _claim_a_huge_body(url: str, path: str, content_type: str, declared: str) ->
     return what the server answers before the rest would have come."""
     host, port = url.removeprefix("http://").split(":")
     length = "Transfer-Encoding: chunked" if declared == "chunked" else f"Content-Length: {declared}"
+    # chunked: one well-formed 1 KiB chunk and no last chunk (a server that parses the framing
+    # before the app sees the request must not turn the refusal into a framing error)
+    body = b"400\r\n" + b"x" * 1024 + b"\r\n" if declared == "chunked" else b"x" * 1024
     with socket.create_connection((host, int(port)), timeout=15) as s:
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {content_type}\r\n"
-                  f"{length}\r\n\r\n".encode() + b"x" * 1024)
+                  f"{length}\r\n\r\n".encode() + body)
         answer = b""
         while chunk := s.recv(65536):  # the refusal closes the connection
             answer += chunk
