@@ -27,7 +27,7 @@ from engine import (
     SamplingParams,
     media_first_messages,
 )
-from engine.client import InProcessClient, ProcessClient, KeyLRU, send_blobs, take_blobs
+from engine.client import InProcessClient, KeyLRU, ProcessClient, send_blobs, take_blobs
 
 OPTIONS = dict(device=TEST_DEVICE, progress=False, kv_cache_bytes=32 << 20)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)

@@ -7,17 +7,18 @@
 - :mod:`engine.replicas.cluster`: a local Ray instance or an existing cluster, the replicas'
   applications.
 
-Importing this package imports neither Ray nor torch: ``ReplicaClient`` is loaded on first use.
+Importing this package imports neither Ray nor torch: ``ReplicaClient`` and ``aggregate_stats``
+(the public names, what the app imports) are loaded on first use.
 """
 
 from __future__ import annotations
 
-__all__ = ["ReplicaClient"]
+__all__ = ["ReplicaClient", "aggregate_stats"]
 
 
 def __getattr__(name: str):
-    if name == "ReplicaClient":
-        from .client import ReplicaClient
+    if name in __all__:
+        from . import client
 
-        return ReplicaClient
+        return getattr(client, name)
     raise AttributeError(name)

@@ -33,6 +33,7 @@ where their caches are now).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -49,15 +50,12 @@ from ..inputs.prompts import prefix_messages
 from ..serving.handle import OutputChannel, RequestHandle, WarmHandle, is_final
 from .ring import EPSILON, SessionRouter
 
-__all__ = ["ReplicaClient", "aggregate_stats", "REPLICA_COUNTERS"]
+__all__ = ["ReplicaClient", "aggregate_stats"]
 
 log = logging.getLogger(__name__)
 
 #: Keys of ``stats()`` the same on every replica (not summed).
 _SHARED_KEYS = ("page_size", "kv_cache_dtype", "prefix_cache")
-#: The counters each ``/healthz`` ``replicas`` entry carries, under their ``stats()`` names.
-REPLICA_COUNTERS = ("running", "waiting", "tokens_generated", "cache_hits", "cache_misses", "cache_stale",
-                    "cache_entries", "cache_pages", "pages_total", "pages_used", "pages_free")
 #: Seconds a call (stats, forget, a probe, a request's first reply) may take before its replica
 #: counts as down; a first reply waits for the prompt to be built (images decoded, processed).
 CALL_TIMEOUT_S = 120.0
@@ -165,7 +163,8 @@ class ReplicaClient(EngineClient):
 
     def forget(self, cache_salt):
         """Forget the salt on every ready replica (a session moved by a replica added since keeps
-        entries on its former one), and its placement; returns the counts dropped, summed."""
+        entries on its former one), and its placement; returns the counts dropped, summed
+        (``sessions`` 1: one salt)."""
         with self._lock:
             self.router.forget(_salt_key(cache_salt))
             ready = [r for r in self._replicas.values() if r.state == "ready"]
@@ -175,7 +174,7 @@ class ReplicaClient(EngineClient):
         total = done[0]
         for more in done[1:]:
             total = total + more
-        return total
+        return dataclasses.replace(total, sessions=min(total.sessions, 1))  # one salt, however many replicas
 
     def clear_prefix_cache(self) -> None:
         for replica in [r for r in self._replicas.values() if r.state == "ready"]:
