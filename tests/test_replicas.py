@@ -242,3 +242,19 @@ def test_a_killed_replica_fails_its_stream_moves_its_sessions_once_and_comes_bac
     for salt in victims:  # moved sessions stay where their caches are now
         assert replicas.replica_of(salt) == other
         assert ask(replicas, salt, images[salt]).telemetry.prefix_cache == "hit"
+
+
+def test_the_replica_options_parse_refuse_bad_values_and_split_the_host_tier():
+    from app.model_loader import replica_options
+    from app.settings import parse_settings
+
+    settings = parse_settings(["--replicas", "4", "--ray-address", "ray://10.0.0.5:10001", "--replica-cpus", "0.5",
+                               "--host-cache-bytes", "1G"], environ={})
+    assert (settings.replicas, settings.ray_address, settings.replica_cpus) == (4, "ray://10.0.0.5:10001", 0.5)
+    assert replica_options({"kv_cache_bytes": 1}, settings) == {"kv_cache_bytes": 1, "host_cache_bytes": 256 << 20}
+    assert parse_settings([], environ={"PRISM_REPLICAS": "2"}).replicas == 2
+    assert parse_settings([], environ={}).replicas == 0  # no Ray unless asked for
+    for argv in (["--replicas", "-1"], ["--replicas", "65"], ["--replica-cpus", "0"],
+                 ["--ray-address", "http://x:1/; rm -rf"], ["--ray-address", "no-port"]):
+        with pytest.raises(SystemExit):
+            parse_settings(argv, environ={})

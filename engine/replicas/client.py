@@ -91,7 +91,8 @@ class ReplicaClient(EngineClient):
         ray_address: an existing Ray cluster's address; None starts a local instance, stopped by
             :meth:`close`.
         replica_cpus, replica_gpus: Ray resources of each replica (fractions allowed); GPUs default
-            to ``tensor_parallel_size`` on CUDA, 0 on the CPU.
+            to ``tensor_parallel_size`` on CUDA (``device`` ``cuda``, or ``auto`` on a host with a
+            GPU), 0 on the CPU (Ray then hides every GPU from the replica).
         epsilon: the bounded load's slack (:class:`~engine.replicas.ring.SessionRouter`).
         blob_cache_bytes: bytes of images and clips each replica keeps by content key.
         probe_interval_s: seconds between probes of every replica (a dead one is seen down within
@@ -113,7 +114,7 @@ class ReplicaClient(EngineClient):
         if not isinstance(replicas, int) or replicas < 1:
             raise InvalidRequestError(f"replicas must be an integer >= 1, got {replicas!r}")
         if replica_gpus is None:
-            replica_gpus = float(options.get("tensor_parallel_size", 1)) if str(device).startswith("cuda") else 0.0
+            replica_gpus = float(options.get("tensor_parallel_size", 1)) if _wants_cuda(device) else 0.0
         self._id = uuid.uuid4().hex[:12]  # request ids of this client: unique across app fronts
         self._ids = itertools.count(1)
         self._closing = False
@@ -419,6 +420,16 @@ def aggregate_stats(replicas: list[dict]) -> dict:
                 total[key] = total.get(key, 0) + value
     total["replicas_ready"], total["replicas_total"] = len(answered), len(replicas)
     return total
+
+
+def _wants_cuda(device) -> bool:
+    """Whether replicas built with ``device`` need GPUs: ``cuda``, or ``auto`` / None where this
+    host has one (a cluster whose app host has none: say ``--device cuda``)."""
+    if device in (None, "auto"):
+        import torch
+
+        return torch.cuda.is_available()
+    return str(device).startswith("cuda")
 
 
 def _salt_key(salt) -> str:
