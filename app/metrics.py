@@ -28,6 +28,9 @@ they were started: ``upload``, a chat's images changed; ``restart``, recent chat
 ``prism:prefix_cache_warm_results_total{result}`` (the engine's own count of how its warms ended:
 ``computed``, ``cached`` already when asked, ``cancelled``, ``dropped`` for lack of room).
 
+Over engine replicas (``--replicas``) every engine series carries a ``replica`` label (``replica-0``,
+...), one sample per replica that answered the scrape; the request series stay the app's own.
+
 Two sources: each finished request (chat turn or API call) is observed once, by the code that
 read its answer, into the request counters and histograms; the engine's own counters and gauges
 (:meth:`engine.Engine.stats`) are read when ``/metrics`` is scraped. Only aggregates: no label
@@ -160,7 +163,9 @@ class Metrics:
 
 class _EngineCollector:
     """The engine's counters and gauges, read from :meth:`engine.Engine.stats` at each scrape
-    (nothing while the model loads or after the engine closed)."""
+    (nothing while the model loads or after the engine closed). Over replicas (``--replicas``)
+    every series carries a ``replica`` label, one sample per replica that answered (the sums are
+    the scraper's: ``sum without (replica)``)."""
 
     def __init__(self, loader):
         self.loader = loader
@@ -168,92 +173,100 @@ class _EngineCollector:
     def collect(self):
         engine = getattr(self.loader, "engine", None)
         try:
-            s = engine.stats() if engine is not None else None
+            samples = _samples(engine) if engine is not None else []
         except Exception:  # closed during shutdown
-            s = None
-        if s is None:
+            samples = []
+        if not samples:
             return
-        yield _gauge("prism:num_requests_running", "Requests in the engine's running batch.", s["running"])
-        yield _gauge("prism:num_requests_waiting", "Requests waiting for the engine.", s["waiting"])
-        total = s["pages_total"] or 1
-        yield _gauge("prism:kv_cache_usage_perc", "KV pool pages in use, prefix-cache entries included, as a "
-                     "fraction (1 = full).", s["pages_used"] / total)
-        cached = s.get("cache_pages", 0)
-        pages = GaugeMetricFamily("prism:kv_cache_pages", "KV pool pages: held by running requests only, held "
-                                  "by prefix-cache entries, free.", labels=["state"])
-        pages.add_metric(["running"], max(0, s["pages_used"] - cached))
-        pages.add_metric(["cached"], cached)
-        pages.add_metric(["free"], s["pages_free"])
-        yield pages
-        if not s.get("prefix_cache"):
+        f = _Families(["replica"] if hasattr(engine, "replica_status") else [], samples)
+        yield f.gauge("prism:num_requests_running", "Requests in the engine's running batch.",
+                      lambda s: s["running"])
+        yield f.gauge("prism:num_requests_waiting", "Requests waiting for the engine.", lambda s: s["waiting"])
+        yield f.gauge("prism:kv_cache_usage_perc", "KV pool pages in use, prefix-cache entries included, as a "
+                      "fraction (1 = full).", lambda s: s["pages_used"] / (s["pages_total"] or 1))
+        yield f.gauge("prism:kv_cache_pages", "KV pool pages: held by running requests only, held by prefix-cache "
+                      "entries, free.", lambda s: [(["running"], max(0, s["pages_used"] - s.get("cache_pages", 0))),
+                                                   (["cached"], s.get("cache_pages", 0)),
+                                                   (["free"], s["pages_free"])], labels=["state"])
+        f.samples = [(values, s) for values, s in samples if s.get("prefix_cache")]
+        if not f.samples:
             return
-        yield _lookups(s)
-        evictions = CounterMetricFamily("prism:prefix_cache_evictions", "Prefix-cache entries evicted: image "
-                                        "prefixes, and conversation extensions (finished turns kept for reuse).",
-                                        labels=["kind"])
-        evictions.add_metric(["prefix"], s["cache_prefix_evictions"])
-        evictions.add_metric(["extension"], s["cache_extension_evictions"])
-        yield evictions
-        yield CounterMetricFamily("prism:prefix_cache_pressure_compactions", "Image prefixes compacted one step "
-                                  "to free KV pages (compaction_mode on_pressure).",
-                                  value=s.get("cache_pressure_compactions", 0))
-        yield CounterMetricFamily("prism:prefix_cache_pressure_freed_pages", "KV pages freed by those "
-                                  "compactions.", value=s.get("cache_pressure_pages_freed", 0))
-        entries = GaugeMetricFamily("prism:prefix_cache_entries", "Prefix-cache entries held: image prefixes, "
-                                    "conversation extensions.", labels=["kind"])
-        entries.add_metric(["prefix"], s["cache_prefixes"])
-        entries.add_metric(["extension"], s["cache_entries"] - s["cache_prefixes"])
-        yield entries
-        yield from _host_tier(s)
-        yield _warm_results(s)
+        yield f.counter("prism:prefix_cache_lookups", "Requests with images, by what their image prefix was: hit "
+                        "(reused), miss (computed and cached), stale (found, then evicted before the request ran: "
+                        "computed again); and, for a hit, where the entry lived (gpu: the KV pool, host: the "
+                        "host-memory tier, restored first; none for a miss or stale).", _lookups,
+                        labels=["result", "tier"])
+        yield f.counter("prism:prefix_cache_evictions", "Prefix-cache entries evicted: image prefixes, and "
+                        "conversation extensions (finished turns kept for reuse).",
+                        lambda s: [(["prefix"], s["cache_prefix_evictions"]),
+                                   (["extension"], s["cache_extension_evictions"])], labels=["kind"])
+        yield f.counter("prism:prefix_cache_pressure_compactions", "Image prefixes compacted one step to free KV "
+                        "pages (compaction_mode on_pressure).", lambda s: s.get("cache_pressure_compactions", 0))
+        yield f.counter("prism:prefix_cache_pressure_freed_pages", "KV pages freed by those compactions.",
+                        lambda s: s.get("cache_pressure_pages_freed", 0))
+        yield f.gauge("prism:prefix_cache_entries", "Prefix-cache entries held: image prefixes, conversation "
+                      "extensions.", lambda s: [(["prefix"], s["cache_prefixes"]),
+                                                (["extension"], s["cache_entries"] - s["cache_prefixes"])],
+                      labels=["kind"])
+        yield from _host_tier(f)
+        yield f.counter("prism:prefix_cache_warm_results", "Prefix warms, by how they ended in the engine: "
+                        "computed (built), cached (already cached when asked, or built meanwhile by another "
+                        "request), cancelled, dropped (no room for it).",
+                        lambda s: [([r], s.get(f"warms_{r}", 0)) for r in ("computed", "cached", "cancelled",
+                                                                            "dropped")], labels=["result"])
 
 
-def _lookups(s: dict) -> CounterMetricFamily:
+def _samples(engine) -> list[tuple[list[str], dict]]:
+    """``(replica label values, stats)`` per engine: one with no label, or one per replica that
+    answered (:meth:`~engine.replicas.ReplicaClient.replica_status`)."""
+    if hasattr(engine, "replica_status"):
+        return [([r["id"]], r["stats"]) for r in engine.replica_status() if r.get("stats")]
+    return [([], engine.stats())]
+
+
+class _Families:
+    """Metric families over ``samples`` (``(label values, stats)``), each family's labels
+    prefixed with ``prefix`` (``["replica"]`` or none). A value function returns one number, or
+    ``(label values, number)`` pairs for the family's own labels."""
+
+    def __init__(self, prefix: list[str], samples: list[tuple[list[str], dict]]):
+        self.prefix, self.samples = prefix, samples
+
+    def gauge(self, name: str, documentation: str, value, labels=()):
+        return self._fill(GaugeMetricFamily(name, documentation, labels=[*self.prefix, *labels]), value)
+
+    def counter(self, name: str, documentation: str, value, labels=()):
+        return self._fill(CounterMetricFamily(name, documentation, labels=[*self.prefix, *labels]), value)
+
+    def _fill(self, family, value):
+        for values, stats in self.samples:
+            got = value(stats)
+            for own, number in got if isinstance(got, list) else [([], got)]:
+                family.add_metric([*values, *own], number)
+        return family
+
+
+def _lookups(s: dict) -> list[tuple[list[str], int]]:
     """``prism:prefix_cache_lookups_total{result,tier}`` from the engine's counters. Read from
     stats like the rest of this family always was (a request that never finished, or whose
     reader went away, was still looked up); a hit's tier is split out of ``cache_hits`` by
     ``cache_hits_host`` (0 on an engine without the tier: every hit a GPU one)."""
-    lookups = CounterMetricFamily("prism:prefix_cache_lookups", "Requests with images, by what their image "
-                                  "prefix was: hit (reused), miss (computed and cached), stale (found, then "
-                                  "evicted before the request ran: computed again); and, for a hit, where the "
-                                  "entry lived (gpu: the KV pool, host: the host-memory tier, restored first; "
-                                  "none for a miss or stale).", labels=["result", "tier"])
     host_hits = s.get("cache_hits_host", 0)
-    lookups.add_metric(["hit", "gpu"], max(0, s["cache_hits"] - host_hits))
-    lookups.add_metric(["hit", "host"], host_hits)
-    lookups.add_metric(["miss", "none"], s["cache_misses"])
-    lookups.add_metric(["stale", "none"], s["cache_stale"])
-    return lookups
+    return [(["hit", "gpu"], max(0, s["cache_hits"] - host_hits)), (["hit", "host"], host_hits),
+            (["miss", "none"], s["cache_misses"]), (["stale", "none"], s["cache_stale"])]
 
 
-def _host_tier(s: dict):
+def _host_tier(f: _Families):
     """The host-memory tier's counters and page gauge (all 0 when the tier is off or the engine
     predates it: the series stay, so a dashboard's query never goes empty)."""
-    yield CounterMetricFamily("prism:prefix_cache_offloads", "Prefix-cache entries moved from the KV pool to the "
-                              "host-memory tier (their pages freed on the GPU).", value=s.get("cache_offloads", 0))
-    yield CounterMetricFamily("prism:prefix_cache_restores", "Prefix-cache entries copied back from the host "
-                              "tier to the KV pool for a hit.", value=s.get("cache_restores", 0))
-    yield CounterMetricFamily("prism:prefix_cache_host_evictions", "Prefix-cache entries dropped from the host "
-                              "tier (gone from the cache).", value=s.get("cache_host_evictions", 0))
-    total, used = s.get("host_pages_total", 0), s.get("host_pages_used", 0)
-    pages = GaugeMetricFamily("prism:prefix_cache_host_pages", "Host-tier pages: used by offloaded entries, "
-                              "free (both 0 when the tier is off).", labels=["state"])
-    pages.add_metric(["used"], used)
-    pages.add_metric(["free"], max(0, total - used))
-    yield pages
-
-
-def _warm_results(s: dict) -> CounterMetricFamily:
-    """``prism:prefix_cache_warm_results_total{result}`` from the engine's warm counters (all 0 on
-    an engine without warms)."""
-    results = CounterMetricFamily("prism:prefix_cache_warm_results", "Prefix warms, by how they ended in the "
-                                  "engine: computed (built), cached (already cached when asked, or built "
-                                  "meanwhile by another request), cancelled, dropped (no room for it).",
-                                  labels=["result"])
-    for result in ("computed", "cached", "cancelled", "dropped"):
-        results.add_metric([result], s.get(f"warms_{result}", 0))
-    return results
-
-
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, documentation, value=value)
+    yield f.counter("prism:prefix_cache_offloads", "Prefix-cache entries moved from the KV pool to the host-memory "
+                    "tier (their pages freed on the GPU).", lambda s: s.get("cache_offloads", 0))
+    yield f.counter("prism:prefix_cache_restores", "Prefix-cache entries copied back from the host tier to the KV "
+                    "pool for a hit.", lambda s: s.get("cache_restores", 0))
+    yield f.counter("prism:prefix_cache_host_evictions", "Prefix-cache entries dropped from the host tier (gone "
+                    "from the cache).", lambda s: s.get("cache_host_evictions", 0))
+    yield f.gauge("prism:prefix_cache_host_pages", "Host-tier pages: used by offloaded entries, free (both 0 when "
+                  "the tier is off).", lambda s: [(["used"], s.get("host_pages_used", 0)),
+                                                 (["free"], max(0, s.get("host_pages_total", 0)
+                                                                - s.get("host_pages_used", 0)))],
+                  labels=["state"])

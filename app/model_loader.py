@@ -251,6 +251,11 @@ class ModelLoader:
     def _build(self, choice: ModelChoice):
         """The engine client ``--engine`` names, loaded (blocks for the whole model load)."""
         options = dict(device=self.settings.device, progress=True, **self.settings.engine_options())
+        if self.settings.replicas:
+            from engine.replicas import ReplicaClient
+
+            return ReplicaClient(choice.source, replicas=self.settings.replicas, ray_address=self.settings.ray_address,
+                                 replica_cpus=self.settings.replica_cpus, **replica_options(options, self.settings))
         if self.settings.engine == "process":
             from engine.client import ProcessClient
 
@@ -332,8 +337,11 @@ class ModelLoader:
 
     def status(self) -> dict:
         """What ``/healthz`` reports: ``status``, ``model``, ``demo_model``, ``stage``; once the
-        engine runs, its device, dtypes, ``engine`` (:meth:`engine.Engine.stats`) and
-        ``host_cache`` (:func:`host_cache_status`: the host-memory tier, None when off)."""
+        engine runs, its device, dtypes, ``engine`` (:meth:`engine.Engine.stats`; over replicas,
+        their sum) and ``host_cache`` (:func:`host_cache_status`: the host-memory tier, None when
+        off); over replicas (``--replicas``) ``replicas``: each one's ``id``, ``state``,
+        ``sessions``, ``restarts`` and its counters (:data:`REPLICA_COUNTERS`, under the
+        ``stats()`` names; absent while it is not ready). ``ok`` while at least one replica is."""
         state = {"loading": "loading", "ready": "ok", "restarting": "restarting", "failed": "error"}
         engine = self.engine
         status = state[self.state]
@@ -349,7 +357,14 @@ class ModelLoader:
             out.update(device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
                        kv_cache_dtype=engine.options.kv_cache_dtype, load_seconds=round(self.load_seconds or 0, 1))
             try:
-                out["engine"] = engine.stats()
+                if hasattr(engine, "replica_status"):
+                    from engine.replicas import aggregate_stats
+
+                    replicas = engine.replica_status()
+                    out["replicas"] = [replica_entry(r) for r in replicas]
+                    out["engine"] = aggregate_stats(replicas)
+                else:
+                    out["engine"] = engine.stats()
                 out["host_cache"] = host_cache_status(out["engine"])
                 out["engine_status"] = "running"
             except Exception as exc:  # closed engine
@@ -366,6 +381,32 @@ class ModelLoader:
             self.state, self.stage = "failed", "stopped"
             self.error = "the server is shutting down"
             engine.close()
+
+
+#: The counters of each ``/healthz`` ``replicas`` entry, under their ``stats()`` names.
+REPLICA_COUNTERS = ("running", "waiting", "tokens_generated", "cache_hits", "cache_misses", "cache_stale",
+                    "cache_entries", "cache_pages", "pages_total", "pages_used", "pages_free")
+
+
+def replica_entry(replica: dict) -> dict:
+    """One ``/healthz`` ``replicas`` entry from :meth:`~engine.replicas.ReplicaClient.replica_status`:
+    ``id``, ``state``, ``sessions``, ``restarts``, then :data:`REPLICA_COUNTERS` when it answered."""
+    entry = {k: replica[k] for k in ("id", "state", "sessions", "restarts")}
+    stats = replica.get("stats") or {}
+    entry.update({k: stats[k] for k in REPLICA_COUNTERS if k in stats})
+    return entry
+
+
+def replica_options(options: dict, settings: Settings) -> dict:
+    """Engine options for each of ``settings.replicas`` replicas: the host-memory tier (the
+    ``--host-cache-bytes`` asked for, else this host's default share) split evenly between them,
+    since replicas on one host share its RAM (each replica's engine would otherwise take the whole
+    default for itself)."""
+    from engine import EngineOptions
+
+    total = EngineOptions(host_cache_bytes=settings.host_cache_bytes).host_budget(settings.tensor_parallel_size)
+    per = total // settings.replicas
+    return {**options, "host_cache_bytes": per - per % settings.tensor_parallel_size}
 
 
 def host_cache_status(stats: dict) -> dict | None:

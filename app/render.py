@@ -376,9 +376,31 @@ def _host_tier_rows(status: dict) -> list[tuple[str, str]]:
     return [("Host tier", held), ("Host tier moves", moves)]
 
 
+def _replicas_table(status: dict) -> str:
+    """Over replicas (``status["replicas"]``, :func:`app.model_loader.replica_entry`): one row each,
+    its state, sessions, requests, prefix-cache hits and misses and KV pool use; "" without."""
+    replicas = status.get("replicas")
+    if not replicas:
+        return ""
+    rows = []
+    for r in replicas:
+        if "pages_total" in r:
+            used = 100 * r["pages_used"] / (r["pages_total"] or 1)
+            detail = (f"{r['running']} running · {r['waiting']} waiting · {r['cache_hits']} hit / "
+                      f"{r['cache_misses']} miss · KV {used:.1f}% used")
+        else:
+            detail = "–"
+        state = r["state"] + (f" · {_plural(r.get('sessions', 0), 'session')}" if "sessions" in r else "")
+        rows.append(f"<tr><th>{_e(r['id'])}</th><td>{_e(state)}</td><td>{_e(detail)}</td></tr>")
+    ready = sum(r["state"] == "ready" for r in replicas)
+    return (f'<div class="prism-kv-title">Replicas ({ready} of {len(replicas)} ready; the counters above are '
+            f'their sum)</div><table class="prism-replicas">{"".join(rows)}</table>')
+
+
 def engine_panel(status: dict) -> str:
     """The engine panel: model, device, KV pool use (running / cached / free), cache counters, the
-    host-memory tier (``status["host_cache"]``, :func:`app.model_loader.host_cache_status`)."""
+    host-memory tier (``status["host_cache"]``, :func:`app.model_loader.host_cache_status`); over
+    replicas, their sum, then a row per replica (:func:`_replicas_table`)."""
     if status.get("status") != "ok" or "engine" not in status:
         return f'<div class="prism-panel-note">Engine: {_e(status.get("stage") or status.get("status"))}</div>'
     s = status["engine"]
@@ -407,7 +429,7 @@ def engine_panel(status: dict) -> str:
               f'<span class="prism-dot prism-bar-free"></span>free {free:,}</div>')
     bar = _bar([("running", running, "running"), ("cached", cached, "cached"), ("free", free, "free")])
     return (f'<div class="prism-engine"><div class="prism-kv-title">KV pool ({100 * (total - free) / total:.1f}% used)'
-            f"</div>{bar}{legend}<table>{table}</table></div>")
+            f"</div>{bar}{legend}<table>{table}</table>{_replicas_table(status)}</div>")
 
 
 def shares_list(shares, new_link: str | None = None, new_mode: str | None = None) -> str:

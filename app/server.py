@@ -185,9 +185,16 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
     pages = APIRouter()  # the web UI's own routes, left out when headless
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD for load balancers' health checks
-    def healthz():
-        """Model id, device, KV dtype and engine state; 503 while the model is loading (or failed)."""
+    def healthz(request: Request):
+        """Model id, device, KV dtype and engine state; 503 while the model is loading (or failed).
+        Over replicas, each one's counters only with an API key when keys are configured (its id
+        and state without)."""
         status = loader.status()
+        if status.get("replicas"):
+            try:
+                api.authorize(request)
+            except APIError:
+                status["replicas"] = [{"id": r["id"], "state": r["state"]} for r in status["replicas"]]
         return JSONResponse(status, status_code=200 if status["status"] == "ok" else 503,
                             headers={"Cache-Control": "no-store"})
 

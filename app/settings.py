@@ -88,6 +88,37 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _replica_count(text: str) -> int:
+    """0 (no replicas: one engine) or a number of replicas, at most 64."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 64], got {value}")
+    return value
+
+
+def _cpus(text: str) -> float:
+    """A positive number of CPUs, fractions allowed."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1024:
+        raise argparse.ArgumentTypeError(f"must be a positive number of CPUs, got {text}")
+    return value
+
+
+_RAY_ADDRESS_RE = re.compile(r"^(ray://)?[A-Za-z0-9.\-\[\]:]{1,253}:\d{1,5}$|^auto$")
+
+
+def _ray_address(text: str) -> str:
+    if not _RAY_ADDRESS_RE.match(text):
+        raise argparse.ArgumentTypeError(f"not a Ray address (host:port, ray://host:port or auto): {text[:80]!r}")
+    return text
+
+
 def _share(text: str) -> float:
     """A share in [0, 1] (0 turns the feature off)."""
     try:
@@ -136,6 +167,9 @@ class Settings:
     max_media_per_request: int | None = None
     warm: str = "on"
     warm_share: float = 0.25
+    replicas: int = 0  # 0: no Ray, one engine (--engine); N: N replicas on Ray Serve
+    ray_address: str | None = None
+    replica_cpus: float = 1.0
 
     @property
     def media_per_request(self) -> int:
@@ -241,6 +275,14 @@ _OPTIONS = [
     ("--warm-share", "warm_share", _share, None,
      "share of the KV pool, in [0, 1], that the most recently used chats' image prefixes may fill when the "
      "server (or a restarted engine core) starts, warmed before anyone asks; 0: none warmed at a start"),
+    ("--replicas", "replicas", _replica_count, None,
+     "engine replicas on Ray Serve behind this app, each chat session routed to one by its cache salt "
+     "(consistent hashing with bounded loads; docs/SCALING.md); 0: one engine as --engine says, no Ray"),
+    ("--ray-address", "ray_address", _ray_address, None,
+     "with --replicas: an existing Ray cluster to run them on (salts, images and KV go to it: see the README's "
+     "Security section); default: a local Ray instance on loopback, started and stopped with the app"),
+    ("--replica-cpus", "replica_cpus", _cpus, None,
+     "with --replicas: CPUs Ray reserves for each replica (fractions allowed); GPUs: --tensor-parallel-size each"),
     ("--api-key-file", "api_key_file", Path, None,
      "a file of API keys for /v1, one per line ('#' starts a comment line), besides any --api-key"),
 ]

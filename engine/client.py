@@ -51,8 +51,8 @@ from .serving.handle import OutputChannel, RequestHandle, WarmHandle, is_final
 from .serving.outputs import Completion
 from .serving.sampling import SamplingParams
 
-__all__ = ["EngineClient", "InProcessClient", "ProcessClient", "DEFAULT_BLOB_CACHE_BYTES", "blob_key", "send_blobs",
-           "take_blobs"]
+__all__ = ["EngineClient", "InProcessClient", "ProcessClient", "DEFAULT_BLOB_CACHE_BYTES", "ENGINE_CALLS", "KeyLRU",
+           "MissingBlob", "blob_key", "engine_info", "picklable", "send_blobs", "take_blobs"]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 #: request about the same images sends only their keys.
 DEFAULT_BLOB_CACHE_BYTES = 512 << 20
 
-#: Engine methods a client may call in the child by name (anything else is refused there).
-_CALLS = ("stats", "prefix_info", "forget", "clear_prefix_cache", "count_prompt_tokens")
+#: Engine methods a client may call in the child (or a replica) by name (anything else is refused there).
+ENGINE_CALLS = ("stats", "prefix_info", "forget", "clear_prefix_cache", "count_prompt_tokens")
 
 
 class EngineClient(abc.ABC):
@@ -159,6 +159,13 @@ def min_image_pixels(engine) -> int:
     return int((getattr(engine.prompts, "size", None) or {}).get("shortest_edge") or 0)
 
 
+def engine_info(engine) -> dict:
+    """What a client built around ``engine`` in another process needs to know of it: ``model_id``,
+    ``device``, ``dtype``, ``options`` and ``min_image_pixels`` (all picklable)."""
+    return {"model_id": engine.model_id, "device": engine.device, "dtype": engine.dtype,
+            "options": engine.options, "min_image_pixels": min_image_pixels(engine)}
+
+
 class InProcessClient(EngineClient):
     """An :class:`~engine.engine.Engine` of this process behind the :class:`EngineClient`
     interface. ``submit`` returns what ``Engine.submit`` returns; ``engine`` is the engine itself.
@@ -211,7 +218,7 @@ class InProcessClient(EngineClient):
 # ---------------------------------------------------------------------------------------- the child
 
 
-class _KeyLRU:
+class KeyLRU:
     """Content keys and their sizes in bytes, least recently used first, within ``budget`` bytes.
     The parent and the child each keep one and apply the same operations in the same order."""
 
@@ -256,7 +263,7 @@ class _BlobRef:
         return _BlobRef, (self.key,)
 
 
-class _MissingBlob(PrismError):
+class MissingBlob(PrismError):
     """The child does not hold a key the parent referenced (the parent then sends the bytes)."""
 
 
@@ -270,10 +277,13 @@ def blob_key(salt: str, data: bytes) -> str:
     return hashlib.sha256(salt.encode("utf-8", "surrogatepass") + b"\0" + data).hexdigest()
 
 
-def _with_refs(messages, known: Callable[[str, bytes], None], salt: str):
+def _with_refs(messages, known: Callable[[str, bytes], None], salt: str, inline_paths: bool = False):
     """``messages`` with each image or clip given as bytes replaced by a :class:`_BlobRef` of its
-    :func:`blob_key` under ``salt``; ``known(key, data)`` is called for each, in order. Anything
-    that is not a well-formed message is passed on as it is, for the engine to refuse."""
+    :func:`blob_key` under ``salt``; ``known(key, data)`` is called for each, in order. With
+    ``inline_paths``, an image or clip given as a path is read and passed as its bytes (for an engine
+    on another host, where the path does not exist); one that cannot be read is passed on as the
+    path, for the engine to refuse with its own message. Anything that is not a well-formed message
+    is passed on as it is, for the engine to refuse."""
     if not isinstance(messages, list):
         return messages
     out = []
@@ -287,6 +297,8 @@ def _with_refs(messages, known: Callable[[str, bytes], None], salt: str):
             if isinstance(part, dict):
                 for field in ("image", "video"):
                     data = part.get(field)
+                    if inline_paths and isinstance(data, (str, os.PathLike)):
+                        data = _read_or_keep(data)
                     if isinstance(data, _BYTES):
                         key = blob_key(salt, bytes(data))
                         known(key, bytes(data))
@@ -294,6 +306,15 @@ def _with_refs(messages, known: Callable[[str, bytes], None], salt: str):
             parts.append(part)
         out.append({**message, "content": parts})
     return out
+
+
+def _read_or_keep(path):
+    """The bytes of the file at ``path``, or ``path`` itself when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except (OSError, ValueError):
+        return path
 
 
 def _ref_keys(messages) -> Iterator[str]:
@@ -311,7 +332,7 @@ def _resolve_refs(messages, blobs: dict[str, bytes]):
     """``messages`` with every :class:`_BlobRef` replaced by its bytes from ``blobs``.
 
     Raises:
-        _MissingBlob: a key is not in ``blobs``.
+        MissingBlob: a key is not in ``blobs``.
     """
     if not isinstance(messages, list):
         return messages
@@ -323,17 +344,18 @@ def _resolve_refs(messages, blobs: dict[str, bytes]):
                     ref = part.get(field)
                     if isinstance(ref, _BlobRef):
                         if ref.key not in blobs:
-                            raise _MissingBlob(ref.key)
+                            raise MissingBlob(ref.key)
                         part[field] = blobs[ref.key]
     return messages
 
 
-def send_blobs(messages, keys: _KeyLRU, *, salt: str = "",
-               resend: bool = False) -> tuple[object, dict[str, bytes]]:
+def send_blobs(messages, keys: KeyLRU, *, salt: str = "", resend: bool = False,
+               inline_paths: bool = False) -> tuple[object, dict[str, bytes]]:
     """The parent's side of passing images by content key: ``messages`` with each image or clip
-    given as bytes replaced by its key (:func:`blob_key` under the request's cache ``salt``), and
-    the bytes the child does not hold yet (all of them with ``resend``), by key; ``keys`` (the
-    parent's copy of the child's LRU) is updated as :func:`take_blobs` updates the child's."""
+    given as bytes (with ``inline_paths``, as a path too: read here) replaced by its key
+    (:func:`blob_key` under the request's cache ``salt``), and the bytes the child does not hold
+    yet (all of them with ``resend``), by key; ``keys`` (the parent's copy of the child's LRU) is
+    updated as :func:`take_blobs` updates the child's."""
     new: dict[str, bytes] = {}
 
     def known(key: str, data: bytes) -> None:
@@ -345,18 +367,18 @@ def send_blobs(messages, keys: _KeyLRU, *, salt: str = "",
             keys.add(key, len(data))
         new[key] = data
 
-    sent = _with_refs(messages, known, salt)
+    sent = _with_refs(messages, known, salt, inline_paths)
     keys.trim()
     return sent, new
 
 
-def take_blobs(messages, new: dict[str, bytes], keys: _KeyLRU, blobs: dict[str, bytes]):
+def take_blobs(messages, new: dict[str, bytes], keys: KeyLRU, blobs: dict[str, bytes]):
     """The child's side of :func:`send_blobs`: store the bytes sent with a submit, resolve its
     keys, trim to the budget. The same operations as the parent's on its copy of ``keys``, in the
     same order (commands arrive in the order they were prepared), so both hold the same keys.
 
     Raises:
-        _MissingBlob: a key the child does not hold (the parent then sends every byte again).
+        MissingBlob: a key the child does not hold (the parent then sends every byte again).
     """
     seen = set()
     for key in _ref_keys(messages):
@@ -377,7 +399,7 @@ def take_blobs(messages, new: dict[str, bytes], keys: _KeyLRU, blobs: dict[str, 
             blobs.pop(key, None)
 
 
-def _picklable(exc: BaseException) -> BaseException:
+def picklable(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling, else a :class:`PrismError` with its type and message (the
     caller sees the same text either way)."""
     try:
@@ -405,7 +427,7 @@ class _Core:
         self.engine, self.conn = engine, conn
         self.send_lock = threading.Lock()
         self.handles: dict[int, RequestHandle] = {}
-        self.keys = _KeyLRU(blob_cache_bytes)
+        self.keys = KeyLRU(blob_cache_bytes)
         self.blobs: dict[str, bytes] = {}
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="prism-core-call")
         self.loop = asyncio.new_event_loop()
@@ -421,7 +443,7 @@ class _Core:
         try:
             message = ("reply", cid, True, call())
         except BaseException as exc:
-            message = ("reply", cid, False, _picklable(exc))
+            message = ("reply", cid, False, picklable(exc))
         try:
             self.send(message)
         except (OSError, ValueError):  # the parent is gone: the command loop sees EOF and stops
@@ -440,7 +462,7 @@ class _Core:
                 _, _, rid, messages, sampling, salt, new = command
                 try:
                     messages = take_blobs(messages, new, self.keys, self.blobs)
-                except _MissingBlob as exc:
+                except MissingBlob as exc:
                     self.reply(cid, partial(_raise, exc))
                     continue
                 call = partial(self.submit, rid, messages, sampling, salt) if kind == "submit" else \
@@ -483,7 +505,7 @@ class _Core:
             handle.cancel(wait)
 
     def call(self, name: str, args, kwargs):
-        if name not in _CALLS:
+        if name not in ENGINE_CALLS:
             raise InvalidRequestError(f"not an engine call: {name!r}")
         return getattr(self.engine, name)(*args, **kwargs)
 
@@ -492,7 +514,7 @@ class _Core:
             async for item in handle:
                 self.emit(rid, item)
         except BaseException as exc:  # the request's error: the parent's handle raises it
-            self.emit(rid, _picklable(exc))
+            self.emit(rid, picklable(exc))
         finally:
             self.handles.pop(rid, None)
 
@@ -540,11 +562,9 @@ def _core_main(conn, model, device, dtype, options: dict, blob_cache_bytes: int)
     try:
         engine = Engine.from_pretrained(model, device=device, dtype=dtype, **options)
     except BaseException as exc:
-        conn.send(("failed", _picklable(exc)))
+        conn.send(("failed", picklable(exc)))
         return
-    info = {"model_id": engine.model_id, "device": engine.device, "dtype": engine.dtype,
-            "options": engine.options, "min_image_pixels": min_image_pixels(engine)}
-    conn.send(("ready", info))
+    conn.send(("ready", engine_info(engine)))
     _Core(engine, conn, blob_cache_bytes).serve()
 
 
@@ -590,7 +610,7 @@ class ProcessClient(EngineClient):
         self._channels: dict[int, OutputChannel] = {}
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count(1)
-        self._keys = _KeyLRU(blob_cache_bytes)
+        self._keys = KeyLRU(blob_cache_bytes)
         try:
             kind, value = self._conn.recv()
         except (EOFError, OSError):
@@ -673,7 +693,7 @@ class ProcessClient(EngineClient):
         try:
             try:
                 tokens = self._submit(rid, messages, sampling, salt, resend=False, kind=kind)
-            except _MissingBlob:  # the child's keys went another way: send every byte this time
+            except MissingBlob:  # the child's keys went another way: send every byte this time
                 tokens = self._submit(rid, messages, sampling, salt, resend=True, kind=kind)
         except BaseException:
             with self._lock:
@@ -687,7 +707,7 @@ class ProcessClient(EngineClient):
             future = self._request(kind, (rid, sent, sampling, salt, new), locked=True)
         try:
             return future.result()
-        except _MissingBlob as exc:
+        except MissingBlob as exc:
             self._keys.discard(str(exc))
             raise
 

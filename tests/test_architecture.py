@@ -79,12 +79,14 @@ RULES = [
 ]
 #: Top-level modules a wing must never import: the public API, the engine clients and the shims
 #: (``engine.errors`` is shared by all).
-TOP = ("engine.engine", "engine.options", "engine.media", "engine.client", "engine.tiny", "engine.hub")
+TOP = ("engine.engine", "engine.options", "engine.media", "engine.client", "engine.tiny", "engine.hub",
+       "engine.replicas")
 #: The engine's public modules, all that ``sessions/`` and ``app/`` may import of it
 #: (docs/ARCHITECTURE.md): the package root (``Engine``, ``EngineOptions``, ``SamplingParams``, ...),
 #: ``engine.media`` (validating uploads), ``engine.client`` (what the app talks to), ``engine.errors``
 #: and the shims ``engine.tiny`` and ``engine.hub``. The wings are the engine's internals.
-PUBLIC = ("engine", "engine.media", "engine.client", "engine.errors", "engine.tiny", "engine.hub")
+PUBLIC = ("engine", "engine.media", "engine.client", "engine.errors", "engine.tiny", "engine.hub",
+          "engine.replicas")
 
 
 def violations(who: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -160,6 +162,17 @@ def test_the_wings_form_no_cycle():
     for wing in WINGS:
         visit(wing)
     assert order.index("model") < order.index("serving") < order.index("parallel")
+
+
+def test_the_replica_ring_is_pure_and_ray_stays_in_the_replicas_package():
+    """``engine/replicas/ring.py`` imports only the standard library (its tests need neither Ray
+    nor an engine); nothing outside ``engine/replicas/`` imports Ray (the app and the engine run
+    without it unless ``--replicas`` is given)."""
+    ring = [t for t, _ in imports("engine.replicas.ring", MODULES["engine.replicas.ring"])]
+    assert ring and not [t for t in ring if t.split(".")[0] in ("engine", "ray", "torch", "app", "sessions")], ring
+    ray_users = [name for name, path in MODULES.items()
+                 if any(t.split(".")[0] == "ray" for t, _ in imports(name, path))]
+    assert ray_users and all(within(name, "engine.replicas") for name in ray_users), ray_users
 
 
 def test_engine_top_level_is_small():

@@ -27,7 +27,7 @@ from engine import (
     SamplingParams,
     media_first_messages,
 )
-from engine.client import InProcessClient, ProcessClient, _KeyLRU, send_blobs, take_blobs
+from engine.client import InProcessClient, KeyLRU, ProcessClient, send_blobs, take_blobs
 
 OPTIONS = dict(device=TEST_DEVICE, progress=False, kv_cache_bytes=32 << 20)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -227,7 +227,7 @@ def test_both_sides_keep_the_same_keys_and_every_reference_resolves():
     misses a key the parent left out, and every request gets back exactly its bytes."""
     rng = random.Random(0)
     images = [bytes([n]) * (100 + 10 * n) for n in range(6)]
-    parent, child, blobs = _KeyLRU(330), _KeyLRU(330), {}
+    parent, child, blobs = KeyLRU(330), KeyLRU(330), {}
     for _ in range(300):
         chosen = [rng.choice(images) for _ in range(rng.randint(1, 4))]
         messages = [{"role": "user", "content": [{"type": "image", "image": b} for b in chosen]}]
@@ -240,12 +240,12 @@ def test_both_sides_keep_the_same_keys_and_every_reference_resolves():
 
 
 def test_a_key_the_child_lost_is_reported_not_guessed():
-    from engine.client import _MissingBlob
+    from engine.client import MissingBlob
 
-    keys, message = _KeyLRU(1000), [{"role": "user", "content": [{"type": "image", "image": b"abc"}]}]
+    keys, message = KeyLRU(1000), [{"role": "user", "content": [{"type": "image", "image": b"abc"}]}]
     sent, new = send_blobs(message, keys)
     assert new == {hashlib.sha256(b"\0abc").hexdigest(): b"abc"}  # the empty salt, a NUL, the bytes
-    with pytest.raises(_MissingBlob):
-        take_blobs(sent, {}, _KeyLRU(1000), {})
+    with pytest.raises(MissingBlob):
+        take_blobs(sent, {}, KeyLRU(1000), {})
     assert send_blobs(message, keys)[1] == {}  # held, as far as the parent knows
     assert send_blobs(message, keys, resend=True)[1] == new

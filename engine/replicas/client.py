@@ -1,0 +1,462 @@
+"""The app's engine client over replicas: :class:`ReplicaClient` routes each session to one of N
+engine replicas on Ray Serve (:mod:`engine.replicas.deployment`), by its cache salt, with
+consistent hashing and bounded loads (:mod:`engine.replicas.ring`).
+
+What the app sees is an :class:`~engine.client.EngineClient` like the others: ``submit`` raises
+input errors here and returns a :class:`~engine.serving.handle.RequestHandle` whose iteration
+yields the text deltas then the :class:`~engine.serving.outputs.Completion`, and whose ``cancel``
+cancels on the replica; ``stats`` is the sum over the replicas that are ready
+(:func:`aggregate_stats`), :meth:`ReplicaClient.replica_status` each one's.
+
+Routing keys: a request with a cache salt (a chat session, a share copy, a ``prompt_cache_key``,
+an API key's salt) goes by its salt; every cache of the engine is keyed by it, so a session's
+questions find their prefix on its replica. A request without one (the engine's one shared
+anonymous session, a library call) goes by the content keys of its images (the same images, the
+same replica, where that shared session cached them), or, text alone, by a fresh random key (not
+remembered: nothing of it is cached for later).
+
+Images travel once per replica and session: each replica keeps the bytes it was sent by
+:func:`~engine.client.blob_key` (the salt and the bytes), and this client keeps a copy of each
+replica's keys (:func:`~engine.client.send_blobs`); paths (the session store's files) are read
+here and sent as bytes, since a replica may be on another host. Requests to one replica may arrive
+in another order than they were prepared, so the two copies of its keys may differ for a moment:
+a key the replica lacks is reported (``missing``) and the request is sent again with every byte.
+
+Faults: when a replica's actor dies its streams end with
+:class:`~engine.errors.EngineAbortedError` (retryable: 503 ``aborted`` on ``/v1``, a notice in the
+chat), the replica is marked down, and its sessions are placed on the next replica on the ring at
+their next request (one cold miss each). Serve starts a new replica under the same name; a probe
+(every ``probe_interval_s``) sees it ready and new sessions go to it again (the moved ones stay
+where their caches are now).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+from ..client import DEFAULT_BLOB_CACHE_BYTES, EngineClient, KeyLRU, send_blobs
+from ..errors import EngineAbortedError, PrismError
+from ..inputs.prompts import prefix_messages
+from ..serving.handle import OutputChannel, RequestHandle, WarmHandle, is_final
+from .ring import EPSILON, SessionRouter
+
+__all__ = ["ReplicaClient", "aggregate_stats"]
+
+log = logging.getLogger(__name__)
+
+#: Keys of ``stats()`` the same on every replica (not summed).
+_SHARED_KEYS = ("page_size", "kv_cache_dtype", "prefix_cache")
+#: Seconds a call (stats, forget, a probe, a request's first reply) may take before its replica
+#: counts as down; a first reply waits for the prompt to be built (images decoded, processed).
+CALL_TIMEOUT_S = 120.0
+PROBE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Replica:
+    """The app's view of one replica."""
+
+    name: str
+    keys: KeyLRU
+    state: str = "starting"  # "ready", "down"
+    info: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # orders its key copy with its sends
+    handle: object = None  # its DeploymentHandle, used on the client's event loop only
+    down_since: float | None = None
+    restarts: int = 0
+
+
+class ReplicaClient(EngineClient):
+    """N engine replicas on Ray Serve behind the :class:`~engine.client.EngineClient` interface.
+
+    Starting it starts (or joins) Ray and Serve, deploys the replicas (each loads the model,
+    ``Engine.from_pretrained(model, device=device, dtype=dtype, **options)``, in parallel) and
+    returns once all are ready.
+
+    Args:
+        model, device, dtype, **options: as :meth:`engine.Engine.from_pretrained`; ``model`` must
+            name the same checkpoint on every host of the cluster (a local folder is read by the
+            replicas of this host).
+        replicas: how many (>= 1).
+        ray_address: an existing Ray cluster's address; None starts a local instance, stopped by
+            :meth:`close`.
+        replica_cpus, replica_gpus: Ray resources of each replica (fractions allowed); GPUs default
+            to ``tensor_parallel_size`` on CUDA (``device`` ``cuda``, or ``auto`` on a host with a
+            GPU), 0 on the CPU (Ray then hides every GPU from the replica).
+        epsilon: the bounded load's slack (:class:`~engine.replicas.ring.SessionRouter`).
+        blob_cache_bytes: bytes of images and clips each replica keeps by content key.
+        probe_interval_s: seconds between probes of every replica (a dead one is seen down within
+            about this long even with no request on it; a restarted one is seen ready).
+
+    Raises:
+        InvalidRequestError: ``replicas`` below 1.
+        RuntimeError, ConnectionError: Ray could not start, or a replica could not load (its
+            error in the message).
+    """
+
+    def __init__(self, model, *, replicas: int = 2, ray_address: str | None = None, device=None, dtype=None,
+                 replica_cpus: float = 1.0, replica_gpus: float | None = None, epsilon: float = EPSILON,
+                 blob_cache_bytes: int = DEFAULT_BLOB_CACHE_BYTES, probe_interval_s: float = 1.0,
+                 num_cpus: float | None = None, **options):
+        from ..errors import InvalidRequestError
+        from .cluster import RayCluster
+
+        if not isinstance(replicas, int) or replicas < 1:
+            raise InvalidRequestError(f"replicas must be an integer >= 1, got {replicas!r}")
+        if replica_gpus is None:
+            replica_gpus = float(options.get("tensor_parallel_size", 1)) if _wants_cuda(device) else 0.0
+        self._id = uuid.uuid4().hex[:12]  # request ids of this client: unique across app fronts
+        self._ids = itertools.count(1)
+        self._closing = False
+        self._lock = threading.Lock()  # the router and the replicas' states
+        self._replicas = {f"replica-{i}": _Replica(f"replica-{i}", KeyLRU(blob_cache_bytes))
+                          for i in range(replicas)}
+        self._blob_cache_bytes = blob_cache_bytes
+        self.router = SessionRouter(list(self._replicas), epsilon=epsilon)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="prism-replicas", daemon=True)
+        self._thread.start()
+        self.cluster = RayCluster(ray_address, num_cpus=num_cpus)
+        try:
+            infos = self.cluster.deploy(list(self._replicas), str(model), device=device, dtype=dtype,
+                                        options=options, blob_cache_bytes=blob_cache_bytes,
+                                        num_cpus=replica_cpus, num_gpus=replica_gpus)
+            self._run(self._attach_handles(), CALL_TIMEOUT_S)
+        except BaseException:
+            self._stop()
+            raise
+        for replica, info in zip(self._replicas.values(), infos, strict=True):
+            replica.info, replica.state = info, "ready"
+        first = infos[0]
+        self.model_id, self.device, self.dtype = first["model_id"], first["device"], first["dtype"]
+        self.options, self.min_image_pixels = first["options"], first["min_image_pixels"]
+        self._probe_interval_s = probe_interval_s
+        self._probes = asyncio.run_coroutine_threadsafe(self._probe_forever(), self._loop)
+
+    # ------------------------------------------------------------------ the interface
+    def submit(self, messages, sampling=None, *, cache_salt=None) -> RequestHandle:
+        return self._open(self._route(messages, cache_salt), "submit", messages, sampling, cache_salt)
+
+    def warm(self, images, *, system=None, cache_salt=None) -> WarmHandle:
+        messages = prefix_messages(images, system=system)
+        handle = self._open(self._route(messages, cache_salt), "warm", messages, None, cache_salt)
+        return WarmHandle(handle, handle.prompt_tokens)
+
+    def cancel(self, handle, wait: bool = True) -> None:
+        handle.cancel(wait)
+
+    def stats(self) -> dict:
+        return aggregate_stats(self.replica_status())
+
+    def prefix_info(self, cache_salt, images=None, *, preview=False):
+        replica = self._route([], cache_salt, images=images)
+        return self._call(replica, "prefix_info", cache_salt, images, preview=preview)
+
+    def forget(self, cache_salt):
+        """Forget the salt on every ready replica (a session moved by a replica added since keeps
+        entries on its former one), and its placement; returns the counts dropped, summed
+        (``sessions`` 1: one salt)."""
+        with self._lock:
+            self.router.forget(_salt_key(cache_salt))
+            ready = [r for r in self._replicas.values() if r.state == "ready"]
+        if not ready:
+            raise self._no_replica()
+        done = [self._call(r, "forget", cache_salt) for r in ready]
+        total = done[0]
+        for more in done[1:]:
+            total = total + more
+        return dataclasses.replace(total, sessions=min(total.sessions, 1))  # one salt, however many replicas
+
+    def clear_prefix_cache(self) -> None:
+        for replica in [r for r in self._replicas.values() if r.state == "ready"]:
+            self._call(replica, "clear_prefix_cache")
+
+    def count_prompt_tokens(self, messages, *, cache_salt=None) -> int:
+        return self._call(self._route(messages, cache_salt), "count_prompt_tokens", messages, cache_salt=cache_salt)
+
+    @property
+    def alive(self) -> bool:
+        """Whether at least one replica is ready (``/healthz`` is 200 while so)."""
+        return not self._closing and any(r.state == "ready" for r in self._replicas.values())
+
+    def replica_status(self) -> list[dict]:
+        """Each replica: ``id`` (its name), ``state`` (``ready``, ``down``, ``starting``),
+        ``sessions`` (placed on it by this client), ``restarts`` (seen by this client) and, when
+        ready, ``stats`` (its :meth:`engine.Engine.stats`; None when it did not answer)."""
+        out = []
+        replicas = list(self._replicas.values())
+        stats = self._run(self._gather_stats([r for r in replicas if r.state == "ready"]), CALL_TIMEOUT_S)
+        for replica in replicas:
+            with self._lock:
+                sessions = self.router.load(replica.name)
+            out.append({"id": replica.name, "state": replica.state, "sessions": sessions,
+                        "restarts": replica.restarts, "stats": stats.get(replica.name)})
+        return out
+
+    def replica_info(self, name: str) -> dict:
+        """What replica ``name`` said of itself when last seen ready: ``pid``, ``incarnation``,
+        ``model_id``, ... (tests kill a replica by its ``pid``)."""
+        return dict(self._replicas[name].info)
+
+    def replica_of(self, cache_salt: str | None) -> str | None:
+        """Where session ``cache_salt`` is placed now (None: nowhere yet)."""
+        with self._lock:
+            return self.router.placed(_salt_key(cache_salt))
+
+    def close(self) -> None:
+        """Cancel what runs, delete the replicas and stop a local Ray instance (harmless twice)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._stop()
+
+    # ------------------------------------------------------------------ routing
+    def _route(self, messages, salt, *, images=None) -> _Replica:
+        """The replica for a request (see the module docstring for the keys).
+
+        Raises:
+            EngineAbortedError: no replica is ready.
+        """
+        if self._closing:
+            raise PrismError("engine is closed")
+        if salt is not None:
+            key, remember = _salt_key(salt), True
+        else:
+            content = _content_key(messages) if images is None else _content_key(keys=images)
+            key, remember = (f"i:{content}", True) if content else (f"r:{uuid.uuid4().hex}", False)
+        with self._lock:
+            name = self.router.route(key, remember=remember)
+        if name is None:
+            raise self._no_replica()
+        return self._replicas[name]
+
+    def _no_replica(self) -> EngineAbortedError:
+        return EngineAbortedError("no engine replica is ready (they are being restarted): ask again in a moment")
+
+    def _mark_down(self, replica: _Replica, why: str) -> None:
+        with self._lock:
+            if replica.state == "down" or self._closing:
+                return
+            replica.state, replica.down_since = "down", time.monotonic()
+            replica.keys = KeyLRU(self._blob_cache_bytes)  # a new replica holds no bytes
+            self.router.set_up(replica.name, False)
+        log.error("engine replica %s is down (%s); its sessions move to the next replica", replica.name, why)
+
+    def _mark_ready(self, replica: _Replica, info: dict) -> None:
+        with self._lock:
+            if replica.info.get("incarnation") != info.get("incarnation"):
+                replica.keys = KeyLRU(self._blob_cache_bytes)  # restarted, maybe unseen: it holds no bytes
+                if replica.info:
+                    replica.restarts += 1
+            was = replica.state
+            replica.info, replica.state, replica.down_since = info, "ready", None
+            self.router.set_up(replica.name, True)
+        if was != "ready":
+            log.warning("engine replica %s is ready again (pid %s)", replica.name, info.get("pid"))
+
+    def _aborted(self, replica: _Replica, exc: BaseException) -> EngineAbortedError:
+        return EngineAbortedError(f"engine replica {replica.name} stopped unexpectedly ({type(exc).__name__}); "
+                                  "this chat moves to another replica: ask again")
+
+    # ------------------------------------------------------------------ requests
+    def _open(self, replica: _Replica, kind: str, messages, sampling, salt) -> RequestHandle:
+        """Send a request or a warm to ``replica``; returns its handle once the replica accepted it.
+
+        Raises:
+            the engine's input errors (as in-process), EngineAbortedError (the replica died).
+        """
+        rid, channel = f"{self._id}-{next(self._ids)}", OutputChannel()
+        header = None
+        for resend in (False, True):
+            with replica.lock:
+                sent, new = send_blobs(messages, replica.keys, salt=salt or "", resend=resend, inline_paths=True)
+            header = self._run(self._start(replica, rid, kind, sent, sampling, salt, new, channel), CALL_TIMEOUT_S)
+            if header[0] != "missing":
+                break
+            with replica.lock:
+                replica.keys.discard(header[1])
+        tag, value = header
+        if tag != "accepted":
+            raise value if isinstance(value, BaseException) else PrismError(f"engine replica said {tag}")
+        return RequestHandle(rid, channel, partial(self._cancel, replica, rid, channel), prompt_tokens=value)
+
+    async def _start(self, replica: _Replica, rid, kind, sent, sampling, salt, new, channel: OutputChannel):
+        """On the client's loop: open the stream, read its header, forward the rest (a task)."""
+        try:
+            stream = replica.handle.options(stream=True).run.remote(rid, kind, sent, sampling, salt, new)
+            header = await stream.__anext__()
+        except StopAsyncIteration:
+            return "refused", PrismError(f"engine replica {replica.name} ended the request without an answer")
+        except Exception as exc:  # Ray's: the replica died (or cannot be reached)
+            self._mark_down(replica, f"{type(exc).__name__}: {exc}")
+            return "refused", self._aborted(replica, exc)
+        if header[0] == "accepted":
+            self._loop.create_task(self._forward(replica, stream, channel))
+        return header
+
+    async def _forward(self, replica: _Replica, stream, channel: OutputChannel) -> None:
+        try:
+            async for item in stream:
+                channel.put(item)
+                if is_final(item):
+                    return
+            channel.put(PrismError(f"engine replica {replica.name} ended the request without an answer"))
+        except asyncio.CancelledError:  # the client is closing
+            channel.put(PrismError("engine is closed"))
+        except Exception as exc:  # Ray's: the replica died mid-stream
+            self._mark_down(replica, f"{type(exc).__name__}: {exc}")
+            channel.put(self._aborted(replica, exc))
+
+    def _cancel(self, replica: _Replica, rid: str, channel: OutputChannel, wait: bool) -> None:
+        if self._closing:
+            return
+        future = asyncio.run_coroutine_threadsafe(self._acancel(replica, rid, wait), self._loop)
+        if wait:
+            try:
+                future.result(CALL_TIMEOUT_S)
+            except Exception as exc:  # the replica died: the stream ends with EngineAbortedError
+                log.info("cancel on %s: %s", replica.name, exc)
+
+    async def _acancel(self, replica: _Replica, rid: str, wait: bool) -> None:
+        try:
+            await replica.handle.cancel.remote(rid, wait)
+        except Exception as exc:
+            self._mark_down(replica, f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ calls
+    def _call(self, replica: _Replica, name: str, *args, **kwargs):
+        ok, value = self._run(self._acall(replica, name, args, kwargs), CALL_TIMEOUT_S)
+        if not ok:
+            raise value
+        return value
+
+    async def _acall(self, replica: _Replica, name: str, args, kwargs):
+        try:
+            return await asyncio.wait_for(replica.handle.call.remote(name, args, kwargs), CALL_TIMEOUT_S)
+        except Exception as exc:
+            self._mark_down(replica, f"{type(exc).__name__}: {exc}")
+            return False, self._aborted(replica, exc)
+
+    async def _gather_stats(self, replicas: list[_Replica]) -> dict:
+        async def one(replica):
+            try:
+                ok, value = await asyncio.wait_for(replica.handle.call.remote("stats", (), {}), PROBE_TIMEOUT_S)
+            except Exception:
+                return replica.name, None
+            return replica.name, value if ok else None
+
+        return dict(await asyncio.gather(*(one(r) for r in replicas)))
+
+    async def _attach_handles(self) -> None:
+        for replica in self._replicas.values():  # on this loop: a handle is used on the loop that made it
+            replica.handle = self.cluster.handle(replica.name)
+
+    async def _probe_forever(self) -> None:
+        """Every ``probe_interval_s``: ask each replica who it is; a replica that does not answer
+        is down, one that answers (again, or as a new incarnation) is ready."""
+        while not self._closing:
+            await asyncio.sleep(self._probe_interval_s)
+            await asyncio.gather(*(self._probe(r) for r in self._replicas.values()))
+
+    async def _probe(self, replica: _Replica) -> None:
+        try:
+            info = await asyncio.wait_for(replica.handle.info.remote(), PROBE_TIMEOUT_S)
+        except Exception as exc:
+            self._mark_down(replica, f"no answer to a probe: {type(exc).__name__}")
+            return
+        self._mark_ready(replica, info)
+
+    def _run(self, coroutine, timeout: float):
+        """Run ``coroutine`` on the client's loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def _stop(self) -> None:
+        probes = getattr(self, "_probes", None)
+        if probes is not None:
+            self._loop.call_soon_threadsafe(probes.cancel)
+
+        def cancel_all():
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+
+        self._loop.call_soon_threadsafe(cancel_all)
+        try:
+            self.cluster.shutdown()
+        except Exception as exc:
+            log.info("stopping Ray: %s", exc)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+
+def aggregate_stats(replicas: list[dict]) -> dict:
+    """The engine counters of the whole (what ``/healthz`` shows as ``engine``): each counter
+    summed over the replicas that answered, the settings every replica shares
+    (:data:`_SHARED_KEYS`) from the first; ``replicas_ready`` and ``replicas_total``.
+
+    Raises:
+        EngineAbortedError: no replica answered.
+    """
+    answered = [r["stats"] for r in replicas if r.get("stats")]
+    if not answered:
+        raise EngineAbortedError("no engine replica is ready (they are being restarted): ask again in a moment")
+    total: dict = {}
+    for stats in answered:
+        for key, value in stats.items():
+            if key in _SHARED_KEYS or not isinstance(value, (int, float)) or isinstance(value, bool):
+                total.setdefault(key, value)
+            else:
+                total[key] = total.get(key, 0) + value
+    total["replicas_ready"], total["replicas_total"] = len(answered), len(replicas)
+    return total
+
+
+def _wants_cuda(device) -> bool:
+    """Whether replicas built with ``device`` need GPUs: ``cuda``, or ``auto`` / None where this
+    host has one (a cluster whose app host has none: say ``--device cuda``)."""
+    if device in (None, "auto"):
+        import torch
+
+        return torch.cuda.is_available()
+    return str(device).startswith("cuda")
+
+
+def _salt_key(salt) -> str:
+    return f"s:{salt}"
+
+
+def _content_key(messages=None, *, keys=None) -> str | None:
+    """One digest of the content keys of the images and clips in ``messages`` (or of ``keys``,
+    a list of content keys as :meth:`engine.Engine.prefix_info` takes them), in order; None
+    without any. An image's key is its part's ``sha256`` (the store names files by it), else the
+    SHA-256 of its bytes, else its path."""
+    found = [k for k in (keys if keys is not None else _media_keys(messages)) if k]
+    return hashlib.sha256("\0".join(found).encode()).hexdigest() if found else None
+
+
+def _media_keys(messages) -> Iterator[str]:
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict):
+                continue
+            if isinstance(part.get("sha256"), str):
+                yield part["sha256"]
+                continue
+            for name in ("image", "video"):
+                source = part.get(name)
+                if isinstance(source, (bytes, bytearray, memoryview)):
+                    yield hashlib.sha256(bytes(source)).hexdigest()
+                elif source is not None:
+                    yield str(source)

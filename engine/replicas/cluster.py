@@ -1,0 +1,112 @@
+"""Ray and Ray Serve for the replicas: a local instance started and stopped with the app, or an
+existing cluster (``--ray-address``).
+
+A Ray cluster runs whatever code its clients send it, without a password of its own beyond Ray's
+token (docs/SCALING.md, README "Security"), so the local instance is started small: its node
+address is the loopback one, no dashboard, no Serve HTTP or gRPC proxy (the app calls the replicas
+by handle, nothing listens for HTTP), logs kept out of the app's terminal. Ray's own processes
+(GCS, raylet, workers) still open their gRPC ports on every interface (Ray 2.60 has no option to
+bind them to loopback only); Ray's token authentication, on by default, guards them.
+
+Each replica is a Serve application of its own with one deployment of one replica
+(``prism-replica-<i>`` / ``replica-<i>``).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RayCluster", "APP_PREFIX"]
+
+#: Serve application names: ``prism-replica-0``, ...; the deployment inside is ``replica-0``, ...
+APP_PREFIX = "prism-"
+#: Serve's health check of each replica (seconds): a replica whose actor died is replaced after
+#: about this long, plus its model's load.
+HEALTH_CHECK_PERIOD_S = 1.0
+HEALTH_CHECK_TIMEOUT_S = 30.0
+#: A stopping replica's grace for its running requests (seconds); the app cancels them first.
+GRACEFUL_SHUTDOWN_S = 5.0
+
+
+class RayCluster:
+    """Ray and Serve, started here or joined.
+
+    Args:
+        address: an existing cluster's address (``ray://host:10001`` or ``host:6379``), or None: a
+            local instance, stopped by :meth:`shutdown`.
+        num_cpus: CPUs the local instance offers (None: the machine's); ignored with ``address``.
+
+    Raises:
+        ConnectionError, RuntimeError: Ray could not start or reach ``address``.
+    """
+
+    def __init__(self, address: str | None = None, *, num_cpus: float | None = None):
+        import ray
+        from ray import serve
+
+        self.address = address
+        self.owned = address is None and not ray.is_initialized()
+        if self.owned:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                     log_to_driver=False, configure_logging=False, namespace="prism")
+        elif not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False, configure_logging=False, namespace="prism")
+        serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
+        self.apps: list[str] = []
+
+    def deploy(self, names: list[str], model: str, *, device, dtype, options: dict, blob_cache_bytes: int,
+               num_cpus: float, num_gpus: float) -> list[dict]:
+        """Deploy one replica per name (in parallel: each loads its model) and wait until each is
+        ready; returns their ``info()``.
+
+        Raises:
+            RuntimeError: a replica could not start (its constructor's error in the message).
+        """
+        from ray import serve
+
+        from .deployment import EngineReplica
+
+        def one(name: str) -> dict:
+            app = APP_PREFIX + name
+            replica = EngineReplica.options(
+                name=name, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+                health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+                graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S, graceful_shutdown_wait_loop_s=0.5,
+                max_constructor_retry_count=2,
+            ).bind(str(model), device, dtype, dict(options), blob_cache_bytes, name)
+            self.apps.append(app)
+            handle = serve.run(replica, name=app, route_prefix=None)
+            return handle.info.remote().result()
+
+        with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
+            return list(pool.map(one, names))
+
+    @staticmethod
+    def handle(name: str):
+        """The :class:`~ray.serve.handle.DeploymentHandle` of replica ``name``."""
+        from ray import serve
+
+        return serve.get_deployment_handle(name, app_name=APP_PREFIX + name)
+
+    def shutdown(self) -> None:
+        """Delete the replicas' applications; stop the local instance (harmless twice)."""
+        import ray
+        from ray import serve
+
+        if not ray.is_initialized():
+            return
+        if not self.owned:
+            for app in self.apps:
+                try:
+                    serve.delete(app, _blocking=False)
+                except Exception as exc:  # the cluster went away: nothing left to delete
+                    log.info("could not delete %s: %s", app, exc)
+            self.apps = []
+            return
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
