@@ -293,10 +293,10 @@ def test_generate_racing_close_raises_engine_closed(make, monkeypatch):
     real_build = eng.prompts.build
     building, release = threading.Event(), threading.Event()
 
-    def slow_build(messages, *args):
+    def slow_build(messages, *args, **kwargs):
         building.set()
         release.wait(10)
-        return real_build(messages, *args)
+        return real_build(messages, *args, **kwargs)
 
     monkeypatch.setattr(eng.prompts, "build", slow_build)
     result = {}
