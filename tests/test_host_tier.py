@@ -414,6 +414,59 @@ def test_another_session_never_hits_a_host_entry(tiny_engine_factory, photos):
     assert after["cache_hits_host"] == before["cache_hits_host"] == 0
 
 
+def test_a_host_hit_prefills_in_the_plan_that_carries_its_restore(tiny_engine_factory, photos):
+    """The question's first prefill chunk rides the very plan that orders its copy back (the
+    runner's stream waits for the copy), not a later one: a host hit is later than a GPU hit by
+    the copy, not by a step."""
+    engine = small(tiny_engine_factory)
+    a = photos[0]
+    engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    engine.generate(media_first_messages([photos[1]], QUESTIONS[0]), SP, cache_salt="b")
+    plans, execute = [], engine.loop.runner.execute
+
+    def recording(plan):
+        plans.append(plan)
+        return execute(plan)
+
+    engine.loop.runner.execute = recording
+    messages = media_first_messages([a], QUESTIONS[1])
+    hit = engine.generate(messages, SP, cache_salt="a")
+    assert (hit.telemetry.prefix_cache, hit.telemetry.prefix_tier) == ("hit", "host")
+    assert hit.telemetry.restored_pages == 5  # reported once the copy landed
+    carrying = [p for p in plans if any(isinstance(o, Restore) for o in p.kv_orders)]
+    assert len(carrying) == 1
+    plan = carrying[0]
+    (restore,) = [o for o in plan.kv_orders if isinstance(o, Restore)]
+    prefix_len = engine.prompts.build(messages).prefix_len
+    (run,) = [r for r in plan.runs if r.start == prefix_len]
+    assert run.num_tokens == hit.telemetry.prompt_tokens - prefix_len
+    assert plan.transfers_awaited == [restore.xfer]
+    assert all(not p.transfers_awaited for p in plans if p is not plan)  # seen landing with that step
+    cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
+    assert hit.token_ids == cold.generate(messages, SP).token_ids
+
+
+def test_the_runner_orders_a_read_restore_before_everything_after_it():
+    """A restore a plan's runs read: right after the runner starts it on the copy stream, its
+    compute stream waits for it, so a copy-on-write of a restored page (the next order) and the
+    forward see the copied data; an offload is not waited for."""
+    from types import SimpleNamespace
+
+    from engine.cache.kv_pool import PageCopy
+    from engine.serving.plan import StepPlan
+    from engine.serving.runner import ModelRunner
+
+    calls = []
+    transfers = SimpleNamespace(submit=lambda o: calls.append(("submit", o.xfer)),
+                                wait=lambda xs: calls.append(("wait", tuple(xs))))
+    pool = SimpleNamespace(apply=lambda o: calls.append(("apply", o)))
+    runner = SimpleNamespace(_seqs={}, features={}, pool=pool, transfers=transfers)
+    copy = PageCopy(3, 7)
+    plan = StepPlan(kv_orders=[Offload(1, (2,), (0,)), Restore(2, (1,), (3,)), copy], transfers_awaited=[2])
+    ModelRunner.take(runner, plan)
+    assert calls == [("wait", (2,)), ("submit", 1), ("submit", 2), ("wait", (2,)), ("apply", copy)]
+
+
 def test_a_failed_restore_fails_only_the_request_that_needed_it(tiny_engine_factory, photos):
     engine = small(tiny_engine_factory)
     a = photos[0]
@@ -431,6 +484,7 @@ def test_a_failed_restore_fails_only_the_request_that_needed_it(tiny_engine_fact
     with pytest.raises(PrismError, match="host memory"):
         victim.result()
     assert bystander.result().telemetry.generated_tokens == N_TOKENS
+    assert engine.stats()["tokens_generated"] == 3 * N_TOKENS  # the victim's one sampled token never went out
     transfers.fault = None
     again = engine.generate(media_first_messages([a], QUESTIONS[1]), SP, cache_salt="a")
     assert again.telemetry.prefix_cache == "miss"  # the entry went with its copy: computed anew
@@ -498,9 +552,10 @@ def test_a_video_prefix_round_trips(tiny_engine_factory, photos, media_path):
 
 
 def test_a_slow_restore_holds_only_its_own_request(tiny_engine_factory, photos):
-    """Copies that land several steps late (as a large one on a GPU does): the restored request is
-    admitted only once its copy landed, a second question about the same images waits on the same
-    copy (one restore, not two), and a stream already running keeps decoding meanwhile."""
+    """Copies reported several steps late: the question that ordered the restore runs with it (its
+    reads wait for the copy itself, not for the report), a second question about the same images
+    waits for the landing (one restore, not two), and a stream already running keeps decoding
+    meanwhile."""
     engine = small(tiny_engine_factory, pages=14)
     a = photos[0]
     engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")

@@ -346,12 +346,20 @@ class PrefixCache:
         return max(found, key=lambda e: max([e.last_used, *(c.last_used for c in e.children)]), default=None)
 
     # ------------------------------------------------------------------ users
-    def acquire(self, match: Match) -> list[int]:
-        """Mark the entry in use and return the pages covering the match (references taken)."""
+    def acquire(self, match: Match, *, restoring: bool = False) -> list[int]:
+        """Mark the entry in use and return the pages covering the match (references taken).
+        ``restoring``: the entry may still be coming back from the host tier (the caller orders
+        its reads after the copy: :meth:`PrefixReuse.restore
+        <engine.cache.prefix_reuse.PrefixReuse.restore>`).
+
+        Raises:
+            RuntimeError: the entry was evicted, or its KV is not on the GPU (nor, with
+                ``restoring``, on its way there).
+        """
         entry = match.entry
         if not entry.alive:
             raise RuntimeError("acquire of an evicted prefix entry")
-        if entry.tier != "gpu":
+        if entry.tier != "gpu" and not (restoring and entry.base.tier == "restoring"):
             raise RuntimeError(f"acquire of a prefix entry whose KV is not on the GPU ({entry.tier})")
         entry.users += 1
         entry.hits += 1
@@ -548,10 +556,11 @@ class PrefixCache:
         """GPU pages a restore of ``entry``'s family takes."""
         return len(self.distinct(self.family(entry), "host_pages"))
 
-    def restore(self, entry: PrefixEntry) -> None:
+    def restore(self, entry: PrefixEntry) -> int:
         """Bring ``entry``'s family back from the host tier: GPU pages are taken (the caller made
         room: :meth:`restore_pages`), a :class:`~engine.cache.kv_transfer.Restore` order is
         recorded, the family is ``"restoring"`` until it lands (:meth:`transfer_landed`).
+        Returns the copy's transfer id.
 
         Raises:
             RuntimeError: the family is not on the host tier.
@@ -572,6 +581,7 @@ class PrefixCache:
         self.in_flight[xfer] = InFlight("restore", base, pages, host_pages)
         self.pool.orders.append(Restore(xfer, tuple(host_pages), tuple(pages)))
         self.stats.restores += 1
+        return xfer
 
     def transfer_landed(self, done: TransferDone) -> None:
         """A copy reported by the runner finished: an offload's pending pages are freed; a restored

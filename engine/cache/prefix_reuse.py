@@ -68,7 +68,7 @@ class CachingRequest(Protocol):
     match: Match | None
     attached: PrefixEntry | None
     cold_prefix: bool
-    restoring: PrefixEntry | None
+    awaits: int | None
     warm: bool
 
     @property
@@ -118,7 +118,6 @@ class PrefixReuse:
         self.namespace = namespace
         self.conversation_reuse = conversation_reuse
         self.mode = mode
-        self._pinned_restores = 0  # requests holding a family they ordered back (restores_pinned)
 
     def key_namespace(self) -> str:
         """The compaction part of every prefix key. Under ``"on_pressure"`` it names the policy
@@ -201,30 +200,27 @@ class PrefixReuse:
         """GPU pages restoring the matched entry's family takes."""
         return self.cache.restore_pages(match.entry)
 
-    def restore(self, req: CachingRequest, match: Match) -> None:
-        """Order the matched entry's family back from the host tier (pages allocated; the caller
-        made room); ``req`` waits for it (:meth:`waits`) and reports a host hit. The entry counts
-        ``req`` as a user until it attaches (:meth:`unpin`): once back, it must not be offloaded
-        again, or dropped, before its request runs."""
-        self.cache.restore(match.entry)
-        match.entry.users += 1
-        req.restoring = match.entry
-        self._pinned_restores += 1
+    def restore(self, req: CachingRequest, match: Match) -> list[int]:
+        """Order the matched entry's family back from the host tier (GPU pages allocated; the
+        caller made room) and attach it to ``req`` at once, reported as a host hit: the question's
+        first prefill chunk rides the plan that carries the copy. ``req.awaits`` is set to the
+        copy's transfer id: until it lands, every plan with a run of ``req`` lists it in
+        :attr:`~engine.serving.plan.StepPlan.transfers_awaited`, and the runner's forward waits
+        for it on the GPU (the host never blocks). Other requests for the entry wait for the
+        landing (:meth:`waits`). Returns the pages that start ``req``'s block table, as
+        :meth:`attach` does."""
         req.telemetry.prefix_tier = "host"
+        req.awaits = self.cache.restore(match.entry)
+        pages = self.cache.acquire(match, restoring=True)
+        self._report_hit(req, match)
+        return pages
 
-    def restores_pinned(self) -> int:
-        """Requests holding a restored (or restoring) family for themselves: the scheduler orders
-        the next restore only when none does, so waiting restores can never fill the pool with
-        families no running request can reclaim."""
-        return self._pinned_restores
-
-    def unpin(self, req: CachingRequest) -> None:
-        """``req`` no longer waits for the entry it ordered back (it attaches it now, or it
-        finished, or falls back to computing)."""
-        if req.restoring is not None:
-            req.restoring.users -= 1
-            req.restoring = None
-            self._pinned_restores -= 1
+    def restored(self, req: CachingRequest) -> None:
+        """The copy ``req`` awaited landed: it reports the restore's time and pages."""
+        req.awaits = None
+        base = req.attached.base if req.attached is not None else None
+        if base is not None and not req.telemetry.preempted:
+            req.telemetry.restore_ms, req.telemetry.restored_pages = base.restore_ms, base.restored_pages
 
     def begin_compute(self, req: CachingRequest) -> None:
         """``req`` computes its prefix cold: later requests for it wait instead of computing it too."""
@@ -260,7 +256,6 @@ class PrefixReuse:
         """Take the matched entry for ``req`` (a user, references on its pages) and report the
         hit. Returns the pages that start the request's block table (read-only); the scheduler
         installs them, with ``match.length`` tokens computed and the entry's ``kv_offset``."""
-        self.unpin(req)
         pages = self.cache.acquire(match)
         self._report_hit(req, match)
         return pages
@@ -277,8 +272,9 @@ class PrefixReuse:
         base = entry.base
         tel.visual_tokens_kept = base.visual_kept
         if tel.prefix_tier == "host" and not tel.preempted:  # counted once, when it attaches
-            tel.restore_ms, tel.restored_pages = base.restore_ms, base.restored_pages
             self.cache.stats.hits_host += 1
+            if base.tier == "gpu":  # restored for an earlier request (else: :meth:`restored`)
+                tel.restore_ms, tel.restored_pages = base.restore_ms, base.restored_pages
         tel.prefix_pages = self.pool.pages_for(entry.prefix_len - entry.kv_offset)
         tel.prefix_pages_dense = entry.dense_pages
         tel.prefix_form = "compact" if entry.compact else "dense"
@@ -371,8 +367,8 @@ class PrefixReuse:
     def keep_conversation(self, req: CachingRequest) -> None:
         """Keep a finished turn's KV as an extension of its prefix (conversation reuse)."""
         entry = req.attached
-        if entry is None or not entry.alive or not self.conversation_reuse:
-            return
+        if entry is None or not entry.alive or not self.conversation_reuse or entry.base.tier != "gpu":
+            return  # a family whose copy back was not seen landing yet (rare: it lands with the step) is left as it is
         if req.num_computed <= len(entry.tokens) or req.kv_offset != entry.kv_offset:
             return
         pages = req.block_table[: self.pool.pages_for(req.kv_len)]

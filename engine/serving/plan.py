@@ -126,6 +126,9 @@ class StepPlan:
         transfers_landed: ids of the tier copies rank 0 saw land since the last plan (their pages
             are reused or read from this plan on: a tensor-parallel rank's forward first waits for
             its own copies of them).
+        transfers_awaited: ids of the host-to-GPU copies this plan's runs read that have not been
+            seen landing (one ordered in this very plan, for the question it restores): every
+            rank's stream waits for its own copy of them before it computes anything after it.
         in_flight: tier copies are in flight: the runner polls them even in a plan with no runs.
     """
 
@@ -136,6 +139,7 @@ class StepPlan:
     kv_orders: list[KVOrder | Offload | Restore] = field(default_factory=list)
     scores: list[int] = field(default_factory=list)
     transfers_landed: list[int] = field(default_factory=list)
+    transfers_awaited: list[int] = field(default_factory=list)
     in_flight: bool = False
 
     @property

@@ -63,7 +63,7 @@ class Request:
     match: Match | None = None  # found at intake, attached at admission unless evicted meanwhile
     attached: PrefixEntry | None = None  # the entry whose pages this request uses
     cold_prefix: bool = False  # computing its public prefix: compact and cache it at the boundary
-    restoring: PrefixEntry | None = None  # the entry it ordered back from the host tier, kept from moving meanwhile
+    awaits: int | None = None  # the copy (transfer id) of its attached entry from the host tier, until it lands
     kv_offset: int = 0  # logical tokens removed by compaction (physical = logical - kv_offset)
     warm: bool = False  # builds its public prefix only (Engine.warm): never samples, finishes when cached
 

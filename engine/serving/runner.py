@@ -146,7 +146,8 @@ class ModelRunner:
     def take(self, plan: StepPlan) -> None:
         """The plan's bookkeeping on this rank: drop the finished requests' state and features,
         keep the new ones', apply the pool's data moves in order (tier copies started on the copy
-        stream), and make this rank's stream wait for its own copies rank 0 saw land."""
+        stream; the stream waits for a restore this plan's runs read right after starting it), and
+        make this rank's stream wait for its own copies rank 0 saw land."""
         for req_id in plan.finished:
             self._seqs.pop(req_id, None)
             self.features.pop(req_id, None)
@@ -155,9 +156,14 @@ class ModelRunner:
             if not isinstance(positions, torch.Tensor):  # a worker's copy
                 positions = torch.tensor(positions, dtype=torch.long)
             self._seqs[new.req_id] = _Sequence(new, positions, list(new.token_ids))
+        awaited = set(plan.transfers_awaited)
+        if awaited:
+            self.transfers.wait(awaited)  # ordered by an earlier plan, not seen landing yet
         for order in plan.kv_orders:
             if isinstance(order, (Offload, Restore)):
                 self.transfers.submit(order)
+                if order.xfer in awaited:  # read by this step (a page copy of it may come next)
+                    self.transfers.wait((order.xfer,))
             else:
                 self.pool.apply(order)
         if self.transfers is not None and plan.transfers_landed:

@@ -23,9 +23,12 @@ scheduler decides when, :class:`~engine.cache.prefix_reuse.PrefixReuse` does the
 
 With a host tier, cached prefixes also move to host memory and back; those copies run beside the
 steps and never preempt anyone: a request whose pages an offload in flight will free waits a
-step, and a request whose entry is being restored, or whose prefix another request is computing
-now, waits while the requests behind it are admitted past it (then attaches it: one computation,
-one copy). See docs/ARCHITECTURE.md, "Reclaiming KV pages".
+step. A request whose entry is on the host tier is admitted with its restore: its first prefill
+chunk rides the plan that carries the copy, and the runner's forward waits for the copy on the
+GPU (the step carrying it is later by what is left of the copy; the question is not later by a
+step). A request whose entry is being restored for another, or whose prefix another request is
+computing now, waits while the requests behind it are admitted past it (then attaches it: one
+computation, one copy). See docs/ARCHITECTURE.md, "Reclaiming KV pages".
 
 Warms (``Engine.warm``: a session's public prefix built before its first question) sit below
 everything else: they wait in a queue of their own, outside the arrival order of questions, and
@@ -193,7 +196,6 @@ class Scheduler:
                 if n:
                     draft.items.append((req, n))
                     budget -= n
-        self._restored_first()
         passed: list[Request] = []  # waiting for a copy or a computation in flight: others go past
         blocked = False  # a question waits for pages (or a free slot): warms wait too
         while self.waiting and budget > 0:
@@ -240,6 +242,8 @@ class Scheduler:
                                            tuple(prompt.spans), prompt, req.salt, req.sampling, req.sampler))
             if needs_scores and req.cold_prefix and start + n == req.prompt.prefix_len:
                 plan.scores.append(req.id)
+            if req.awaits is not None:
+                plan.transfers_awaited.append(req.awaits)
         plan.kv_orders = self.pool.take_orders()  # last: admission and growth above may add some
         if self.reuse is not None:
             plan.transfers_landed = self.reuse.cache.take_landed()
@@ -260,7 +264,8 @@ class Scheduler:
             req.num_computed += run.num_tokens
             done.append(req)
         if self.reuse is not None:
-            self._landed(output)
+            failed = self._landed(output)
+            done = [req for req in done if req.id not in failed]
             for req in done:
                 if req.cold_prefix and req.num_computed == req.prompt.prefix_len:
                     kept = self.reuse.compact_and_cache(req, output.scores.get(req.id))
@@ -363,28 +368,31 @@ class Scheduler:
             "no KV memory is free to prepare these images ahead of a question; they are processed "
             "with the first question instead")))
 
-    def _restored_first(self) -> None:
-        """A waiting request whose restore has landed goes to the front of the queue: its family
-        is kept on the GPU for it (pinned), so nobody behind it can use those pages, and a request
-        ahead of it that needs them would wait for ever."""
-        ready = [r for r in self.waiting if r.restoring is not None and r.restoring.tier == "gpu"]
-        for req in ready:
-            self.waiting.remove(req)
-        self.waiting.extendleft(reversed(ready))
-
-    def _landed(self, output: StepOutput) -> None:
+    def _landed(self, output: StepOutput) -> set[int]:
         """The copies between the KV tiers the runner saw land: the cache frees and installs their
-        pages; the requests waiting for a restore that failed fail (only they)."""
+        pages; a request that read a restore reports it. The requests that read or wait for a
+        restore that failed fail (only they): returns their ids (their samples are not delivered)."""
         cache = self.reuse.cache
+        landed = {}
         for done in output.transfers:
             cache.transfer_landed(done)
+            landed[done.xfer] = done
+        failed_ids = set()
+        for req in self.running:
+            done = landed.get(req.awaits)
+            if done is None:
+                continue
+            if done.error is None:
+                self.reuse.restored(req)
+            else:
+                failed_ids.add(req.id)
         failed = cache.take_failed()
-        if not failed:
-            return
-        for req in [r for r in self.waiting if r.match is not None and r.match.entry.base in failed]:
+        failed_ids.update(r.id for r in self.waiting if r.match is not None and r.match.entry.base in failed)
+        for req_id in failed_ids:
             error = PrismError("the cached images of this chat could not be brought back from host memory; "
                                "ask again (they will be processed anew)")
-            self._failures.append((req, error))
+            self._failures.append((self._requests[req_id], error))
+        return failed_ids
 
     def _prefill_chunk(self, req: Request, budget: int, draft: _Draft) -> int:
         n = self._chunk(req, budget)
@@ -412,15 +420,12 @@ class Scheduler:
             return _Admission.IN_FLIGHT
         pages_for = self.pool.pages_for
         if match is not None and reuse.on_host(match):
-            if reuse.restores_pinned():
-                return _Admission.IN_FLIGHT  # one restore at a time holds pages for its request
             first = min(len(req.tokens) - match.length, self.config.max_num_batched_tokens)
             need = reuse.restore_pages(match) + pages_for(match.kv_len + first) - pages_for(match.kv_len) + 1
             with reuse.pinned(match):  # making room must not drop the entry from the host tier
                 room = self._free_pages(need)  # the family, and its question's first chunk
-            if room:
-                reuse.restore(req, match)
-                return _Admission.IN_FLIGHT
+            if room:  # its first chunk rides the plan that carries the copy (and waits for it on the GPU)
+                return self._attached(req, match, reuse.restore(req, match))
             if self.running or self._room_pending(need):
                 return _Admission.NO_PAGES
             reuse.drop(req)  # nothing runs and nothing lands: it could never come back
@@ -438,15 +443,10 @@ class Scheduler:
                 # copy, the parent's own last page, an extension's tail): waiting would spin
                 # forever on a request that fits the pool. Compute it cold: the entry becomes
                 # evictable.
-                self.reuse.unpin(req)  # its restored family may go too, or nothing fits
                 self.reuse.drop(req)
                 match = None
         if match is not None:
-            req.block_table = self.reuse.attach(req, match)
-            req.attached = match.entry
-            req.num_computed = match.length
-            req.kv_offset = match.entry.kv_offset
-            return _Admission.ADMITTED
+            return self._attached(req, match, self.reuse.attach(req, match))
         if not self._pixels_ready(req):
             return _Admission.IN_FLIGHT
         first = self._chunk(req, self.config.max_num_batched_tokens, cold=req.prefix_key is not None)
@@ -455,6 +455,15 @@ class Scheduler:
         if req.prefix_key is not None:
             req.cold_prefix = True
             reuse.begin_compute(req)
+        return _Admission.ADMITTED
+
+    @staticmethod
+    def _attached(req: Request, match, pages: list[int]) -> _Admission:
+        """Install an attached entry's ``pages`` as the start of ``req``'s block table."""
+        req.block_table = pages
+        req.attached = match.entry
+        req.num_computed = match.length
+        req.kv_offset = match.entry.kv_offset
         return _Admission.ADMITTED
 
     def _pixels_ready(self, req: Request) -> bool:
@@ -560,8 +569,7 @@ class Scheduler:
         req.kv_offset = 0
         if req.cold_prefix:
             self.reuse.end_compute(req)  # its prefix is not coming: requests waiting for it go on
-        if self.reuse is not None:
-            self.reuse.unpin(req)
+        req.awaits = None  # re-admitted, it waits for the landing like any other request
         req.cold_prefix = False
         req.match = None  # a preempted request looks its prefix up again when re-admitted
         self._release_attachment(req)

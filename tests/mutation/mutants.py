@@ -616,6 +616,32 @@ MUTANTS: list[Mutant] = [
          HOST + "test_a_slow_restore_holds_only_its_own_request"),
     ),
     Mutant(
+        "restore-not-awaited",
+        "the plan that carries a host hit's restore does not tell the runner its runs read it (the forward "
+        "may read pages the copy has not written)",
+        "engine/serving/scheduler.py",
+        "                plan.transfers_awaited.append(req.awaits)\n",
+        "                pass\n",
+        (HOST + "test_a_host_hit_prefills_in_the_plan_that_carries_its_restore",),
+    ),
+    Mutant(
+        "restore-read-before-its-copy",
+        "the runner starts a restore its runs read but does not wait for it before the next order (a "
+        "copy-on-write of a restored page copies stale data)",
+        "engine/serving/runner.py",
+        "                if order.xfer in awaited:  # read by this step",
+        "                if False:  # read by this step",
+        (HOST + "test_the_runner_orders_a_read_restore_before_everything_after_it",),
+    ),
+    Mutant(
+        "failed-restore-delivers-a-token",
+        "a question that read a restore which failed still gets the token sampled from those pages",
+        "engine/serving/scheduler.py",
+        "            done = [req for req in done if req.id not in failed]\n",
+        "",
+        (HOST + "test_a_failed_restore_fails_only_the_request_that_needed_it",),
+    ),
+    Mutant(
         "host-loss-ignores-victims",
         "dropping host families to take an offload is priced as free: a hot host entry goes rather than a cold "
         "GPU prefix being compacted",
