@@ -1,6 +1,14 @@
 """Backend choice for the KV-cache ops: Triton kernels for CUDA tensors, the PyTorch references
 otherwise. ``PRISM_OPS=reference`` forces the references everywhere (the oracle on the GPU too);
-``PRISM_OPS=triton`` forces the kernels (with ``TRITON_INTERPRET=1`` on CPU, for tests)."""
+``PRISM_OPS=triton`` forces the kernels (with ``TRITON_INTERPRET=1`` on CPU, for tests).
+
+Decode attention over FP8 pages has two kernels: the current one, which widens every stored K/V
+element to 16 bits (``"widen"``, :func:`ops.triton_kernels.paged_decode_attention`), and the FP8-MMA
+one in its variants (``"mma_p8"``, ``"mma_p16"``, ``"mma_p8_q2"``, ``"mma_p16_q2"``,
+:mod:`ops.triton_kernels.fp8_decode`). :data:`DECODE_KERNEL_TABLE` chooses per shape;
+``PRISM_FP8_DECODE`` overrides it for benchmarking. This choice is made for the eager decode steps
+that come through here; the captured decode graphs (``engine/graphs/decode.py``) call the current
+kernel directly."""
 
 from __future__ import annotations
 
@@ -45,11 +53,69 @@ def paged_attention(q, cache, meta):
     return reference.paged_attention(q, cache, meta)
 
 
+#: Decode attention kernels by name: the current one and the FP8-MMA variants (``(p_fp8, q_terms)``).
+DECODE_KERNELS = ("widen", "mma_p8", "mma_p16", "mma_p8_q2", "mma_p16_q2")
+
+#: Batch and context (longest ``seq_len`` of the step) buckets of :data:`DECODE_KERNEL_TABLE`: a shape
+#: belongs to the smallest bucket at least as large (the last bucket takes everything beyond).
+DECODE_BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256)
+DECODE_CONTEXT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+#: Which decode kernel runs per shape: ``(page format, batch bucket, context bucket) -> name`` (page
+#: format as :data:`ops.triton_kernels.DECODE_CONFIG` keys it: ``"fp8"`` or ``"bf16"``). A shape not
+#: in the table takes ``"widen"``. Empty until the H200 measures the FP8-MMA kernel
+#: (``benchmarks/bench_fp8_decode.py``, issue 36): the current kernel runs everywhere.
+DECODE_KERNEL_TABLE: dict[tuple[str, int, int], str] = {}
+
+
+def _bucket(value: int, buckets: tuple[int, ...]) -> int:
+    return next((b for b in buckets if value <= b), buckets[-1])
+
+
+def decode_kernel(fp8: bool, batch: int, max_seq_len: int, head_dim: int, device) -> str:
+    """The decode attention kernel for a step: one of :data:`DECODE_KERNELS`.
+
+    ``PRISM_FP8_DECODE`` (a name of :data:`DECODE_KERNELS`, or ``auto``, the default: the table)
+    chooses for FP8 pages; 16/32-bit pages always take ``"widen"``. An FP8-MMA choice falls back to
+    ``"widen"`` where the kernel cannot run: no FP8 matrix units on ``device``
+    (:func:`ops.triton_kernels.fp8_mma_supported`) or a head_dim that is not a multiple of 32.
+
+    Args:
+        fp8: the pages are FP8.
+        batch: sequences in the step.
+        max_seq_len: the longest ``seq_len`` of the step (a graph's: the longest it allows).
+        head_dim: the attention head size.
+        device: where the step runs.
+
+    Raises:
+        ValueError: ``PRISM_FP8_DECODE`` names no kernel.
+    """
+    if not fp8:
+        return "widen"
+    env = os.environ.get("PRISM_FP8_DECODE", "auto")
+    if env == "auto":
+        key = ("fp8", _bucket(batch, DECODE_BATCH_BUCKETS), _bucket(max_seq_len, DECODE_CONTEXT_BUCKETS))
+        name = DECODE_KERNEL_TABLE.get(key, "widen")
+    elif env in DECODE_KERNELS:
+        name = env
+    else:
+        raise ValueError(f"PRISM_FP8_DECODE must be auto or one of {DECODE_KERNELS}, not {env!r}")
+    if name != "widen" and (triton_kernels is None or head_dim % 32
+                            or not triton_kernels.fp8_mma_supported(device)):
+        return "widen"
+    return name
+
+
 def paged_decode_attention(q, cache, meta):
-    """See :func:`ops.reference.paged_decode_attention`."""
+    """See :func:`ops.reference.paged_decode_attention`; on FP8 pages the kernel
+    :func:`decode_kernel` chooses (the same output up to its quantisation of Q and P)."""
     group = q.shape[1] // cache.num_kv_heads
     if use_triton(q) and group & (group - 1) == 0:
-        return triton_kernels.paged_decode_attention(q, cache, meta)
+        name = decode_kernel(cache.is_fp8, q.shape[0], meta.max_seq_len, cache.head_dim, q.device)
+        if name == "widen":
+            return triton_kernels.paged_decode_attention(q, cache, meta)
+        p_fp8, q_terms = triton_kernels.MMA_VARIANTS[name]
+        return triton_kernels.paged_decode_attention_fp8_mma(q, cache, meta, p_fp8=p_fp8, q_terms=q_terms)
     return reference.paged_decode_attention(q, cache, meta)
 
 

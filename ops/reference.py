@@ -385,3 +385,225 @@ def paged_decode_attention(q: torch.Tensor, cache: KVLayerCache, meta: Attention
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgs,bskd->bkgd", probs, v)
     return out.reshape(q.shape).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode attention on the FP8 matrix units: the math of ops.triton_kernels.fp8_decode
+# --------------------------------------------------------------------------------------------------
+#
+# The kernel keeps both products in FP8 instead of widening every stored K/V element:
+#
+#   1. Q is quantised per (token, query head) per step, as the pages are (:func:`quantize_fp8`):
+#      ``q ~ q_fp8 * q_scale``. Optionally (``q_terms=2``, :func:`quantize_q_fp8`) in two terms,
+#      ``q ~ q_hi * s_hi + q_lo * s_lo`` with the second quantising the first's residual: two FP8
+#      products per key block instead of one, and Q's rounding error ~2^-4 smaller.
+#   2. Logits come from the raw FP8 payloads, the scales folded in afterwards (:func:`fp8_logits`):
+#      ``s[r, n] = (q_fp8[r] . k_fp8[n]) * q_scale[r] * k_scale[n] * softmax_scale``.
+#   3. Online softmax over blocks of ``block_n`` keys, float32 (as the current kernel).
+#   4. PV, two variants:
+#      * ``p_fp8=True``: each block's ``P * v_scale`` (per key) is quantised to E4M3 with one scale per
+#        query row (:func:`quantize_p_fp8`), and ``P_fp8 @ V_fp8`` runs on FP8 operands, times the row scale;
+#      * ``p_fp8=False``: ``P * v_scale / max(v_scale)`` in float16 against V widened to float16
+#        (:func:`widen_p16`), times ``max(v_scale)`` (what the current kernel does for PV).
+#   5. Split-K (flash-decoding): the context is cut into ``num_splits`` chunks of whole key blocks,
+#      each gives a partial output and its log-sum-exp, merged by :func:`lse_merge`.
+#
+# Error sources against float32 attention over the same pages: Q's rounding to E4M3 (3 mantissa bits,
+# relative <= 2^-4 per element, averaging out over head_dim in the dot; as large as K's own storage
+# rounding, so one-term Q about doubles the logit error of FP8 pages) and, with ``p_fp8``, P's
+# rounding to E4M3 (relative <= 2^-4 per probability; probabilities below ~2^-9 / 448 of their
+# row's largest in a block flush to zero). The measured bounds are in tests/test_fp8_mma_reference.py.
+
+
+def quantize_q_fp8(q: torch.Tensor, terms: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Queries in E4M3, per (token, head), in one or two terms.
+
+    Term 1 is :func:`quantize_fp8` of ``q``; term 2 (``terms=2``) is :func:`quantize_fp8` of the
+    float32 residual ``q - dequantize_fp8(term 1)``. The logits are the sum of each term's
+    :func:`fp8_logits`.
+
+    Args:
+        q: ``[..., D]`` floating point queries.
+        terms: 1 or 2.
+
+    Returns:
+        ``terms`` pairs ``(q_fp8, q_scale)``: ``torch.float8_e4m3fn`` ``[..., D]``, float32 ``[...]``.
+
+    Raises:
+        ValueError: ``terms`` is not 1 or 2.
+    """
+    if terms not in (1, 2):
+        raise ValueError(f"Q is quantised in 1 or 2 terms, not {terms}")
+    out = [quantize_fp8(q)]
+    if terms == 2:
+        out.append(quantize_fp8(q.float() - dequantize_fp8(*out[0])))
+    return out
+
+
+def fp8_logits(q_fp8: torch.Tensor, q_scale: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor,
+               softmax_scale: float) -> torch.Tensor:
+    """Scaled attention logits from FP8 payloads, the per-row scales folded in after the product.
+
+    The products of two E4M3 values are exact in float32 (4 significant bits each) and the sums
+    nearly so (float32 accumulation), as an FP8 MMA with a float32 accumulator computes them.
+
+    Args:
+        q_fp8: ``[..., R, D]`` ``torch.float8_e4m3fn`` query payload (R query rows).
+        q_scale: float32 ``[..., R]``, the rows' scales (:func:`quantize_fp8`).
+        k_fp8: ``[..., N, D]`` ``torch.float8_e4m3fn`` key payload.
+        k_scale: float32 ``[..., N]``, the keys' scales as stored.
+        softmax_scale: the logit scale (usually ``D ** -0.5``).
+
+    Returns:
+        float32 ``[..., R, N]``: ``(q_fp8 . k_fp8) * (q_scale * softmax_scale)[:, None] * k_scale[None, :]``.
+    """
+    dots = torch.matmul(q_fp8.float(), k_fp8.float().transpose(-1, -2))
+    return dots * (q_scale.float() * softmax_scale).unsqueeze(-1) * k_scale.float().unsqueeze(-2)
+
+
+def quantize_p_fp8(p: torch.Tensor, v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold V's per-key scales into probabilities and quantise them to E4M3, one scale per row.
+
+    ``x = p * v_scale[None, :]``; ``amax = max(max_n x, AMAX_FLOOR)`` per row; payload
+    ``min(x * (448 / amax), 448)`` rounded to nearest even; ``p_scale = amax / 448``. Then
+    ``(p_fp8.float() * p_scale[:, None]) @ v_fp8.float()`` approximates ``p @ (v_fp8 * v_scale)``.
+    Unlike :func:`quantize_fp8` the payload multiplies by the reciprocal (one division per row, as
+    the kernel does), which differs from the correctly rounded quotient by at most one float32 ulp
+    before the E4M3 rounding.
+
+    Args:
+        p: float32 ``[..., R, N]``, non-negative (unnormalised softmax numerators, at most 1).
+        v_scale: float32 ``[..., N]``, the keys' V scales (0 on masked keys).
+
+    Returns:
+        ``(p_fp8, p_scale)``: ``torch.float8_e4m3fn`` ``[..., R, N]`` and float32 ``[..., R]``.
+    """
+    x = p.float() * v_scale.float().unsqueeze(-2)
+    amax = x.amax(dim=-1).clamp(min=AMAX_FLOOR)
+    inv = torch.full_like(amax, FP8_MAX) / amax
+    p_fp8 = (x * inv.unsqueeze(-1)).clamp(max=FP8_MAX).to(FP8_DTYPE)
+    return p_fp8, amax / torch.full_like(amax, FP8_MAX)
+
+
+def widen_p16(p: torch.Tensor, v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16-bit PV alternative: V's scales folded into P, relative to the block's largest.
+
+    Args:
+        p: float32 ``[..., R, N]``, in ``[0, 1]``.
+        v_scale: float32 ``[..., N]`` (0 on masked keys).
+
+    Returns:
+        ``(p16, v_max)``: float16 ``[..., R, N]`` ``= p * (v_scale / v_max)`` (in ``[0, 1]``) and float32
+        ``[...]`` ``v_max = max(max_n v_scale, 1e-30)``; ``(p16.float() @ v_fp8.float()) * v_max``
+        approximates ``p @ (v_fp8 * v_scale)``.
+    """
+    v_max = v_scale.float().amax(dim=-1).clamp(min=1e-30)
+    return (p.float() * (v_scale.float() / v_max.unsqueeze(-1)).unsqueeze(-2)).to(torch.float16), v_max
+
+
+def lse_merge(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> torch.Tensor:
+    """Merge split-K partial attention outputs by their log-sum-exp.
+
+    Args:
+        o_parts: float32 ``[..., S, D]``, each split's normalised output (zeros for an empty split).
+        lse_parts: float32 ``[..., S]``, each split's ``log(sum(exp(logits)))`` over its keys
+            (``-inf`` for an empty split).
+
+    Returns:
+        float32 ``[..., D]``: ``sum_s w_s o_s`` with ``w = softmax(lse)`` over the splits; zeros where
+        every split is empty.
+    """
+    m = lse_parts.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse_parts - m)
+    w = w / w.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+    return (o_parts * w.unsqueeze(-1)).sum(dim=-2)
+
+
+def fp8_decode_splits(seq_len: int, num_splits: int, block_n: int) -> list[tuple[int, int]]:
+    """The key ranges ``[lo, hi)`` of a sequence's ``num_splits`` context chunks, as the decode
+    kernels cut them: ``ceil(ceil(seq_len / num_splits) / block_n) * block_n`` keys each (whole key
+    blocks), the last ones possibly empty (``lo >= hi``)."""
+    chunk = -(-seq_len // num_splits)
+    split_len = -(-chunk // block_n) * block_n
+    return [(sp * split_len, min(sp * split_len + split_len, seq_len)) for sp in range(num_splits)]
+
+
+def paged_decode_attention_fp8_mma(q: torch.Tensor, cache: KVLayerCache, meta: AttentionMetadata, *,
+                                   p_fp8: bool = True, num_splits: int = 1, block_n: int = 64,
+                                   q_terms: int = 1) -> torch.Tensor:
+    """Decode attention over FP8 pages as the FP8-MMA kernel computes it (the section's math above).
+
+    Q is quantised per (token, head) (:func:`quantize_q_fp8`, ``q_terms`` terms); per sequence and KV
+    head, keys are read in blocks of ``block_n`` inside each of ``num_splits`` chunks
+    (:func:`fp8_decode_splits`); each block's logits come from :func:`fp8_logits`, softmax is online in
+    float32 (running max ``m``, sum ``l``, rescaled accumulator), PV from :func:`quantize_p_fp8`
+    (``p_fp8``) or :func:`widen_p16`; the chunks merge by :func:`lse_merge`. The sum ``l`` is of the
+    unquantised probabilities. Loops over sequences, chunks and blocks in Python: a test oracle for
+    small shapes, not a CPU path.
+
+    Args:
+        q: ``[B, Hq, D]`` queries, one per sequence, any float dtype.
+        cache: the layer's pool, FP8 (the step's K/V already stored).
+        meta: decode-only metadata (``seq_lens``, ``block_tables``, ``scale``).
+        p_fp8: P in E4M3 against V's payload (True) or float16 against V widened (False).
+        num_splits: context chunks per sequence (>= 1).
+        block_n: keys per block (>= 1).
+        q_terms: 1 or 2 (:func:`quantize_q_fp8`).
+
+    Returns:
+        ``[B, Hq, D]`` in ``q.dtype``; a sequence of length 0 gives zeros.
+
+    Raises:
+        ValueError: the cache is not FP8, ``q`` does not match it or has not one row per sequence,
+            ``num_splits`` or ``block_n`` < 1, ``q_terms`` not 1 or 2, or a block table is too short /
+            out of range.
+    """
+    if not cache.is_fp8:
+        raise ValueError("paged_decode_attention_fp8_mma needs FP8 pages")
+    group = _check_attention_inputs(q, cache)
+    if num_splits < 1 or block_n < 1:
+        raise ValueError(f"num_splits ({num_splits}) and block_n ({block_n}) must be >= 1")
+    bsz = meta.num_seqs
+    if q.shape[0] != bsz:
+        raise ValueError(f"decode q has {q.shape[0]} rows, expected one per sequence ({bsz})")
+    hkv, d = cache.num_kv_heads, cache.head_dim
+    sm_scale = meta.softmax_scale(d)
+    terms = [(q8.reshape(bsz, hkv, group, d), qs.reshape(bsz, hkv, group))
+             for q8, qs in quantize_q_fp8(q, q_terms)]  # each [B, Hkv, G, D], [B, Hkv, G]
+    out = torch.zeros(bsz, hkv, group, d, dtype=torch.float32, device=q.device)
+    for b, seq_len in enumerate(meta.seq_lens.tolist()):
+        if seq_len <= 0:
+            continue
+        pages = _pages_of(cache, meta.block_tables[b], seq_len, b).long()
+        # [n, Hkv, page, D] -> head-first [Hkv, n * page, D]
+        k8 = _gather(cache.k_cache, pages).transpose(0, 1).reshape(hkv, -1, d)[:, :seq_len]
+        v8 = _gather(cache.v_cache, pages).transpose(0, 1).reshape(hkv, -1, d)[:, :seq_len]
+        ks = cache.k_scale[pages].transpose(0, 1).reshape(hkv, -1)[:, :seq_len]
+        vs = cache.v_scale[pages].transpose(0, 1).reshape(hkv, -1)[:, :seq_len]
+        o_parts, lse_parts = [], []
+        for lo, hi in fp8_decode_splits(seq_len, num_splits, block_n):
+            m = torch.full((hkv, group), float("-inf"), device=q.device)
+            l_sum = torch.zeros(hkv, group, device=q.device)
+            acc = torch.zeros(hkv, group, d, device=q.device)
+            for n0 in range(lo, hi, block_n):
+                n1 = min(n0 + block_n, hi)
+                s = sum(fp8_logits(q8[b], qs[b], k8[:, n0:n1], ks[:, n0:n1], sm_scale)
+                        for q8, qs in terms)  # [Hkv, G, n]
+                m_new = torch.maximum(m, s.amax(dim=-1))
+                p = torch.exp(s - m_new.unsqueeze(-1))
+                alpha = torch.exp(m - m_new)
+                l_sum = l_sum * alpha + p.sum(dim=-1)
+                if p_fp8:
+                    p_q, p_scale = quantize_p_fp8(p, vs[:, n0:n1])
+                    pv = torch.matmul(p_q.float(), v8[:, n0:n1].float()) * p_scale.unsqueeze(-1)
+                else:
+                    p_q, v_max = widen_p16(p, vs[:, n0:n1])
+                    pv = torch.matmul(p_q.float(), v8[:, n0:n1].float()) * v_max[:, None, None]
+                acc = acc * alpha.unsqueeze(-1) + pv
+                m = m_new
+            empty = l_sum == 0
+            o_parts.append(acc / torch.where(empty, 1.0, l_sum).unsqueeze(-1))
+            lse_parts.append(torch.where(empty, float("-inf"), m + torch.log(torch.where(empty, 1.0, l_sum))))
+        out[b] = lse_merge(torch.stack(o_parts, dim=-2), torch.stack(lse_parts, dim=-1))
+    return out.reshape(q.shape).to(q.dtype)
