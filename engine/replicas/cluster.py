@@ -3,8 +3,10 @@ existing cluster (``--ray-address``).
 
 A Ray cluster runs whatever code its clients send it, without a password of its own beyond Ray's
 token (docs/SCALING.md, README "Security"), so the local instance is started small: its node
-address is the loopback one, no dashboard, no Serve HTTP or gRPC proxy (the app calls the replicas
-by handle, nothing listens for HTTP), logs kept out of the app's terminal. Ray's own processes
+address is the loopback one, no dashboard, no Serve HTTP or gRPC proxy (nothing listens for HTTP:
+the app probes the replicas by handle and sends requests over each replica's own connection,
+which listens on 127.0.0.1 here), workers at niceness 0 (:data:`WORKER_NICENESS`), logs kept out
+of the app's terminal. Ray's own processes
 (GCS, raylet, workers) still open their gRPC ports on every interface (Ray 2.60 has no option to
 bind them to loopback only); Ray's token authentication, on by default, guards them.
 
