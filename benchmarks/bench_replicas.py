@@ -10,10 +10,14 @@ what the Ray hop adds to a prefix hit's TTFT.
    from each answer's telemetry (``prefix_cache == "hit"``).
 2. **TTFT on a hit.** ``--ttft-sessions`` sessions ask a first question (a miss) and then a
    second (a hit: the photo's prefix is cached); the second's TTFT, as the caller sees it (from
-   the ``submit`` call to the first text delta), over one replica (Ray) against an engine in this
-   process (``InProcessClient``) and the engine core in a child process (``ProcessClient``, the
-   app's default), all with one torch thread (what Ray gives a replica of less than one CPU).
-   Reported: medians and p90 in milliseconds, the engine's own TTFT (telemetry) beside them.
+   the ``submit`` call to the first text delta), over the replicas of the smallest N (Ray) against
+   an engine in this process (``InProcessClient``) and the engine core in a child process
+   (``ProcessClient``, the app's default), all with one torch thread (what Ray gives a replica of
+   less than one CPU). The three are alive at once and measured side by side: each session's
+   questions go to the three in turn (the order rotating from one session to the next), so a
+   burst of other work on a shared machine falls on all three alike (the in-process engine then
+   shares the host with Ray's idle processes: ~10 % of a core on the 2-core box). Reported:
+   medians and p90 in milliseconds, the engine's own TTFT (telemetry) beside them.
 
     python benchmarks/bench_replicas.py [--checkpoint FOLDER] [--replicas 2 4] [--json out.json]
 
@@ -93,33 +97,57 @@ def hit_rate(client, *, sessions: int, rounds: int, seed: int, tag: str) -> dict
             "hit_rate": hits / later if later else 0.0}
 
 
-def hit_ttft(client, *, sessions: int, seed: int, tag: str) -> dict:
-    """The second question's (a hit's) TTFT: from ``submit`` to the first delta, and the engine's."""
+def hit_ttft(clients: dict, *, sessions: int, seed: int) -> dict:
+    """The second question's (a hit's) TTFT on each of ``clients`` (name: client), side by side:
+    from ``submit`` to the first delta, and the engine's own."""
     from engine import Completion, SamplingParams, media_first_messages
 
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
-    seen, engine_ms, results = [], [], []
+    names = list(clients)
+    seen = {n: [] for n in names}
+    engine_ms = {n: [] for n in names}
+    results = {n: [] for n in names}
     for i in range(sessions):
-        salt, photo = f"{tag}-{i}", noise_png(seed * 1000 + i)
-        client.generate(media_first_messages([photo], QUESTIONS[0]), greedy, cache_salt=salt)
-        started = time.perf_counter()
-        handle = client.submit(media_first_messages([photo], QUESTIONS[1]), greedy, cache_salt=salt)
-        first = None
-        for item in handle:
-            if first is None:
-                first = time.perf_counter()
-            if isinstance(item, Completion):
-                results.append(item.telemetry.prefix_cache)
-                engine_ms.append(item.telemetry.ttft_ms)
-        seen.append((first - started) * 1e3)
-    return {"hits": results.count("hit"), "of": len(results), **_summary("caller_ms", seen),
-            **_summary("engine_ms", engine_ms)}
+        photo = noise_png(seed * 1000 + i)
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:  # the misses first, so that each hit follows the others' alike
+            clients[name].generate(media_first_messages([photo], QUESTIONS[0]), greedy, cache_salt=f"{name}-{i}")
+        for name in order:
+            started = time.perf_counter()
+            handle = clients[name].submit(media_first_messages([photo], QUESTIONS[1]), greedy, cache_salt=f"{name}-{i}")
+            first = None
+            for item in handle:
+                if first is None:
+                    first = time.perf_counter()
+                if isinstance(item, Completion):
+                    results[name].append(item.telemetry.prefix_cache)
+                    engine_ms[name].append(item.telemetry.ttft_ms)
+            seen[name].append((first - started) * 1e3)
+    return {n: {"hits": results[n].count("hit"), "of": len(results[n]), **_summary("caller_ms", seen[n]),
+                **_summary("engine_ms", engine_ms[n])} for n in names}
 
 
 def _summary(name: str, values: list[float]) -> dict:
     ordered = sorted(values)
     return {f"{name}_median": round(statistics.median(ordered), 2),
             f"{name}_p90": round(ordered[int(0.9 * (len(ordered) - 1))], 2)}
+
+
+def side_by_side(replicas, folder, options: dict, *, sessions: int, seed: int) -> dict:
+    """:func:`hit_ttft` over ``replicas``, an in-process engine and a child-process core, alive at once."""
+    import torch
+
+    from engine.client import InProcessClient, ProcessClient
+
+    torch.set_num_threads(1)
+    local = InProcessClient.from_pretrained(folder, **options)
+    child = ProcessClient(folder, **options)
+    try:
+        return hit_ttft({"ray_replica": replicas, "in_process": local, "process": child}, sessions=sessions,
+                        seed=seed)
+    finally:
+        child.close()
+        local.close()
 
 
 def main(argv=None) -> int:
@@ -134,7 +162,6 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    from engine.client import InProcessClient, ProcessClient
     from engine.replicas import ReplicaClient
 
     folder = args.checkpoint
@@ -159,24 +186,14 @@ def main(argv=None) -> int:
                   f"{affinity['later_questions']}), round-robin {robin['hit_rate']:.1%} ({robin['hits']}/"
                   f"{robin['later_questions']}); sessions per replica {placed}", flush=True)
             if n == min(args.replicas):
-                out["ttft"]["ray_replica"] = hit_ttft(client, sessions=args.ttft_sessions, seed=args.seed + 7,
-                                                      tag="ttft-ray")
-        finally:
-            client.close()
-    import torch
-
-    torch.set_num_threads(1)
-    for name, make in (("in_process", lambda: InProcessClient.from_pretrained(folder, **options)),
-                       ("process", lambda: ProcessClient(folder, **options))):
-        client = make()
-        try:
-            out["ttft"][name] = hit_ttft(client, sessions=args.ttft_sessions, seed=args.seed + 7, tag=f"ttft-{name}")
+                out["ttft"] = side_by_side(client, folder, options, sessions=args.ttft_sessions, seed=args.seed + 7)
         finally:
             client.close()
     base = out["ttft"]["in_process"]["caller_ms_median"]
     for name, row in out["ttft"].items():
+        row["vs_in_process"] = round(row["caller_ms_median"] / base, 3)
         print(f"hit TTFT {name}: caller median {row['caller_ms_median']} ms (p90 {row['caller_ms_p90']}), "
-              f"engine median {row['engine_ms_median']} ms; {row['caller_ms_median'] / base:.2f}x in-process; "
+              f"engine median {row['engine_ms_median']} ms; {row['vs_in_process']:.2f}x in-process; "
               f"{row['hits']}/{row['of']} hits", flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")

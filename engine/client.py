@@ -52,7 +52,7 @@ from .serving.outputs import Completion
 from .serving.sampling import SamplingParams
 
 __all__ = ["EngineClient", "InProcessClient", "ProcessClient", "DEFAULT_BLOB_CACHE_BYTES", "ENGINE_CALLS", "KeyLRU",
-           "MissingBlob", "blob_key", "engine_info", "picklable", "send_blobs", "take_blobs"]
+           "MissingBlob", "blob_key", "engine_info", "picklable", "send_blobs", "serve_connection", "take_blobs"]
 
 log = logging.getLogger(__name__)
 
@@ -423,8 +423,9 @@ class _Core:
     """The child's side: the engine, the command loop (main thread), the calls (a thread pool) and
     the forwarding of outputs (one asyncio loop in a thread, one coroutine per request)."""
 
-    def __init__(self, engine, conn, blob_cache_bytes: int):
+    def __init__(self, engine, conn, blob_cache_bytes: int, *, owns_engine: bool = True):
         self.engine, self.conn = engine, conn
+        self.owns_engine = owns_engine
         self.send_lock = threading.Lock()
         self.handles: dict[int, RequestHandle] = {}
         self.keys = KeyLRU(blob_cache_bytes)
@@ -476,7 +477,11 @@ class _Core:
             elif kind == "close":
                 close_cid = cid
                 break
-        self.engine.close()  # every request still running ends with its error: forward those
+        if self.owns_engine:
+            self.engine.close()  # every request still running ends with its error: forward those
+        else:  # one connection of several to a shared engine: only its own requests end
+            for handle in list(self.handles.values()):
+                handle.cancel(wait=False)
         try:
             asyncio.run_coroutine_threadsafe(self.drain(), self.loop).result(10)
         except Exception:  # a request that does not end in time is the parent's EOF to report
@@ -543,6 +548,20 @@ class _Core:
                 self.send(("out", [(rid, _picklable_output(item)) for rid, item in batch]))
         except (OSError, ValueError):  # the parent is gone: the command loop sees EOF and stops
             pass
+
+
+def serve_connection(engine, conn, blob_cache_bytes: int = DEFAULT_BLOB_CACHE_BYTES) -> None:
+    """Serve the core protocol (``ProcessClient``'s: submit, warm, cancel, calls; outputs in
+    batches) over ``conn`` for ``engine``, which this connection does not own: returns when the
+    peer closes it (or sends ``close``), after cancelling the requests it opened; the engine goes on.
+
+    Args:
+        engine: an :class:`~engine.engine.Engine` of this process.
+        conn: a :class:`multiprocessing.connection.Connection`, authenticated already (pickle
+            runs what it is sent).
+        blob_cache_bytes: bytes of images and clips kept by content key for this connection.
+    """
+    _Core(engine, conn, blob_cache_bytes, owns_engine=False).serve()
 
 
 def _raise(exc: BaseException):

@@ -2,6 +2,10 @@
 two replicas of the tiny "test" checkpoint, started once for the module (fractional CPUs: the CI
 machine has two cores). ``-m "not replicas"`` leaves the module out; ``.ci/run`` runs it.
 
+Requests take an authenticated connection to each replica (``engine.replicas.link``); Serve
+places and restarts them. A second app front on the same Ray instance deploys replicas of its
+own beside the first's.
+
 The oracle is the single-engine app's engine (``ProcessClient``) with the same options and
 threads: greedy answers equal token for token. What routing promises is read from each
 replica's own counters: every session's second question is a hit on the replica that answered
@@ -26,12 +30,12 @@ from engine import (
     SamplingParams,
     media_first_messages,
 )
-from engine.client import ProcessClient  # noqa: E402
+from engine.client import KeyLRU, ProcessClient  # noqa: E402
 
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install -e '.[test]')")
 
 from engine.replicas import ReplicaClient  # noqa: E402
-from engine.replicas import client as replica_client  # noqa: E402
+from engine.replicas import link as replica_link  # noqa: E402
 
 pytestmark = [pytest.mark.replicas, pytest.mark.timeout(300)]
 
@@ -108,14 +112,14 @@ def test_a_stream_yields_the_same_deltas_and_the_stats_are_the_sum(replicas, loc
 
 def test_an_image_travels_once_per_replica_and_session(replicas, monkeypatch):
     sent = []
-    real = replica_client.send_blobs
+    real = replica_link.send_blobs
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         sent.append(sum(len(b) for b in out[1].values()))
         return out
 
-    monkeypatch.setattr(replica_client, "send_blobs", recording)
+    monkeypatch.setattr(replica_link, "send_blobs", recording)
     image = noise_png(7, size=(160, 120))
     ask(replicas, "once", image)
     ask(replicas, "once", image, "And now?")
@@ -125,8 +129,8 @@ def test_an_image_travels_once_per_replica_and_session(replicas, monkeypatch):
 
 def test_a_path_is_read_and_sent_as_bytes_and_the_second_question_hits(replicas, tmp_path, monkeypatch):
     sent = []
-    real = replica_client.send_blobs
-    monkeypatch.setattr(replica_client, "send_blobs", lambda *a, **k: sent.append(real(*a, **k)) or sent[-1])
+    real = replica_link.send_blobs
+    monkeypatch.setattr(replica_link, "send_blobs", lambda *a, **k: sent.append(real(*a, **k)) or sent[-1])
     path = tmp_path / "photo.png"
     path.write_bytes(noise_png(8))
     parts = [{"image": str(path)}]
@@ -204,6 +208,44 @@ def test_healthz_lists_the_replicas_metrics_label_them_and_keys_guard_the_detail
                     assert f'prism:prefix_cache_lookups_total{{replica="{name}",result="hit",tier="gpu"}}' in metrics
     finally:
         store.close()
+
+
+def test_the_request_path_listens_on_loopback_and_refuses_a_wrong_key(replicas):
+    info = replicas._replicas["replica-0"].info
+    assert info["link"][0] == "127.0.0.1" and "authkey" not in replicas.replica_info("replica-0")
+    with pytest.raises(PermissionError):
+        replica_link.ReplicaLink(info["link"], bytes(32), keys=KeyLRU(1 << 20), aborted=EngineAbortedError,
+                                 on_lost=lambda link: None, id_prefix="intruder", timeout=10)
+    assert ask(replicas, "after-intruder", noise_png(11)).telemetry.prefix_cache == "miss"  # still serving
+
+
+def test_two_app_fronts_on_one_cluster_deploy_their_own_replicas(replicas, tiny_ckpt):
+    """A second front joining the same Ray instance deploys its replica under its own Serve
+    application (``prism-<front>-replica-0``), not over the first front's; closing it deletes only its own."""
+    from ray import serve
+
+    from engine.replicas.cluster import app_name
+
+    mine = {app_name(replicas.front_id, n) for n in ("replica-0", "replica-1")}
+    other = ReplicaClient(tiny_ckpt, replicas=1, replica_cpus=0.5, probe_interval_s=0.5, **OPTIONS)
+    theirs = app_name(other.front_id, "replica-0")
+    try:
+        assert other.front_id != replicas.front_id and theirs not in mine
+        assert other.replica_info("replica-0")["link"][0] == "127.0.0.1"  # its node's address (joined)
+        assert mine | {theirs} <= set(serve.status().applications)
+        image = noise_png(12)
+        assert [ask(other, "front-b", image).telemetry.prefix_cache for _ in range(2)] == ["miss", "hit"]
+        assert other.replica_info("replica-0")["pid"] not in {replicas.replica_info(n)["pid"] for n in
+                                                               ("replica-0", "replica-1")}
+    finally:
+        other.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and theirs in serve.status().applications:
+        time.sleep(0.5)
+    assert theirs not in serve.status().applications and mine <= set(serve.status().applications)
+    assert all(r["state"] == "ready" for r in replicas.replica_status())
+    image = noise_png(13)
+    assert [ask(replicas, "front-a", image).telemetry.prefix_cache for _ in range(2)] == ["miss", "hit"]
 
 
 def test_a_killed_replica_fails_its_stream_moves_its_sessions_once_and_comes_back(replicas):

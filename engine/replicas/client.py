@@ -15,19 +15,25 @@ anonymous session, a library call) goes by the content keys of its images (the s
 same replica, where that shared session cached them), or, text alone, by a fresh random key (not
 remembered: nothing of it is cached for later).
 
+The request path: Serve deploys and restarts the replicas and answers this client's probes
+(``info()``), but requests, their outputs and the engine calls (stats, forget, ...) go over one
+authenticated connection to each replica (:class:`~engine.replicas.link.ReplicaLink`; the
+protocol of ``ProcessClient``'s pipe): a Serve handle's streamed call costs several times what a
+prefix hit's first token does on the CPU (docs/SCALING.md, "The request path").
+
 Images travel once per replica and session: each replica keeps the bytes it was sent by
 :func:`~engine.client.blob_key` (the salt and the bytes), and this client keeps a copy of each
-replica's keys (:func:`~engine.client.send_blobs`); paths (the session store's files) are read
-here and sent as bytes, since a replica may be on another host. Requests to one replica may arrive
-in another order than they were prepared, so the two copies of its keys may differ for a moment:
-a key the replica lacks is reported (``missing``) and the request is sent again with every byte.
+connection's keys (:func:`~engine.client.send_blobs`); paths (the session store's files) are read
+here and sent as bytes, since a replica may be on another host. The connection is ordered, so the
+two copies agree; a key the replica lacks anyway is reported and the request is sent again with
+every byte.
 
-Faults: when a replica's actor dies its streams end with
+Faults: when a replica's actor dies its connection closes and its streams end with
 :class:`~engine.errors.EngineAbortedError` (retryable: 503 ``aborted`` on ``/v1``, a notice in the
-chat), the replica is marked down, and its sessions are placed on the next replica on the ring at
-their next request (one cold miss each). Serve starts a new replica under the same name; a probe
-(every ``probe_interval_s``) sees it ready and new sessions go to it again (the moved ones stay
-where their caches are now).
+chat), the replica is marked down first, and its sessions are placed on the next replica on the
+ring at their next request (one cold miss each). Serve starts a new replica under the same name; a
+probe (every ``probe_interval_s``) sees the new incarnation, connects to it, and new sessions go
+to it again (the moved ones stay where their caches are now).
 """
 
 from __future__ import annotations
@@ -35,19 +41,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import itertools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
 
-from ..client import DEFAULT_BLOB_CACHE_BYTES, EngineClient, KeyLRU, send_blobs
+from ..client import DEFAULT_BLOB_CACHE_BYTES, EngineClient, KeyLRU
 from ..errors import EngineAbortedError, PrismError
 from ..inputs.prompts import prefix_messages
-from ..serving.handle import OutputChannel, RequestHandle, WarmHandle, is_final
+from ..serving.handle import RequestHandle, WarmHandle
+from .link import ReplicaLink
 from .ring import EPSILON, SessionRouter
 
 __all__ = ["ReplicaClient", "aggregate_stats"]
@@ -56,8 +61,8 @@ log = logging.getLogger(__name__)
 
 #: Keys of ``stats()`` the same on every replica (not summed).
 _SHARED_KEYS = ("page_size", "kv_cache_dtype", "prefix_cache")
-#: Seconds a call (stats, forget, a probe, a request's first reply) may take before its replica
-#: counts as down; a first reply waits for the prompt to be built (images decoded, processed).
+#: Seconds a call (stats, forget, a request's first reply) may wait for its answer; a first reply
+#: waits for the prompt to be built (images decoded, processed).
 CALL_TIMEOUT_S = 120.0
 PROBE_TIMEOUT_S = 10.0
 
@@ -67,11 +72,10 @@ class _Replica:
     """The app's view of one replica."""
 
     name: str
-    keys: KeyLRU
     state: str = "starting"  # "ready", "down"
     info: dict = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # orders its key copy with its sends
     handle: object = None  # its DeploymentHandle, used on the client's event loop only
+    link: ReplicaLink | None = None  # the connection to its current incarnation
     down_since: float | None = None
     restarts: int = 0
 
@@ -115,12 +119,10 @@ class ReplicaClient(EngineClient):
             raise InvalidRequestError(f"replicas must be an integer >= 1, got {replicas!r}")
         if replica_gpus is None:
             replica_gpus = float(options.get("tensor_parallel_size", 1)) if _wants_cuda(device) else 0.0
-        self._id = uuid.uuid4().hex[:12]  # request ids of this client: unique across app fronts
-        self._ids = itertools.count(1)
+        self._id = uuid.uuid4().hex[:12]  # this app front's: its Serve applications, its request ids
         self._closing = False
         self._lock = threading.Lock()  # the router and the replicas' states
-        self._replicas = {f"replica-{i}": _Replica(f"replica-{i}", KeyLRU(blob_cache_bytes))
-                          for i in range(replicas)}
+        self._replicas = {f"replica-{i}": _Replica(f"replica-{i}") for i in range(replicas)}
         self._blob_cache_bytes = blob_cache_bytes
         self.router = SessionRouter(list(self._replicas), epsilon=epsilon)
         self._loop = asyncio.new_event_loop()
@@ -128,15 +130,16 @@ class ReplicaClient(EngineClient):
         self._thread.start()
         self.cluster = RayCluster(ray_address, num_cpus=num_cpus)
         try:
-            infos = self.cluster.deploy(list(self._replicas), str(model), device=device, dtype=dtype,
+            infos = self.cluster.deploy(self._id, list(self._replicas), str(model), device=device, dtype=dtype,
                                         options=options, blob_cache_bytes=blob_cache_bytes,
                                         num_cpus=replica_cpus, num_gpus=replica_gpus)
             self._run(self._attach_handles(), CALL_TIMEOUT_S)
+            for replica, info in zip(self._replicas.values(), infos, strict=True):
+                replica.link = self._connect(replica, info)
+                replica.info, replica.state = info, "ready"
         except BaseException:
             self._stop()
             raise
-        for replica, info in zip(self._replicas.values(), infos, strict=True):
-            replica.info, replica.state = info, "ready"
         first = infos[0]
         self.model_id, self.device, self.dtype = first["model_id"], first["device"], first["dtype"]
         self.options, self.min_image_pixels = first["options"], first["min_image_pixels"]
@@ -205,8 +208,13 @@ class ReplicaClient(EngineClient):
 
     def replica_info(self, name: str) -> dict:
         """What replica ``name`` said of itself when last seen ready: ``pid``, ``incarnation``,
-        ``model_id``, ... (tests kill a replica by its ``pid``)."""
-        return dict(self._replicas[name].info)
+        ``model_id``, ``link`` (its address), ... (not its key; tests kill a replica by its ``pid``)."""
+        return {k: v for k, v in self._replicas[name].info.items() if k != "authkey"}
+
+    @property
+    def front_id(self) -> str:
+        """This app front's id: its replicas' Serve applications are ``prism-<front_id>-replica-<i>``."""
+        return self._id
 
     def replica_of(self, cache_salt: str | None) -> str | None:
         """Where session ``cache_salt`` is placed now (None: nowhere yet)."""
@@ -249,25 +257,40 @@ class ReplicaClient(EngineClient):
             if replica.state == "down" or self._closing:
                 return
             replica.state, replica.down_since = "down", time.monotonic()
-            replica.keys = KeyLRU(self._blob_cache_bytes)  # a new replica holds no bytes
             self.router.set_up(replica.name, False)
         log.error("engine replica %s is down (%s); its sessions move to the next replica", replica.name, why)
 
-    def _mark_ready(self, replica: _Replica, info: dict) -> None:
+    def _mark_ready(self, replica: _Replica, info: dict, link: ReplicaLink) -> None:
         with self._lock:
-            if replica.info.get("incarnation") != info.get("incarnation"):
-                replica.keys = KeyLRU(self._blob_cache_bytes)  # restarted, maybe unseen: it holds no bytes
-                if replica.info:
-                    replica.restarts += 1
+            if self._closing:
+                link.close()
+                return
+            if replica.info and replica.info.get("incarnation") != info.get("incarnation"):
+                replica.restarts += 1
+            old, replica.link = replica.link, link
             was = replica.state
             replica.info, replica.state, replica.down_since = info, "ready", None
             self.router.set_up(replica.name, True)
+        if old is not None and old is not link:
+            old.close()
         if was != "ready":
             log.warning("engine replica %s is ready again (pid %s)", replica.name, info.get("pid"))
 
-    def _aborted(self, replica: _Replica, exc: BaseException) -> EngineAbortedError:
-        return EngineAbortedError(f"engine replica {replica.name} stopped unexpectedly ({type(exc).__name__}); "
+    def _aborted(self, replica: _Replica, why: str) -> EngineAbortedError:
+        return EngineAbortedError(f"engine replica {replica.name} stopped unexpectedly ({why}); "
                                   "this chat moves to another replica: ask again")
+
+    def _connect(self, replica: _Replica, info: dict) -> ReplicaLink:
+        """A connection to the incarnation ``info`` describes (its keys fresh: it holds no bytes
+        from this client yet). Raises: OSError, PermissionError: it cannot be reached."""
+        return ReplicaLink(info["link"], info["authkey"], keys=KeyLRU(self._blob_cache_bytes),
+                           aborted=lambda: self._aborted(replica, "its connection closed"),
+                           on_lost=lambda link: self._link_lost(replica, link),
+                           id_prefix=f"{self._id}-{replica.name}", timeout=CALL_TIMEOUT_S)
+
+    def _link_lost(self, replica: _Replica, link: ReplicaLink) -> None:
+        if replica.link is link:
+            self._mark_down(replica, "its connection closed")
 
     # ------------------------------------------------------------------ requests
     def _open(self, replica: _Replica, kind: str, messages, sampling, salt) -> RequestHandle:
@@ -276,95 +299,36 @@ class ReplicaClient(EngineClient):
         Raises:
             the engine's input errors (as in-process), EngineAbortedError (the replica died).
         """
-        rid, channel = f"{self._id}-{next(self._ids)}", OutputChannel()
-        header = None
-        for resend in (False, True):
-            with replica.lock:
-                sent, new = send_blobs(messages, replica.keys, salt=salt or "", resend=resend, inline_paths=True)
-            header = self._run(self._start(replica, rid, kind, sent, sampling, salt, new, channel), CALL_TIMEOUT_S)
-            if header[0] != "missing":
-                break
-            with replica.lock:
-                replica.keys.discard(header[1])
-        tag, value = header
-        if tag != "accepted":
-            raise value if isinstance(value, BaseException) else PrismError(f"engine replica said {tag}")
-        return RequestHandle(rid, channel, partial(self._cancel, replica, rid, channel), prompt_tokens=value)
-
-    async def _start(self, replica: _Replica, rid, kind, sent, sampling, salt, new, channel: OutputChannel):
-        """On the client's loop: open the stream, read its header, forward the rest (a task)."""
-        try:
-            stream = replica.handle.options(stream=True).run.remote(rid, kind, sent, sampling, salt, new)
-            header = await stream.__anext__()
-        except StopAsyncIteration:
-            return "refused", PrismError(f"engine replica {replica.name} ended the request without an answer")
-        except Exception as exc:  # Ray's: the replica died (or cannot be reached)
-            self._mark_down(replica, f"{type(exc).__name__}: {exc}")
-            return "refused", self._aborted(replica, exc)
-        if header[0] == "accepted":
-            self._loop.create_task(self._forward(replica, stream, channel))
-        return header
-
-    async def _forward(self, replica: _Replica, stream, channel: OutputChannel) -> None:
-        try:
-            async for item in stream:
-                channel.put(item)
-                if is_final(item):
-                    return
-            channel.put(PrismError(f"engine replica {replica.name} ended the request without an answer"))
-        except asyncio.CancelledError:  # the client is closing
-            channel.put(PrismError("engine is closed"))
-        except Exception as exc:  # Ray's: the replica died mid-stream
-            self._mark_down(replica, f"{type(exc).__name__}: {exc}")
-            channel.put(self._aborted(replica, exc))
-
-    def _cancel(self, replica: _Replica, rid: str, channel: OutputChannel, wait: bool) -> None:
-        if self._closing:
-            return
-        future = asyncio.run_coroutine_threadsafe(self._acancel(replica, rid, wait), self._loop)
-        if wait:
-            try:
-                future.result(CALL_TIMEOUT_S)
-            except Exception as exc:  # the replica died: the stream ends with EngineAbortedError
-                log.info("cancel on %s: %s", replica.name, exc)
-
-    async def _acancel(self, replica: _Replica, rid: str, wait: bool) -> None:
-        try:
-            await replica.handle.cancel.remote(rid, wait)
-        except Exception as exc:
-            self._mark_down(replica, f"{type(exc).__name__}: {exc}")
+        link = replica.link
+        if link is None:
+            raise self._no_replica()
+        return link.open(kind, messages, sampling, salt)
 
     # ------------------------------------------------------------------ calls
     def _call(self, replica: _Replica, name: str, *args, **kwargs):
-        ok, value = self._run(self._acall(replica, name, args, kwargs), CALL_TIMEOUT_S)
-        if not ok:
-            raise value
-        return value
-
-    async def _acall(self, replica: _Replica, name: str, args, kwargs):
-        try:
-            return await asyncio.wait_for(replica.handle.call.remote(name, args, kwargs), CALL_TIMEOUT_S)
-        except Exception as exc:
-            self._mark_down(replica, f"{type(exc).__name__}: {exc}")
-            return False, self._aborted(replica, exc)
+        link = replica.link
+        if link is None:
+            raise self._no_replica()
+        return link.call(name, *args, **kwargs)
 
     async def _gather_stats(self, replicas: list[_Replica]) -> dict:
         async def one(replica):
             try:
-                ok, value = await asyncio.wait_for(replica.handle.call.remote("stats", (), {}), PROBE_TIMEOUT_S)
+                value = await asyncio.wait_for(asyncio.to_thread(self._call, replica, "stats"), PROBE_TIMEOUT_S)
             except Exception:
                 return replica.name, None
-            return replica.name, value if ok else None
+            return replica.name, value
 
         return dict(await asyncio.gather(*(one(r) for r in replicas)))
 
     async def _attach_handles(self) -> None:
         for replica in self._replicas.values():  # on this loop: a handle is used on the loop that made it
-            replica.handle = self.cluster.handle(replica.name)
+            replica.handle = self.cluster.handle(self._id, replica.name)
 
     async def _probe_forever(self) -> None:
         """Every ``probe_interval_s``: ask each replica who it is; a replica that does not answer
-        is down, one that answers (again, or as a new incarnation) is ready."""
+        (or cannot be connected to) is down, one that answers (again, or as a new incarnation: a
+        new connection) is ready."""
         while not self._closing:
             await asyncio.sleep(self._probe_interval_s)
             await asyncio.gather(*(self._probe(r) for r in self._replicas.values()))
@@ -375,7 +339,14 @@ class ReplicaClient(EngineClient):
         except Exception as exc:
             self._mark_down(replica, f"no answer to a probe: {type(exc).__name__}")
             return
-        self._mark_ready(replica, info)
+        link = replica.link
+        if link is None or not link.alive or replica.info.get("incarnation") != info.get("incarnation"):
+            try:
+                link = await asyncio.to_thread(self._connect, replica, info)
+            except Exception as exc:
+                self._mark_down(replica, f"cannot connect to it: {type(exc).__name__}: {exc}")
+                return
+        self._mark_ready(replica, info, link)
 
     def _run(self, coroutine, timeout: float):
         """Run ``coroutine`` on the client's loop and wait for its result (from any other thread)."""
@@ -391,6 +362,9 @@ class ReplicaClient(EngineClient):
                 task.cancel()
 
         self._loop.call_soon_threadsafe(cancel_all)
+        for replica in self._replicas.values():
+            if replica.link is not None:
+                replica.link.close()
         try:
             self.cluster.shutdown()
         except Exception as exc:

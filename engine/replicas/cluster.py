@@ -3,13 +3,16 @@ existing cluster (``--ray-address``).
 
 A Ray cluster runs whatever code its clients send it, without a password of its own beyond Ray's
 token (docs/SCALING.md, README "Security"), so the local instance is started small: its node
-address is the loopback one, no dashboard, no Serve HTTP or gRPC proxy (the app calls the replicas
-by handle, nothing listens for HTTP), logs kept out of the app's terminal. Ray's own processes
+address is the loopback one, no dashboard, no Serve HTTP or gRPC proxy (nothing listens for HTTP:
+the app probes the replicas by handle and sends requests over each replica's own connection,
+which listens on 127.0.0.1 here), workers at niceness 0 (:data:`WORKER_NICENESS`), logs kept out
+of the app's terminal. Ray's own processes
 (GCS, raylet, workers) still open their gRPC ports on every interface (Ray 2.60 has no option to
 bind them to loopback only); Ray's token authentication, on by default, guards them.
 
 Each replica is a Serve application of its own with one deployment of one replica
-(``prism-replica-<i>`` / ``replica-<i>``).
+(``prism-<front>-replica-<i>`` / ``replica-<i>``), ``<front>`` the app front's own id: two app
+fronts on one cluster deploy replicas of their own, side by side, and each deletes only its own.
 """
 
 from __future__ import annotations
@@ -19,16 +22,29 @@ from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayCluster", "APP_PREFIX"]
+__all__ = ["RayCluster", "APP_PREFIX", "app_name"]
 
-#: Serve application names: ``prism-replica-0``, ...; the deployment inside is ``replica-0``, ...
+#: Serve application names: ``prism-<front>-replica-0``, ...; the deployment inside is ``replica-0``, ...
 APP_PREFIX = "prism-"
 #: Serve's health check of each replica (seconds): a replica whose actor died is replaced after
 #: about this long, plus its model's load.
 HEALTH_CHECK_PERIOD_S = 1.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
+#: The niceness of the local instance's worker processes (the replicas' engines among them): Ray's
+#: default, 15, lets any other process of the host (the app front's web server, a tokenizer, other
+#: work on a shared machine) take the CPU from an engine's loop first, which slows every step.
+WORKER_NICENESS = 0
 #: A stopping replica's grace for its running requests (seconds); the app cancels them first.
 GRACEFUL_SHUTDOWN_S = 5.0
+
+
+def app_name(front: str, name: str) -> str:
+    """The Serve application of replica ``name`` of app front ``front``: ``prism-<front>-<name>``."""
+    return f"{APP_PREFIX}{front}-{name}"
+
+
+#: The local instance's node address, and its replicas' request ports.
+LOCAL_HOST = "127.0.0.1"
 
 
 class RayCluster:
@@ -43,6 +59,9 @@ class RayCluster:
         ConnectionError, RuntimeError: Ray could not start or reach ``address``.
     """
 
+    #: whether a RayCluster of this process started the Ray instance it is connected to
+    _local_running = False
+
     def __init__(self, address: str | None = None, *, num_cpus: float | None = None):
         import ray
         from ray import serve
@@ -50,17 +69,23 @@ class RayCluster:
         self.address = address
         self.owned = address is None and not ray.is_initialized()
         if self.owned:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                     log_to_driver=False, configure_logging=False, namespace="prism")
+            RayCluster._local_running = True
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address=LOCAL_HOST,
+                     log_to_driver=False, configure_logging=False, namespace="prism",
+                     _system_config={"worker_niceness": WORKER_NICENESS})
         elif not ray.is_initialized():
             ray.init(address=address, log_to_driver=False, configure_logging=False, namespace="prism")
         serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
+        #: where replicas take requests: loopback on a local instance (this one's, or another
+        #: front's of this process), else their node's address
+        local = address is None and RayCluster._local_running
+        self.link_host = LOCAL_HOST if local else None
         self.apps: list[str] = []
 
-    def deploy(self, names: list[str], model: str, *, device, dtype, options: dict, blob_cache_bytes: int,
-               num_cpus: float, num_gpus: float) -> list[dict]:
-        """Deploy one replica per name (in parallel: each loads its model) and wait until each is
-        ready; returns their ``info()``.
+    def deploy(self, front: str, names: list[str], model: str, *, device, dtype, options: dict,
+               blob_cache_bytes: int, num_cpus: float, num_gpus: float) -> list[dict]:
+        """Deploy one replica per name for app front ``front`` (in parallel: each loads its model)
+        and wait until each is ready; returns their ``info()``.
 
         Raises:
             RuntimeError: a replica could not start (its constructor's error in the message).
@@ -70,13 +95,13 @@ class RayCluster:
         from .deployment import EngineReplica
 
         def one(name: str) -> dict:
-            app = APP_PREFIX + name
+            app = app_name(front, name)
             replica = EngineReplica.options(
                 name=name, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
                 health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
                 graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S, graceful_shutdown_wait_loop_s=0.5,
                 max_constructor_retry_count=2,
-            ).bind(str(model), device, dtype, dict(options), blob_cache_bytes, name)
+            ).bind(str(model), device, dtype, dict(options), blob_cache_bytes, name, self.link_host)
             self.apps.append(app)
             handle = serve.run(replica, name=app, route_prefix=None)
             return handle.info.remote().result()
@@ -85,11 +110,11 @@ class RayCluster:
             return list(pool.map(one, names))
 
     @staticmethod
-    def handle(name: str):
-        """The :class:`~ray.serve.handle.DeploymentHandle` of replica ``name``."""
+    def handle(front: str, name: str):
+        """The :class:`~ray.serve.handle.DeploymentHandle` of app front ``front``'s replica ``name``."""
         from ray import serve
 
-        return serve.get_deployment_handle(name, app_name=APP_PREFIX + name)
+        return serve.get_deployment_handle(name, app_name=app_name(front, name))
 
     def shutdown(self) -> None:
         """Delete the replicas' applications; stop the local instance (harmless twice)."""
@@ -110,3 +135,4 @@ class RayCluster:
             serve.shutdown()
         finally:
             ray.shutdown()
+            RayCluster._local_running = False
