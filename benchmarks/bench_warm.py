@@ -35,6 +35,12 @@ waited for and the next started at once, until the stream ends; ``one``: a singl
 with and without, and their ratio (goal: <= 1.05): the p50 over rounds of each stream's TPOT (its
 mean time per token after the first) and of the p50 gap between its text deltas.
 
+With ``--step-trace PATH`` the server writes its step trace there (``PRISM_STEP_TRACE``,
+:mod:`engine.serving.trace`) and the result gains, per TPOT stream, a summary of the engine's steps
+during it (:mod:`step_trace_report`: steps carrying a warm's chunk against decode-only steps, which
+forward ran, and the time outside the runner), so a slower stream says whether its steps ran longer
+or the loop waited between them.
+
 Wheels it needs: those of :mod:`bench_http` (the server's web stack, ``httpx``; not Gradio).
 """
 
@@ -63,6 +69,7 @@ for path in (ROOT, BENCH):
         sys.path.insert(0, str(path))
 
 import bench_http  # noqa: E402  (its checkpoints, free_port and wait_healthy)
+import step_trace_report  # noqa: E402
 
 #: The photos a session uploads, in order (``--images`` takes the first N).
 PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "grace_hopper.jpg", "hubble_deep_field.jpg",
@@ -140,7 +147,8 @@ async def ask(client, urls: list[str], key: str, question: str, max_tokens: int,
             else None, "gap_ms_p50": statistics.median(gaps) if gaps else None, "generated": generated,
             "prefix_cache": telemetry.get("prefix_cache"),
             "warmed": bool(telemetry.get("warmed")), "engine_ttft_ms": telemetry.get("ttft_ms"),
-            "engine_tpot_ms": telemetry.get("tpot_ms"), "cached_tokens": telemetry.get("cached_tokens")}
+            "engine_tpot_ms": telemetry.get("tpot_ms"), "cached_tokens": telemetry.get("cached_tokens"),
+            "first_at": first, "last_at": last}
 
 
 async def warm(client, urls: list[str], key: str, wait: bool = True) -> dict:
@@ -238,6 +246,14 @@ def summarise(first: dict, tpot: dict | None) -> dict:
     return out
 
 
+def trace_windows(tpot: dict, trace_path: pathlib.Path) -> dict:
+    """Per TPOT stream (alone and beside warms), :func:`step_trace_report.summary` of the server's
+    steps between its first and last text delta (both clocks are this host's perf_counter)."""
+    records = step_trace_report.read(str(trace_path))
+    return {side: [step_trace_report.summary(records, r["first_at"], r["last_at"]) for r in tpot[side]]
+            for side in ("alone", "beside_warms")}
+
+
 def table(summary: dict) -> str:
     lines = ["| first question | client TTFT p50 | engine TTFT p50 | prefix | warmed |", "|---|---|---|---|---|"]
     for mode, row in summary["modes"].items():
@@ -265,6 +281,8 @@ def serve(server_argv: list[str], data_dir: pathlib.Path, args) -> dict:
     port = bench_http.free_port()
     argv = [sys.executable, str(ROOT / "launch.py"), *server_argv, "--port", str(port), "--data-dir", str(data_dir)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRISM_")}  # only what we pass
+    if args.step_trace:
+        env["PRISM_STEP_TRACE"] = str(args.step_trace.resolve())
     print(f"/v1 over HTTP: {' '.join(argv[1:])}", flush=True)
     log = open(data_dir / "server.log", "w")  # noqa: SIM115 - closed after the server below
     server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -311,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=pathlib.Path, help="where checkpoints and the server's data dir go")
     p.add_argument("--load-timeout-s", type=float, default=1800.0)
     p.add_argument("--out", type=pathlib.Path, help="write the results here as JSON (and a .md table beside it)")
+    p.add_argument("--step-trace", type=pathlib.Path,
+                   help="the server writes its step trace here; the TPOT streams' steps are summarised from it")
     args = p.parse_args(argv)
+    if args.step_trace and args.step_trace.exists():
+        args.step_trace.unlink()  # the trace appends: one run per file
 
     workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="prism-bench-warm-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -325,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir.mkdir(exist_ok=True)
     first, tpot, stats = serve(server_argv, data_dir, args)
     summary = summarise(first, tpot)
+    steps = trace_windows(tpot, args.step_trace) if tpot and args.step_trace else None
     import torch
 
     result = {
@@ -337,9 +360,14 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         "summary": summary, "records": {**first, **({"tpot": tpot} if tpot else {})},
+        **({"tpot_steps": steps} if steps else {}),
         "engine_stats": {k: v for k, v in stats.items() if k.startswith(("warms", "cache_hits", "cache_misses"))},
     }
     text = table(summary)
+    if steps:
+        for side, windows in steps.items():
+            for i, w in enumerate(windows):
+                text += f"\n\nsteps during the {side} stream {i}: " + step_trace_report.text(w)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import pathlib
 import platform
 import sys
@@ -59,6 +60,7 @@ for p in (ROOT, ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+import step_trace_report  # noqa: E402
 import working_set as ws  # noqa: E402
 import working_set_report as report  # noqa: E402
 from media import MEDIA_DIR, PHOTOS  # noqa: E402
@@ -112,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a small run (see below)")
     parser.add_argument("--no-plot", action="store_true", help="skip the plot")
     parser.add_argument("--out", default="ws.json", help="results JSON (default ws.json); .md and .png beside")
+    parser.add_argument("--step-trace", type=pathlib.Path, metavar="DIR",
+                        help="write each variant's step trace in DIR (<workset>-<variant>.jsonl) and summarise "
+                             "its measured phase's steps (benchmarks/step_trace_report.py)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None and not (key == "budget_pages" and (args.kv_cache_gib or args.shape)):
@@ -242,12 +247,20 @@ def measure_groups(args, build, budget_bytes: int, budget_pages: int, photo_dir:
     return groups
 
 
-def run_one(args, build, groups, trace, options: dict, device: torch.device) -> dict:
-    """One variant on one workset: a fresh engine, the trace, the metrics (or the error)."""
+def run_one(args, build, groups, trace, options: dict, device: torch.device,
+            step_trace: pathlib.Path | None = None) -> dict:
+    """One variant on one workset: a fresh engine, the trace, the metrics (or the error). With
+    ``step_trace`` the engine writes its step trace there (``PRISM_STEP_TRACE``) and the metrics gain
+    ``steps``, the measured phase's :func:`step_trace_report.summary`."""
     t = time.perf_counter()
     engine = None
+    if step_trace is not None:
+        step_trace.parent.mkdir(parents=True, exist_ok=True)
+        step_trace.unlink(missing_ok=True)
+        os.environ["PRISM_STEP_TRACE"] = str(step_trace)  # read once, when the engine's loop is made
     try:
         engine = build(options)
+        os.environ.pop("PRISM_STEP_TRACE", None)
         build_s = time.perf_counter() - t
         longest = max(g.prompt_tokens for g in groups) + args.max_tokens
         if longest > engine.max_model_len:
@@ -259,9 +272,15 @@ def run_one(args, build, groups, trace, options: dict, device: torch.device) -> 
     except Exception as exc:  # noqa: BLE001  (recorded; the other variants still run)
         metrics = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
     finally:
+        os.environ.pop("PRISM_STEP_TRACE", None)
         if engine is not None:
             engine.close()
         free_memory(device)
+    if step_trace is not None and "measured_start" in metrics:
+        start = metrics["measured_start"]
+        metrics["steps"] = step_trace_report.summary(step_trace_report.read(str(step_trace)), start,
+                                                     start + metrics["measured_s"])
+        log(step_trace_report.text(metrics["steps"]))
     metrics["options"] = {k: v for k, v in options.items() if k != "progress"}
     metrics["wall_s"] = time.perf_counter() - t
     return metrics
@@ -319,7 +338,8 @@ def run_workset(args, name: str, members: list[ws.Group], result: dict, out: pat
             continue
         log(f"{name} / {v}: {len(members)} groups, {args.requests} requests ...")
         options = ws.variant_options(v, p["budget_bytes"], p["vision_cache_bytes"], args.page_size)
-        m = runs[v] = run_one(args, build, members, trace, options, device)
+        traced = args.step_trace / f"{name}-{v}.jsonl" if args.step_trace else None
+        m = runs[v] = run_one(args, build, members, trace, options, device, traced)
         deadline.record(m["wall_s"])
         report.write(result, out, with_plot=False)
         if "error" in m:

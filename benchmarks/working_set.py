@@ -563,6 +563,7 @@ def summarise(results: list[dict], before: dict, after: dict, start: float) -> d
         "output_tokens_per_s": generated / (end - start) if end > start else None,
         "generated_tokens": generated,
         "measured_s": end - start,
+        "measured_start": start,
         **tier_metrics(ok),
         **host_counters(before, after),
         # where each request's TTFT went (the tail's causes): its arrival after the phase began

@@ -28,10 +28,11 @@ from contextlib import contextmanager
 from ..cache.prefix_reuse import PrefixReuse
 from ..errors import EngineOverloadedError, PrismError, TensorParallelError
 from .outputs import Completion
-from .plan import StepOutput, StepPlan
+from .plan import Offload, Restore, StepOutput, StepPlan
 from .request import Request, Status
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .trace import StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class EngineLoop:
         self._closed = False
         self.steps = 0
         self.tokens_generated = 0
+        self.trace = StepTrace.from_env()  # PRISM_STEP_TRACE: one line per step, for profiling
         self._thread = threading.Thread(target=self._run, name="prism-engine", daemon=True)
         if start:
             self._thread.start()
@@ -164,6 +166,8 @@ class EngineLoop:
             self._thread.join()
         else:  # never started: fail what is queued here
             self._fail_all("the engine was closed before the request finished")
+        if self.trace is not None:
+            self.trace.close()
         self.scheduler = self.runner = self.reuse = None
         return True
 
@@ -179,6 +183,7 @@ class EngineLoop:
             Exception: a failure outside the model step (scheduling, bookkeeping, a failed debug
                 check); a failing step itself fails its requests only.
         """
+        started = time.perf_counter()
         with self._cv:
             self._intake()
             if not (self.scheduler.has_work() or self.scheduler.has_news()):
@@ -187,8 +192,10 @@ class EngineLoop:
             plan = self.scheduler.schedule()
             self._note_scheduled(plan)
             self._settle()  # warms found cached or dropped while scheduling end now, steps or not
+            counts = self._trace_counts(plan) if self.trace is not None else None
         if plan.is_empty():
             return False
+        planned = time.perf_counter()
         try:
             output = self.runner.execute(plan)
         except Exception as exc:  # one bad step fails its requests only; the loop goes on
@@ -200,6 +207,7 @@ class EngineLoop:
                         self._finish(req, _step_error(exc))
                 self._cv.notify_all()
             return bool(plan.runs)
+        executed = time.perf_counter()
         with self._cv:
             sampled = self._apply(plan, output)
         # Detokenisation runs outside the lock; the stream of a request is only ever touched by
@@ -211,7 +219,26 @@ class EngineLoop:
             if self.debug_checks:
                 self._check_pages()
             self._cv.notify_all()
+        if counts is not None:
+            counts.update(path=output.path, vision_ms=round(sum(output.vision_ms.values()), 3))
+            self.trace.record(started, planned, executed, time.perf_counter(), counts)
         return bool(plan.runs)
+
+    def _trace_counts(self, plan: StepPlan) -> dict:
+        """What the step trace says of ``plan`` (no ids: see :mod:`engine.serving.trace`). Holds the lock."""
+        decode = prefill = warm = 0
+        for run in plan.runs:
+            req = self.scheduler.request(run.req_id)
+            if run.num_tokens == 1 and req is not None and run.start >= req.num_prompt:
+                decode += 1
+            else:
+                prefill += run.num_tokens
+                warm += run.num_tokens if req is not None and req.warm else 0
+        return {"runs": len(plan.runs), "tokens": sum(r.num_tokens for r in plan.runs), "decode_rows": decode,
+                "prefill_tokens": prefill, "warm_tokens": warm,
+                "restores": sum(isinstance(o, Restore) for o in plan.kv_orders),
+                "offloads": sum(isinstance(o, Offload) for o in plan.kv_orders),
+                "awaited": len(plan.transfers_awaited)}
 
     def _intake(self) -> None:
         """Take the inbox (each request's prefix is looked up here) and the cancellations. Holds

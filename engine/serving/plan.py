@@ -169,6 +169,8 @@ class StepOutput:
             :data:`~engine.cache.compaction.TokenScores` (None when the selector needs none).
         vision_ms: milliseconds the encoder ran for a request this step (only where it ran).
         transfers: the tier copies that landed since the last output (rank 0's), in start order.
+        path: the forward that ran: ``"graph"`` (decode CUDA graphs), ``"prefill_graph"``,
+            ``"eager"``, or ``"none"`` (no run left to compute).
     """
 
     sampled: dict[int, int] = field(default_factory=dict)
@@ -176,3 +178,4 @@ class StepOutput:
     scores: dict[int, dict[str, torch.Tensor] | None] = field(default_factory=dict)
     vision_ms: dict[int, float] = field(default_factory=dict)
     transfers: list[TransferDone] = field(default_factory=list)
+    path: str = "none"

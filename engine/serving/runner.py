@@ -129,6 +129,7 @@ class ModelRunner:
         self._encode(plan, out)
         runs = [run for run in plan.runs if run.req_id not in out.failed]
         features = {run.req_id: f for run in runs if (f := self._run_features(run)) is not None}
+        out.path = self.path_of(runs) if runs else "none"
         sampled = self._launch(plan, runs, features)
         for req_id, token in sampled:
             out.sampled[req_id] = token
@@ -177,9 +178,10 @@ class ModelRunner:
         """The forward of ``runs`` (decode graphs, a prefill graph or eager), ``features`` by
         request id. Returns ``(request id, sampled token)`` for the runs with ``sample`` set;
         with ``head=False`` (a tensor-parallel worker, whose rank 0 samples) nothing."""
-        if self.graphs is not None and self._fits_graph(runs):
+        path = self.path_of(runs)
+        if path == "graph":
             return self._run_graph(runs, head)
-        if self.prefill_graphs is not None and self._fits_prefill_graph(runs):
+        if path == "prefill_graph":
             return self._run_prefill_graph(runs[0], features.get(runs[0].req_id), head)
         # Sequences with no cached context first: their rows attend to the step's own K/V.
         ordered = sorted(runs, key=lambda run: run.kv_len > 0)
@@ -211,6 +213,15 @@ class ModelRunner:
                             parts[False] if parts[False][0] else None, visual, logit_rows)
         logits = self.forward(inputs, head=head)
         return self._sample(samplers, logits, None) if head else []
+
+    def path_of(self, runs: list[ScheduledRun]) -> str:
+        """Which forward :meth:`compute` runs for ``runs``: ``"graph"`` (the decode graphs),
+        ``"prefill_graph"`` or ``"eager"``."""
+        if self.graphs is not None and self._fits_graph(runs):
+            return "graph"
+        if self.prefill_graphs is not None and self._fits_prefill_graph(runs):
+            return "prefill_graph"
+        return "eager"
 
     def forward(self, inputs: StepInputs, *, head: bool = True) -> torch.Tensor:
         """The model on one eager step's inputs: float32 logits ``[len(inputs.logit_rows), vocab]``,
