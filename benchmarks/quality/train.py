@@ -409,7 +409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curriculum", choices=sorted(CURRICULA), default="v1",
-                   help="v1 trained the committed model; binding adds kind-naming questions (docs/QUALITY.md)")
+                   help="v1 trained the committed model; binding adds kind-naming questions (docs/QUALITY.md); "
+                        "binding2 asks them more often and weights colour/which_image/position up")
     p.add_argument("--toy", action="store_true", help="a toy-sized model (CPU smoke tests); size options apply to it")
     p.add_argument("--aux-weight", type=float, default=0.0,
                    help="weight of the auxiliary per-visual-token loss (kind, colour, word of each cell; 0: off)")
