@@ -296,6 +296,105 @@ def test_batch_targets_point_at_answer_tokens(tokens):
     assert int((batch.input_ids == tiny.IMAGE_PAD_ID).sum()) == batch.n_images * 64
 
 
+def test_binding2_curriculum_is_valid_and_weights_shape_and_weak_types_up():
+    """``binding2``: stages in order from 0 over the training types only, one weight per type, the
+    last stage the held-out layout (EVAL's limits), and a larger share of ``shape`` and of colour,
+    which_image and position than ``binding`` in the later stages; v1 and binding unchanged."""
+    stages = sc.CURRICULA["binding2"]
+    starts = [start for _, start, _ in stages]
+    assert starts[0] == 0.0 and starts == sorted(starts) and len(set(starts)) == len(starts)
+    for _, _, dist in stages:
+        assert set(dist.types) <= set(sc.TRAINING_TYPES) and len(dist.type_weights) == len(dist.types)
+    last = stages[-1][2]
+    assert (last.min_images, last.max_images, last.max_shapes, last.max_count, last.word_prob, last.min_gap) == (
+        sc.EVAL.min_images, sc.EVAL.max_images, sc.EVAL.max_shapes, sc.EVAL.max_count, sc.EVAL.word_prob,
+        sc.EVAL.min_gap)
+
+    def share(dist, types):
+        return sum(w for t, w in zip(dist.types, dist.type_weights, strict=True) if t in types) / sum(dist.type_weights)
+
+    for (_, _, new), (_, _, old) in list(zip(stages, sc.CURRICULA["binding"], strict=True))[1:]:
+        assert share(new, {"shape"}) > share(old, {"shape"})
+        assert share(new, {"colour", "which_image", "position"}) > share(old, {"colour", "which_image", "position"})
+    assert sc.CURRICULA["v1"] is sc.CURRICULUM and sc.CURRICULA["binding"] is sc.BINDING_CURRICULUM
+    assert sc.heldout(5)[0].uid == "heldout:0" and {s.qtype for s in sc.heldout(5)} == set(sc.QUESTION_TYPES)
+
+
+def _token_pixels(values: torch.Tensor, token: int, rgb, config) -> int:
+    """Pixels of colour ``rgb`` among the 4 processor patches merged into visual token ``token``
+    (rows ``4 token .. 4 token + 3`` of ``pixel_values``, as the merger takes them)."""
+    p, t = config["patch_size"], config["temporal_patch_size"]
+    scale = 1.0 / config["rescale_factor"]
+    norm = [(c - m * scale) / (sd * scale) for c, m, sd in zip(rgb, config["image_mean"], config["image_std"],
+                                                                strict=True)]
+    rows = values[4 * token:4 * token + 4].view(4, 3, t, p, p)[:, :, 0]  # [4, channel, row, col]
+    target = torch.tensor(norm, dtype=torch.float32).view(1, 3, 1, 1)
+    return int(((rows - target).abs() < 1e-3).all(1).sum())
+
+
+def test_cell_labels_line_up_with_the_visual_tokens():
+    """The aux labels of merged token ``t`` describe the pixels the model merges into token ``t``:
+    a known scene (a square in cell (2, 5), a circle clipped at the top-left corner, a word) gets
+    exactly the labels expected at the raster index of each cell, and for held-out scenes every
+    cell labelled with a colour has at least ``CELL_MIN_PIXELS`` of it in the token's 4 patches."""
+    from benchmarks.quality.data import CELL_MIN_PIXELS, cell_labels
+    from benchmarks.quality.render import pack_scenes
+
+    config = tiny.IMAGE_PROCESSOR_CONFIG
+    word = sc.Word("CAT", 40, 200, 3, (20, 20, 20))  # letters at x 40, 58, 76 (15 px wide), y 200..220
+    scene = sc.Scene((250, 250, 250), (sc.Shape("square", "blue", 176, 80, 10), sc.Shape("circle", "red", 10, 10, 9)),
+                     word)
+    labels = cell_labels(pack_scenes([scene]), (256, 256))
+    assert labels.shape == (1, 64, 3) and labels.dtype == torch.long
+    kind, colour, words = (labels[0, :, i].view(8, 8) for i in range(3))
+    expected_kind = torch.zeros(8, 8, dtype=torch.long)
+    expected_kind[2, 5] = 1 + sc.SHAPES.index("square")
+    expected_kind[0, 0] = 1 + sc.SHAPES.index("circle")
+    assert torch.equal(kind, expected_kind)
+    assert colour[2, 5] == 1 + list(sc.COLOURS).index("blue") and colour[0, 0] == 1 + list(sc.COLOURS).index("red")
+    assert int(colour.count_nonzero()) == 2
+    assert words[6].tolist() == [0, 1, 1, 0, 0, 0, 0, 0] and int(words.sum()) == 2
+    values, _ = patchify(render(pack_scenes([scene]), (256, 256)), config)
+    assert _token_pixels(values, 2 * 8 + 5, sc.COLOURS["blue"], config) == 400  # the 20 x 20 square
+    assert _token_pixels(values, 0, sc.COLOURS["red"], config) > 0
+    assert _token_pixels(values, 5 * 8 + 2, sc.COLOURS["blue"], config) == 0  # the transposed cell is empty
+
+    scenes = [scene for sample in sc.heldout(12) for scene in sample.scenes]
+    packed = pack_scenes(scenes)
+    labels = cell_labels(packed, (256, 256))
+    values, _ = patchify(render(packed, (256, 256)), config)
+    names = list(sc.COLOURS)
+    labelled = 0
+    for n in range(len(scenes)):
+        for cell in range(64):
+            c = int(labels[n, cell, 1])
+            if c:
+                labelled += 1
+                assert _token_pixels(values, n * 64 + cell, sc.COLOURS[names[c - 1]], config) >= CELL_MIN_PIXELS
+    assert labelled >= len(scenes)  # every scene has a shape
+
+
+def test_size_overrides_and_projected_size():
+    """Size options give a valid Qwen3-VL config (vision output width = text width); the projected
+    folder size of the committed probe is within 1% of its files, and a width of 192 is over 50 MiB."""
+    from benchmarks.quality import MODEL_DIR
+
+    spec = ckpt.probe_spec(ckpt.size_overrides(vision_width=160, vision_mlp=640))
+    vision = spec["vision_config"]
+    assert (vision["hidden_size"], vision["num_heads"], vision["intermediate_size"]) == (160, 5, 640)
+    assert vision["out_hidden_size"] == spec["text_config"]["hidden_size"] == 128
+    assert ckpt.projected_bytes(spec) <= ckpt.PROBE_BUDGET_BYTES
+    assert ckpt.probe_spec(ckpt.size_overrides()) == ckpt.probe_spec()
+    on_disk = sum(p.stat().st_size for p in MODEL_DIR.iterdir() if p.is_file())
+    assert abs(ckpt.projected_bytes(ckpt.probe_spec()) - on_disk) < 0.01 * on_disk
+    wide = ckpt.probe_spec(ckpt.size_overrides(vision_width=192, vision_mlp=768))
+    assert ckpt.projected_bytes(wide) > ckpt.PROBE_BUDGET_BYTES
+    from engine.errors import CheckpointError
+
+    with pytest.raises(CheckpointError):
+        ckpt.probe_spec(ckpt.size_overrides(vision_depth=2))  # DeepStack tap 2 outside the tower
+
+
 # --------------------------------------------------------------------------------------------
 # Model, trainer, checkpoint
 # --------------------------------------------------------------------------------------------
@@ -428,6 +527,57 @@ def test_checkpoint_shards_transfer_and_load(tmp_path, toy_checkpoint):
     victim.write_bytes(b"x" + victim.read_bytes()[1:])
     with pytest.raises(ValueError, match="sha256"):
         ckpt.join_parts(tmp_path / "parts", tmp_path / "joined2")
+
+
+def test_toy_run_with_aux_loss_and_size_override_saves_a_plain_qwen3vl(tmp_path, tiny_ckpt, processor):
+    """``train`` end to end on the CPU with ``--aux-weight`` (merger and DeepStack heads) and a
+    wider vision tower: it trains a few steps (aux statistics in the history), saves a checkpoint
+    whose config has the run's size and whose tensors are exactly the model's (no aux head), which
+    Prism's engine and transformers both load and answer with; the transfer folder carries the
+    config, so joining it over a default-size skeleton gives the same folder; an oversized model
+    is refused before training."""
+    import json
+
+    from benchmarks.quality.train import parse_args, train
+    from engine import Engine, SamplingParams
+
+    out, parts = tmp_path / "ckpt", tmp_path / "parts"
+    metrics = train(parse_args([
+        "--out", str(out), "--toy", "--steps", "3", "--batch", "4", "--workers", "0", "--eval", "5",
+        "--aux-weight", "0.5", "--aux-deepstack", "--vision-width", "48", "--vision-mlp", "96",
+        "--curriculum", "binding2", "--transfer", str(parts), "--metrics", str(tmp_path / "m.json"),
+        "--device", "cpu", "--log-every", "1", "--ckpt-minutes", "0", "--lr", "3e-3", "--warmup", "1"]))
+    assert metrics["steps"] == 3 and metrics["aux_weight"] == 0.5 and metrics["aux_levels"] == 2
+    assert all(np.isfinite(h["aux_loss"]) and 0 <= h["aux_kind_accuracy"] <= 1 for h in metrics["history"])
+    assert metrics["vision_config"]["hidden_size"] == 48
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"]["hidden_size"] == 48 and config["vision_config"]["intermediate_size"] == 96
+    spec = ckpt.probe_spec(ckpt.size_overrides(ckpt.TOY_OVERRIDES, vision_width=48, vision_mlp=96))
+    state = ckpt.load_weights(out)
+    shapes = tiny.tensor_shapes(spec)
+    assert {k: tuple(v.shape) for k, v in state.items()} == {k: tuple(v) for k, v in shapes.items()}
+
+    samples = sc.heldout(3)
+    with Engine.from_pretrained(out, device="cpu", dtype=torch.float32, kv_cache_dtype="auto", compaction=None,
+                                progress=False) as engine:
+        prism = [engine.generate(s.messages(), SamplingParams(max_tokens=3, temperature=0.0),
+                                 cache_salt=s.uid).text for s in samples]
+    hf = _hf_model(out)
+    for sample, theirs in zip(samples, prism, strict=True):
+        inputs = processor.apply_chat_template(sample.messages(), tokenize=True, add_generation_prompt=True,
+                                               return_dict=True, return_tensors="pt")
+        generated = hf.generate(**inputs, max_new_tokens=3, do_sample=False)
+        assert processor.tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:],
+                                          skip_special_tokens=True) == theirs
+
+    skeleton = ckpt.write_skeleton(tmp_path / "joined", ckpt.probe_spec(ckpt.TOY_OVERRIDES))
+    ckpt.join_parts(parts, skeleton)
+    assert json.loads((skeleton / "config.json").read_text()) == config
+    assert set(ckpt.load_weights(skeleton)) == set(state)
+
+    with pytest.raises(SystemExit, match="refused"):
+        train(parse_args(["--out", str(tmp_path / "big"), "--skeleton", str(tiny_ckpt), "--vision-width", "256",
+                          "--vision-mlp", "1024", "--device", "cpu", "--workers", "0"]))
 
 
 # --------------------------------------------------------------------------------------------

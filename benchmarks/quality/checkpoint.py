@@ -18,18 +18,20 @@ into parts and :func:`join_parts` glues them back (checking SHA-256).
 Command line::
 
     python -m benchmarks.quality.checkpoint skeleton DIR      # config + tokenizer files, no weights
+    python -m benchmarks.quality.checkpoint skeleton DIR --vision-width 160   # ... of another size
     python -m benchmarks.quality.checkpoint join PARTS DIR    # parts (+ skeleton in DIR) -> checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
 import pathlib
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -73,6 +75,17 @@ TOY_OVERRIDES: dict[str, Any] = {
                       "num_position_embeddings": 256, "deepstack_visual_indexes": [0]},
 }
 
+#: The committed probe folder must stay within this on disk (issue 35).
+PROBE_BUDGET_BYTES = 50 << 20
+
+#: Skeleton files the committed probe folder leaves out (the fast tokenizer needs only tokenizer.json).
+UNCOMMITTED_FILES = ("vocab.json", "merges.txt")
+
+#: Bytes :func:`projected_bytes` allows per tensor for the safetensors headers and the index, and
+#: for the training metrics the folder also carries.
+_PER_TENSOR_BYTES = 256
+_METRICS_BYTES = 64 << 10
+
 SHARD_BYTES = 15 << 20
 INDEX_FILE = "model.safetensors.index.json"
 _WEIGHT_SUFFIX = ".safetensors"
@@ -82,6 +95,77 @@ def probe_spec(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The resolved preset (see :func:`engine.tiny.resolve_preset`) of the probe, or of ``demo``
     with other ``overrides`` (e.g. :data:`TOY_OVERRIDES`)."""
     return tiny.resolve_preset("demo", PROBE_OVERRIDES if overrides is None else overrides)
+
+
+def size_overrides(base: Mapping[str, Any] | None = None, *, vision_width: int | None = None,
+                   vision_depth: int | None = None, vision_mlp: int | None = None, vision_heads: int | None = None,
+                   deepstack: Sequence[int] | None = None, text_layers: int | None = None,
+                   text_mlp: int | None = None) -> dict[str, Any]:
+    """``base`` (default :data:`PROBE_OVERRIDES`) with other sizes of the vision tower and decoder.
+
+    The text width stays (the vision tower's ``out_hidden_size`` must equal it, and the tied
+    151,936-row embedding is most of the 50 MiB budget). With a new ``vision_width`` and no
+    ``vision_heads``, heads of 32 channels are used when the width is a multiple of 32, else the
+    base's head count. None leaves a setting as it is. The result is checked by
+    :func:`probe_spec` (engine.tiny's consistency checks).
+
+    Args:
+        vision_width: vision hidden size (channels per patch).
+        vision_depth: vision blocks; ``deepstack`` (DeepStack tap layers) must lie below it.
+        vision_mlp: vision MLP width.
+        text_layers: decoder layers (at least as many as DeepStack taps).
+        text_mlp: decoder MLP width.
+    """
+    out = copy.deepcopy(dict(PROBE_OVERRIDES if base is None else base))
+    vision = out.setdefault("vision_config", {})
+    text = out.setdefault("text_config", {})
+    if vision_width is not None:
+        vision["hidden_size"] = vision_width
+        if vision_heads is None:
+            vision["num_heads"] = vision_width // 32 if vision_width % 32 == 0 else vision.get("num_heads", 4)
+    for key, value in (("num_heads", vision_heads), ("depth", vision_depth), ("intermediate_size", vision_mlp),
+                       ("deepstack_visual_indexes", None if deepstack is None else list(deepstack))):
+        if value is not None:
+            vision[key] = value
+    for key, value in (("num_hidden_layers", text_layers), ("intermediate_size", text_mlp)):
+        if value is not None:
+            text[key] = value
+    return out
+
+
+def projected_bytes(spec: Mapping[str, Any], skeleton: str | os.PathLike[str] | None = None) -> int:
+    """Bytes the committed folder of a model with settings ``spec`` would take on disk: the
+    weights in bfloat16 (plus header and index room per tensor), the skeleton's files but
+    :data:`UNCOMMITTED_FILES` (``skeleton``'s sizes; without one, the committed probe's), and room
+    for the training metrics. Compare with :data:`PROBE_BUDGET_BYTES`."""
+    import math
+
+    shapes = tiny.tensor_shapes(spec)
+    weights = sum(2 * math.prod(shape) + _PER_TENSOR_BYTES for shape in shapes.values())
+    folder = pathlib.Path(skeleton) if skeleton is not None else pathlib.Path(__file__).parent / "probe"
+    files = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and not _is_weight_file(p.name)
+                and p.name not in UNCOMMITTED_FILES and p.name != "training_metrics.json")
+    return weights + files + _METRICS_BYTES
+
+
+def add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """The size options (``--vision-width`` ...) of the trainer and of ``checkpoint skeleton``."""
+    g = parser.add_argument_group("model size (default: the committed probe's; see size_overrides)")
+    g.add_argument("--vision-width", type=int, help="vision hidden size (probe: 128)")
+    g.add_argument("--vision-depth", type=int, help="vision blocks (probe: 4)")
+    g.add_argument("--vision-mlp", type=int, help="vision MLP width (probe: 512)")
+    g.add_argument("--vision-heads", type=int, help="vision heads (default: width / 32 when it divides)")
+    g.add_argument("--deepstack", help="DeepStack tap layers, comma-separated (probe: 1,2)")
+    g.add_argument("--text-layers", type=int, help="decoder layers (probe: 4)")
+    g.add_argument("--text-mlp", type=int, help="decoder MLP width (probe: 384)")
+
+
+def overrides_from_args(args: argparse.Namespace, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`size_overrides` of ``base`` with the options :func:`add_size_arguments` added."""
+    deepstack = None if args.deepstack is None else [int(x) for x in str(args.deepstack).split(",") if x.strip()]
+    return size_overrides(base, vision_width=args.vision_width, vision_depth=args.vision_depth,
+                          vision_mlp=args.vision_mlp, vision_heads=args.vision_heads, deepstack=deepstack,
+                          text_layers=args.text_layers, text_mlp=args.text_mlp)
 
 
 def write_skeleton(folder: str | os.PathLike[str], spec: Mapping[str, Any] | None = None) -> pathlib.Path:
@@ -94,7 +178,7 @@ def write_skeleton(folder: str | os.PathLike[str], spec: Mapping[str, Any] | Non
     spec = probe_spec() if spec is None else spec
     out = pathlib.Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "config.json", tiny.config_dict(spec))
+    write_config(out, spec)
     _write_json(out / "generation_config.json", tiny.GENERATION_CONFIG)
     _write_json(out / "preprocessor_config.json", tiny.IMAGE_PROCESSOR_CONFIG)
     _write_json(out / "video_preprocessor_config.json", tiny.VIDEO_PROCESSOR_CONFIG)
@@ -104,6 +188,14 @@ def write_skeleton(folder: str | os.PathLike[str], spec: Mapping[str, Any] | Non
     for name in ("tokenizer.json", "vocab.json", "merges.txt"):
         shutil.copyfile(tokenizer_files / name, out / name)
     return out
+
+
+def write_config(folder: str | os.PathLike[str], spec: Mapping[str, Any]) -> pathlib.Path:
+    """Write ``config.json`` for the resolved settings ``spec`` into ``folder`` (replacing a
+    skeleton's, so a run with size overrides saves its own)."""
+    path = pathlib.Path(folder) / "config.json"
+    _write_json(path, tiny.config_dict(spec))
+    return path
 
 
 def copy_skeleton(skeleton: str | os.PathLike[str], folder: str | os.PathLike[str]) -> pathlib.Path:
@@ -171,8 +263,9 @@ def load_weights(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 def split_for_transfer(folder: str | os.PathLike[str], dest: str | os.PathLike[str], *,
                        part_bytes: int = SHARD_BYTES) -> dict[str, str]:
-    """Copy the weights of ``folder`` (its safetensors files and their index) into ``dest``, files
-    over ``part_bytes`` cut into ``NAME.partNN``; the other files are rebuilt by :func:`write_skeleton`.
+    """Copy the weights of ``folder`` (its safetensors files and their index) and its
+    ``config.json`` (the model's size, which a size override changes) into ``dest``, files over
+    ``part_bytes`` cut into ``NAME.partNN``; the other files are rebuilt by :func:`write_skeleton`.
 
     Returns:
         ``{file name: sha256 hex}`` of the whole files (also written to ``dest/sha256.json``).
@@ -180,7 +273,8 @@ def split_for_transfer(folder: str | os.PathLike[str], dest: str | os.PathLike[s
     src, out = pathlib.Path(folder), pathlib.Path(dest)
     out.mkdir(parents=True, exist_ok=True)
     digests = {}
-    for path in sorted(p for p in src.iterdir() if p.is_file() and _is_weight_file(p.name)):
+    carried = sorted(p for p in src.iterdir() if p.is_file() and (_is_weight_file(p.name) or p.name == "config.json"))
+    for path in carried:
         data = path.read_bytes()
         digests[path.name] = hashlib.sha256(data).hexdigest()
         for old in out.glob(path.name + ".part*"):
@@ -227,12 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sk = sub.add_parser("skeleton", help="write config, processor and tokenizer files (no weights)")
     sk.add_argument("folder")
+    add_size_arguments(sk)
     jn = sub.add_parser("join", help="reassemble transferred parts into a checkpoint folder")
     jn.add_argument("parts")
     jn.add_argument("folder")
     args = parser.parse_args(argv)
     if args.cmd == "skeleton":
-        print(write_skeleton(args.folder))
+        print(write_skeleton(args.folder, probe_spec(overrides_from_args(args))))
     else:
         print(join_parts(args.parts, args.folder))
     return 0

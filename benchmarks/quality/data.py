@@ -23,7 +23,7 @@ from engine.model.tiny import ENDOFTEXT_ID
 
 from .patches import patchify
 from .render import PackedScenes, pack_scenes, render
-from .scenes import TRAINING_TYPES, Sample, curriculum_stage, train_sample
+from .scenes import COLOURS, SHAPES, TRAINING_TYPES, Sample, curriculum_stage, train_sample
 from .tokens import PromptIds, PromptTokens
 
 
@@ -137,6 +137,77 @@ def device_pixels(batch: Batch, processor_config: Mapping[str, Any]) -> tuple[to
     """
     values, grid = patchify(render(batch.scenes, batch.size), processor_config)
     return values, (int(grid[0, 1]), int(grid[0, 2])) if len(grid) else (0, 0)
+
+
+#: Classes of the auxiliary per-token labels (:func:`cell_labels`): no shape + the kinds in
+#: :data:`SHAPES` order; no shape + the colours in :data:`COLOURS` order; no word / word.
+CELL_CLASSES = (1 + len(SHAPES), 1 + len(COLOURS), 2)
+
+#: Pixels of an object a cell must hold for the object to label it (a sliver of a neighbour's
+#: edge does not count).
+CELL_MIN_PIXELS = 8
+
+_COLOUR_RGB = torch.tensor(list(COLOURS.values()), dtype=torch.int32)  # [colours, 3]
+
+
+def cell_labels(packed: PackedScenes, size: tuple[int, int], cell: int = 32,
+                min_pixels: int = CELL_MIN_PIXELS) -> torch.Tensor:
+    """Per merged visual token, what the image shows in its ``cell x cell`` pixel square: the
+    auxiliary targets of the trainer's ``--aux-weight`` loss.
+
+    A merged token covers ``patch_size * merge_size`` = 32 x 32 pixels; Qwen3-VL's processor takes
+    patches in merge-block order and the merger joins each block's ``merge²`` consecutive patches,
+    so an image's merged tokens are its cells in raster order (row by row, left to right). The
+    label of a cell comes from the scene objects as painted (:func:`.render.render` of an id per
+    paint slot, so later objects cover earlier ones and clipping at the border is exact): the shape
+    with the most pixels in the cell, if it has at least ``min_pixels`` there, gives the kind and
+    colour; any letter with ``min_pixels`` pixels in the cell marks it as holding a word.
+
+    Made where the batch's scenes are (the training device, next to :func:`device_pixels`): on
+    the GPU it is one more render of the batch, while on a CPU core it takes seconds for a batch
+    of 256 samples (the windowed painter is built for the GPU), too slow for the DataLoader workers.
+
+    Args:
+        packed: the scenes (:func:`.render.pack_scenes`), on any device.
+        size: ``(height, width)`` in pixels, multiples of ``cell``.
+
+    Returns:
+        int64 ``[N, (height / cell) * (width / cell), 3]`` on ``packed``'s device: ``(kind, colour,
+        word)`` with kind 0 = no shape else 1 + index in :data:`SHAPES`, colour 0 = no shape else
+        1 + index in :data:`COLOURS`, word 0/1 (class counts :data:`CELL_CLASSES`).
+
+    Raises:
+        ValueError: a side is not a multiple of ``cell``, or more than 254 paint slots.
+    """
+    height, width = size
+    if height % cell or width % cell:
+        raise ValueError(f"image sides {height}x{width} must be multiples of the cell size {cell}")
+    items = packed.items
+    n, k, _ = items.shape
+    if k > 254:
+        raise ValueError("cell_labels paints slot ids as uint8 and handles at most 254 slots")
+    device = items.device
+    ids = items.clone()
+    ids[..., 5] = torch.arange(1, k + 1, dtype=items.dtype, device=device)  # slot id in the red channel
+    ids[..., 6:8] = 0
+    slot_map = render(PackedScenes(ids, torch.zeros_like(packed.background), packed.window), size)[..., 0].long()
+    rows, cols = height // cell, width // cell
+    cells = rows * cols
+    per_cell = slot_map.view(n, rows, cell, cols, cell).permute(0, 1, 3, 2, 4).reshape(n * cells, cell * cell)
+    flat = (torch.arange(n * cells, device=device)[:, None] * (k + 1) + per_cell).reshape(-1)
+    counts = torch.bincount(flat, minlength=n * cells * (k + 1)).view(n, cells, k + 1)[..., 1:]  # [N, C, K]
+    kind = items[..., 0].long()  # [N, K]: 0 empty, 1..4 shapes, 5 letter
+    is_shape = (kind >= 1) & (kind <= len(SHAPES))
+    shape_counts = torch.where(is_shape[:, None, :], counts, torch.zeros_like(counts))
+    best_count, best = shape_counts.max(-1)  # [N, C]
+    has_shape = best_count >= min_pixels
+    match = (items[..., None, 5:8] == _COLOUR_RGB.to(device)).all(-1)  # [N, K, colours]
+    colour = torch.where(match.any(-1), match.int().argmax(-1) + 1, torch.zeros_like(kind))  # [N, K]
+    kind_label = torch.where(has_shape, kind.gather(1, best), torch.zeros_like(best))
+    colour_label = torch.where(has_shape, colour.gather(1, best), torch.zeros_like(best))
+    glyph_pixels = torch.where((kind == len(SHAPES) + 1)[:, None, :], counts, torch.zeros_like(counts)).sum(-1)
+    word = (glyph_pixels >= min_pixels).long()
+    return torch.stack([kind_label, colour_label, word], -1)
 
 
 class TrainStream(torch.utils.data.IterableDataset):

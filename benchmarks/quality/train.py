@@ -18,6 +18,15 @@ skeleton DIR``)::
 
 ``--init DIR`` continues from a checkpoint (the committed probe) instead of a fresh model, e.g. a
 short fine-tune with ``--curriculum binding`` (docs/QUALITY.md gives the command).
+
+``--aux-weight W`` adds an auxiliary loss on the visual tokens the decoder receives: a linear
+head (:class:`AuxHeads`, training only, never saved) predicts for each merged token what its
+32 x 32-pixel cell shows (the kind and colour of its main shape, whether a word is there; see
+:func:`benchmarks.quality.data.cell_labels`), so the vision tower is told shape kinds directly.
+``--vision-width`` and the other size options (:func:`benchmarks.quality.checkpoint.add_size_arguments`)
+change the model's size; the run refuses a model whose committed folder would exceed
+:data:`benchmarks.quality.checkpoint.PROBE_BUDGET_BYTES`, and the saved ``config.json`` is the
+run's own (a skeleton of the default size may be passed).
 """
 
 from __future__ import annotations
@@ -33,12 +42,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.model import tiny
 from engine.model.config import ModelConfig
 
 from . import checkpoint as ckpt
-from .data import Batch, TrainStream, build_batch, device_pixels
+from .data import CELL_CLASSES, Batch, TrainStream, build_batch, cell_labels, device_pixels
 from .model import ProbeVL
 from .scenes import CURRICULA, QUESTION_TYPES, TRAINING_TYPES, Sample, accuracy_by_type, heldout
 from .tokens import PromptTokens
@@ -90,17 +100,98 @@ def make_optimizer(model: ProbeVL, lr: float, weight_decay: float = 0.05) -> tor
                              lr=lr, betas=(0.9, 0.95), fused=fused)
 
 
+class AuxHeads(nn.Module):
+    """Training-only linear heads on the visual tokens: per merged token, logits of the cell's
+    shape kind, colour and word classes (:data:`benchmarks.quality.data.CELL_CLASSES`), one head
+    for the merger output and one per DeepStack output when ``levels > 1``. Not part of the
+    checkpoint (the saved model is :class:`ProbeVL` alone).
+
+    Args:
+        width: the visual tokens' width (``vision_config.out_hidden_size``).
+        levels: 1 (merger output) or 1 + the DeepStack taps.
+    """
+
+    def __init__(self, width: int, levels: int = 1):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(width, sum(CELL_CLASSES)) for _ in range(levels))
+
+    def loss(self, tokens: Sequence[torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       torch.Tensor]:
+        """The auxiliary loss over the levels' tokens, and the merger head's hits on cells holding a shape.
+
+        Per level: cross-entropy of kind, colour and word averaged over every cell, plus that of
+        kind and colour averaged over the cells holding a shape (most cells are empty; this keeps
+        the signal for shapes from being diluted); the levels are averaged.
+
+        Args:
+            tokens: ``levels`` tensors ``[T, width]`` (the merger output, then DeepStack outputs).
+            labels: int64 ``[T, 3]`` (:func:`benchmarks.quality.data.cell_labels`, flattened).
+
+        Returns:
+            ``(loss, kind_hits, colour_hits)``: a float32 scalar, and float32 ``[2]`` each as
+            ``(correct, cells)`` counted over the cells holding a shape (merger head).
+        """
+        nk, nc, _ = CELL_CLASSES
+        shape = (labels[:, 0] > 0).float()
+        cells = shape.sum().clamp(min=1.0)
+        total = torch.zeros((), device=labels.device)
+        kind_hits = colour_hits = None
+        for j, (head, x) in enumerate(zip(self.heads, tokens, strict=False)):
+            logits = head(x).float()
+            kind, colour, word = logits[:, :nk], logits[:, nk:nk + nc], logits[:, nk + nc:]
+            ce_kind = F.cross_entropy(kind, labels[:, 0], reduction="none")
+            ce_colour = F.cross_entropy(colour, labels[:, 1], reduction="none")
+            ce_word = F.cross_entropy(word, labels[:, 2], reduction="none")
+            every_cell = (ce_kind + ce_colour + ce_word).mean() / 3
+            total = total + every_cell + ((ce_kind + ce_colour) * shape).sum() / (2 * cells)
+            if j == 0:
+                kind_hits = torch.stack([((kind.argmax(-1) == labels[:, 0]).float() * shape).sum(), shape.sum()])
+                colour_hits = torch.stack([((colour.argmax(-1) == labels[:, 1]).float() * shape).sum(), shape.sum()])
+        return total / len(self.heads), kind_hits, colour_hits
+
+
+@dataclass
+class StepLosses:
+    """What one training step computes (:func:`batch_losses`).
+
+    Attributes:
+        answer: float32 scalar, mean cross-entropy over the target tokens.
+        hits: bool ``[M]``, argmax-correctness of each target token.
+        aux: float32 scalar auxiliary loss (None without aux heads).
+        aux_kind, aux_colour: float32 ``[2]`` ``(correct, cells)`` of the merger head on cells
+            holding a shape (None without aux heads).
+    """
+
+    answer: torch.Tensor
+    hits: torch.Tensor
+    aux: torch.Tensor | None = None
+    aux_kind: torch.Tensor | None = None
+    aux_colour: torch.Tensor | None = None
+
+
+def batch_losses(model: ProbeVL, batch: Batch, processor_config, aux: AuxHeads | None = None) -> StepLosses:
+    """The answer loss of :func:`batch_loss` and, with ``aux``, the auxiliary per-token loss on
+    the merged visual tokens (labels from :func:`benchmarks.quality.data.cell_labels`, made on the
+    batch's device; visual tokens and labels are both image by image, cells in raster order)."""
+    pixels, grid = device_pixels(batch, processor_config)
+    embeds, deepstack = model.encode_images(pixels, grid, batch.n_images)
+    hidden = model.hidden(batch.input_ids, batch.positions, embeds, deepstack)
+    logits = model.logits(hidden.reshape(-1, hidden.shape[-1])[batch.target_rows]).float()
+    out = StepLosses(F.cross_entropy(logits, batch.target_ids), logits.argmax(-1) == batch.target_ids)
+    if aux is not None:
+        labels = cell_labels(batch.scenes, batch.size).reshape(-1, 3)
+        out.aux, out.aux_kind, out.aux_colour = aux.loss([embeds, *deepstack][:len(aux.heads)], labels)
+    return out
+
+
 def batch_loss(model: ProbeVL, batch: Batch, processor_config) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over the batch's target tokens, and the argmax-correctness of each target.
 
     Returns:
         ``(loss, correct)``: a float32 scalar and bool ``[M]``.
     """
-    pixels, grid = device_pixels(batch, processor_config)
-    embeds, deepstack = model.encode_images(pixels, grid, batch.n_images)
-    hidden = model.hidden(batch.input_ids, batch.positions, embeds, deepstack)
-    logits = model.logits(hidden.reshape(-1, hidden.shape[-1])[batch.target_rows]).float()
-    return F.cross_entropy(logits, batch.target_ids), logits.argmax(-1) == batch.target_ids
+    out = batch_losses(model, batch, processor_config)
+    return out.answer, out.hits
 
 
 def _autocast(device: torch.device):
@@ -163,10 +254,14 @@ def round_to_storage(model: ProbeVL, dtype: torch.dtype = torch.bfloat16) -> Non
             p.copy_(p.to(dtype).to(p.dtype))
 
 
-def save(model: ProbeVL, out: pathlib.Path, skeleton: pathlib.Path | None, transfer: pathlib.Path | None) -> None:
-    """Write the checkpoint folder (skeleton files + bfloat16 shards); mirror it for transfer."""
+def save(model: ProbeVL, out: pathlib.Path, skeleton: pathlib.Path | None, transfer: pathlib.Path | None,
+         spec=None) -> None:
+    """Write the checkpoint folder (skeleton files + bfloat16 shards; ``config.json`` from
+    ``spec``, the run's settings, when given); mirror it for transfer (weights and config)."""
     if skeleton is not None and skeleton.resolve() != out.resolve():
         ckpt.copy_skeleton(skeleton, out)
+    if spec is not None:
+        ckpt.write_config(out, spec)
     ckpt.save_weights(model.state_dict(), out)
     if transfer is not None:
         ckpt.split_for_transfer(out, transfer)
@@ -176,8 +271,14 @@ def train(args: argparse.Namespace) -> dict:
     """The training run of :func:`main`; returns the metrics it also writes."""
     device = torch.device(args.device)
     out = pathlib.Path(args.out)
-    spec = ckpt.probe_spec(ckpt.TOY_OVERRIDES if args.toy else None)
+    spec = ckpt.probe_spec(ckpt.overrides_from_args(args, ckpt.TOY_OVERRIDES if args.toy else None))
     skeleton = pathlib.Path(args.skeleton) if args.skeleton else ckpt.write_skeleton(out, spec)
+    projected = ckpt.projected_bytes(spec, skeleton)
+    print(f"projected committed folder: {projected / 2**20:.2f} MiB (limit {ckpt.PROBE_BUDGET_BYTES / 2**20:.0f} MiB)",
+          flush=True)
+    if projected > ckpt.PROBE_BUDGET_BYTES:
+        raise SystemExit(f"refused: the checkpoint folder would take {projected / 2**20:.2f} MiB, over the "
+                         f"{ckpt.PROBE_BUDGET_BYTES / 2**20:.0f} MiB limit; choose a smaller size")
     processor_config = json.loads((skeleton / "preprocessor_config.json").read_text())
     tokenizer_file = skeleton / "tokenizer.json"
     transfer = pathlib.Path(args.transfer) if args.transfer else None
@@ -190,16 +291,26 @@ def train(args: argparse.Namespace) -> dict:
     model = build_model(spec, device, args.seed)
     if args.init:
         load_init(model, args.init)
-    optimizer = make_optimizer(model, args.lr)
+    aux = None
+    if args.aux_weight > 0:
+        levels = 1 + (len(spec["vision_config"]["deepstack_visual_indexes"]) if args.aux_deepstack else 0)
+        torch.manual_seed(args.seed + 1)
+        aux = AuxHeads(spec["vision_config"]["out_hidden_size"], levels).to(device)
+    trained = torch.nn.ModuleList([model] + ([aux] if aux is not None else []))
+    optimizer = make_optimizer(trained, args.lr)
     schedule = Schedule(args.lr, warmup=args.warmup)
     tokens = PromptTokens(tokenizer_file)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f} M parameters; batch {args.batch}; budget {args.minutes} min"
-          + (f" / {args.steps} steps" if args.steps else ""), flush=True)
+          + (f" / {args.steps} steps" if args.steps else "")
+          + (f"; aux weight {args.aux_weight} on {len(aux.heads)} level(s)" if aux is not None else ""), flush=True)
 
     budget = args.minutes * 60.0
     history = []
     running = torch.zeros((), device=device)
+    aux_running = torch.zeros((), device=device)
+    aux_kind = torch.zeros(2, device=device)
+    aux_colour = torch.zeros(2, device=device)
     correct = torch.zeros(len(TRAINING_TYPES), device=device)
     seen = torch.zeros(len(TRAINING_TYPES), device=device)
     step, samples_seen, start = 0, 0, time.monotonic()
@@ -216,14 +327,20 @@ def train(args: argparse.Namespace) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         with _autocast(device):
-            loss, hits = batch_loss(model, batch, processor_config)
+            losses = batch_losses(model, batch, processor_config, aux)
+        loss, hits = losses.answer, losses.hits
+        total = loss if losses.aux is None else loss + args.aux_weight * losses.aux
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(trained.parameters(), 1.0)
         optimizer.step()
         step += 1
         samples_seen += len(batch.lengths)
         running += loss.detach()
+        if losses.aux is not None:
+            aux_running += losses.aux.detach()
+            aux_kind += losses.aux_kind
+            aux_colour += losses.aux_colour
         # first-token accuracy per type, without a host sync (no boolean indexing)
         seen.index_add_(0, batch.target_types, batch.first_rows.to(seen.dtype))
         correct.index_add_(0, batch.target_types, (hits & batch.first_rows).to(seen.dtype))
@@ -233,17 +350,21 @@ def train(args: argparse.Namespace) -> dict:
             entry = {"step": step, "samples": samples_seen, "seconds": round(time.monotonic() - start, 1),
                      "loss": round(float(running) / args.log_every, 4), "lr": lr, "stage": batch.stage,
                      "train_first_token_accuracy": acc}
+            if aux is not None:  # the merger head on cells holding a shape
+                entry.update({"aux_loss": round(float(aux_running) / args.log_every, 4),
+                              "aux_kind_accuracy": round(float(aux_kind[0] / aux_kind[1].clamp(min=1)), 3),
+                              "aux_colour_accuracy": round(float(aux_colour[0] / aux_colour[1].clamp(min=1)), 3)})
             history.append(entry)
             print(json.dumps(entry), flush=True)
-            running.zero_(), correct.zero_(), seen.zero_()
+            running.zero_(), correct.zero_(), seen.zero_(), aux_running.zero_(), aux_kind.zero_(), aux_colour.zero_()
         if args.ckpt_minutes and time.monotonic() - last_ckpt >= args.ckpt_minutes * 60:
-            save(model, out, skeleton, transfer)
+            save(model, out, skeleton, transfer, spec)
             last_ckpt = time.monotonic()
     train_seconds = time.monotonic() - start
     del it, loader
 
     round_to_storage(model)
-    save(model, out, skeleton, transfer)
+    save(model, out, skeleton, transfer, spec)
     samples = heldout(args.eval)
     t0 = time.monotonic()
     report = evaluate(model, samples, tokens, device, processor_config)
@@ -251,6 +372,11 @@ def train(args: argparse.Namespace) -> dict:
         "steps": step, "samples": samples_seen, "batch": args.batch, "train_minutes": round(train_seconds / 60, 2),
         "steps_per_second": round(step / max(train_seconds, 1e-9), 2), "parameters": params,
         "lr": args.lr, "seed": args.seed, "curriculum": args.curriculum, "init": args.init,
+        "aux_weight": args.aux_weight, "aux_levels": len(aux.heads) if aux is not None else 0,
+        "vision_config": {k: spec["vision_config"][k] for k in ("hidden_size", "depth", "intermediate_size",
+                                                                 "num_heads", "deepstack_visual_indexes")},
+        "text_config": {k: spec["text_config"][k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size")},
+        "projected_folder_bytes": projected,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "heldout": {"n": len(samples), "first": samples[0].uid if samples else None,
                     "eval_seconds": round(time.monotonic() - t0, 1), "dtype": "bfloat16 weights, bf16 autocast"
@@ -283,8 +409,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curriculum", choices=sorted(CURRICULA), default="v1",
-                   help="v1 trained the committed model; binding adds kind-naming questions (docs/QUALITY.md)")
-    p.add_argument("--toy", action="store_true", help="a toy-sized model (CPU smoke tests)")
+                   help="v1 trained the committed model; binding adds kind-naming questions (docs/QUALITY.md); "
+                        "binding2 asks them more often and weights colour/which_image/position up")
+    p.add_argument("--toy", action="store_true", help="a toy-sized model (CPU smoke tests); size options apply to it")
+    p.add_argument("--aux-weight", type=float, default=0.0,
+                   help="weight of the auxiliary per-visual-token loss (kind, colour, word of each cell; 0: off)")
+    p.add_argument("--aux-deepstack", action="store_true", help="also put aux heads on the DeepStack outputs")
+    ckpt.add_size_arguments(p)
     p.add_argument("--init", help="start from this checkpoint's weights (e.g. benchmarks/quality/probe) "
                                   "instead of a fresh initialisation; the optimizer state starts fresh")
     return p.parse_args(argv)
