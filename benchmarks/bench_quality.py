@@ -15,6 +15,11 @@ do, so every row would be the dense model's. Requests are submitted from many th
 so the engine batches them. At keep ratio 1.0 every selector keeps every token (``keep_count`` is
 the span length), so 1.0 is run once (``uniform``) and stands for all of them.
 
+A selector named ``<selector>+merge`` (e.g. ``--selectors staggered,staggered+merge``) runs the
+merging variant of that selector (``merge_values=True``, issue 35.3: the same kept tokens, the
+dropped ones' values folded into their nearest kept neighbours); it is in no default list, so the
+curves include it only when asked, under its own name.
+
 ``--blind`` adds the blind control (images shuffled between samples with the same image count,
 compaction off) and the answer-frequency prior it should fall to.
 
@@ -71,6 +76,17 @@ def configurations(selectors: list[str], ratios: list[float]) -> list[tuple[str 
     return out
 
 
+MERGE_SUFFIX = "+merge"
+
+
+def parse_selector(name: str | None) -> tuple[str | None, bool]:
+    """``(method, merge_values)`` of a ``--selectors`` entry: ``"staggered"`` -> ``("staggered",
+    False)``, ``"staggered+merge"`` -> ``("staggered", True)``; None (compaction off) -> ``(None, False)``."""
+    if name is not None and name.endswith(MERGE_SUFFIX):
+        return name[: -len(MERGE_SUFFIX)], True
+    return name, False
+
+
 def line(name: str, rep: dict, trans: dict | None = None) -> str:
     cells = " ".join(f"{100 * rep[t]['accuracy']:6.1f}" if t in rep else "     -" for t in (*QUESTION_TYPES, "all"))
     if trans is not None:
@@ -95,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--samples", type=int, default=500)
     ap.add_argument("--start", type=int, default=0, help="first held-out index")
-    ap.add_argument("--selectors", default=",".join(sorted(SELECTORS)))
+    ap.add_argument("--selectors", default=",".join(sorted(SELECTORS)),
+                    help=f"comma-separated SELECTORS keys; '<key>{MERGE_SUFFIX}' for the merging variant")
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--min-keep", type=int, default=1)
     ap.add_argument("--threads", type=int, default=64)
@@ -111,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     trans = transfer(args.transfer)
     kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
     selectors = [s for s in args.selectors.split(",") if s]
+    unknown = [s for s in selectors if parse_selector(s)[0] not in SELECTORS]
+    if unknown:
+        ap.error(f"unknown selectors {unknown}: keys of SELECTORS {sorted(SELECTORS)}, optionally + '{MERGE_SUFFIX}'")
     ratios = [float(r) for r in args.ratios.split(",") if r]
     out: dict = {"model": str(args.model), "device": args.device, "samples": len(samples), "start": args.start,
                  "min_keep": args.min_keep, "kv_cache_dtype": args.kv_cache_dtype, "compaction_mode": COMPACTION_MODE,
@@ -124,16 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     plan += [(f"{m}@{r}", m, r, samples, trans) for m, r in configurations(selectors, ratios)[1:]]
     if args.blind:
         plan.insert(1 if args.dense else 0, ("blind", None, 1.0, blind(samples), blind(trans)))
-    for name, method, ratio, qs, tq in plan:
+    for name, selector, ratio, qs, tq in plan:
         t0 = time.perf_counter()
+        method, merge = parse_selector(selector)
         with Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, progress=False,
                                     kv_cache_dtype=args.kv_cache_dtype, compaction=method, keep_ratio=ratio,
+                                    merge_values=merge,
                                     compaction_mode=COMPACTION_MODE, min_keep=args.min_keep, conversation_reuse=False,
                                     max_num_seqs=args.threads, kv_cache_bytes=kv_bytes) as engine:
             answers, tanswers = split_answers(answer_all(engine, [*qs, *tq], name, args.threads), len(qs))
         rep = report(qs, answers)
-        run = {"name": name, "selector": method, "keep_ratio": ratio, "seconds": time.perf_counter() - t0,
-               "report": rep, "answers": answers.texts}
+        run = {"name": name, "selector": selector, "merge_values": merge, "keep_ratio": ratio,
+               "seconds": time.perf_counter() - t0, "report": rep, "answers": answers.texts}
         if tq:
             run["transfer"] = {"report": report(tq, tanswers), "answers": tanswers.texts}
         if name == "blind":

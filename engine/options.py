@@ -56,6 +56,10 @@ class EngineOptions:
             in the encoder's CUDA graphs).
         keep_ratio, min_keep, compact_video: compaction settings (see
             :class:`~engine.cache.compaction.CompactionConfig`).
+        merge_values: the merging variant of compaction (off by default; issue 35.3): each dropped
+            visual token's V is folded into its nearest kept neighbour's, keys untouched (see
+            :func:`~engine.cache.compaction.value_merge_plan` for what it computes and costs).
+            Needs ``compaction`` set.
         compaction_mode: when a cached prefix is compacted (with ``compaction`` set): ``"always"``
             (when it is computed, so every answer uses the compact prefix) or ``"on_pressure"``
             (cached dense; compacted only when the KV pool must free pages, after idle
@@ -119,6 +123,7 @@ class EngineOptions:
     keep_ratio: float = 0.6
     min_keep: int = 16
     compact_video: bool = False
+    merge_values: bool = False
     compaction_mode: str = "on_pressure"
     pressure_keep_ratios: tuple[float, ...] | None = None
     cache_scope: str = "session"
@@ -172,7 +177,8 @@ class EngineOptions:
             raise InvalidRequestError(
                 f"compaction_mode must be 'always' or 'on_pressure', got {self.compaction_mode!r}")
         try:
-            return CompactionConfig(self.compaction, self.keep_ratio, self.min_keep, self.compact_video)
+            return CompactionConfig(self.compaction, self.keep_ratio, self.min_keep, self.compact_video,
+                                    self.merge_values)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
 
@@ -193,7 +199,8 @@ class EngineOptions:
             raise InvalidRequestError(f"pressure_keep_ratios: {exc}") from None
         if self.compaction_mode != "on_pressure" or base.method is None:
             return ()
-        return tuple(CompactionConfig(base.method, r, base.min_keep, base.compact_video) for r in ratios)
+        return tuple(CompactionConfig(base.method, r, base.min_keep, base.compact_video, base.merge_values)
+                     for r in ratios)
 
     def salt(self, cache_salt: str | None) -> str:
         """The salt every cache of a request is keyed by: the caller's (None is the one anonymous

@@ -65,6 +65,24 @@ def test_quality_rows_keep_what_their_ratio_says(tmp_path):
     assert runs["uniform@1.0"]["answers"] == runs["off"]["answers"]  # nothing dropped: the dense answers
 
 
+def test_quality_merging_rows_are_selectable_and_keep_the_same_tokens(tmp_path):
+    """``--selectors staggered,staggered+merge``: the merging row runs ``merge_values=True`` under
+    its own name and keeps exactly what its selector keeps; no default list holds it."""
+    out = tmp_path / "q.json"
+    assert bench_quality.main(["--model", str(MODEL_DIR), "--device", "cpu", "--samples", "2", "--no-dense",
+                               "--selectors", "staggered,staggered+merge", "--ratios", "0.6", "--threads", "4",
+                               "--out", str(out)]) == 0
+    runs = {r["name"]: r for r in json.loads(out.read_text())["runs"]}
+    assert list(runs) == ["staggered@0.6", "staggered+merge@0.6"]
+    assert [(r["selector"], r["merge_values"]) for r in runs.values()] == [("staggered", False),
+                                                                          ("staggered+merge", True)]
+    assert runs["staggered+merge@0.6"]["report"]["kept_share"] == runs["staggered@0.6"]["report"]["kept_share"]
+    assert bench_quality.parse_selector("uniform") == ("uniform", False) and not any(
+        s.endswith("+merge") for s in SELECTORS)
+    with pytest.raises(SystemExit):
+        bench_quality.main(["--model", str(MODEL_DIR), "--selectors", "nope+merge", "--out", str(out)])
+
+
 @pytest.mark.usefixtures("media_dir")
 @pytest.mark.parametrize("mode", ["always", "on_pressure"])
 def test_prefix_bench_compact_column_is_the_mode_it_prints(tmp_path, capsys, mode):

@@ -6,8 +6,8 @@ one matrix product does, float32 rounding only), with images, chunked prefill, b
 prefix hit and a conversation extension, with compaction off and with the same compaction on
 both, and with Scaled-FP8 pages. Vision runs once per image (rank 0); a failing or killed rank
 becomes a clear error for every waiting caller. Each TP2 engine costs a worker start-up (~5-15 s
-on two busy cores), so the module builds three (dense, compacted, FP8 pages) and breaks two of
-them in its last tests.
+on two busy cores), so the module builds four (dense, compacted, FP8 pages, merging compaction)
+and breaks two of them in its last tests.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ COMPACT = {**EXACT, "compaction": "uniform", "keep_ratio": 0.5, "min_keep": 4, "
 #: With the score-based ``attention`` selector: rank 0 alone runs the vision encoder and its score
 #: pass, stores the scores and decides the kept slots, so the worker keeps the same tokens.
 FP8 = {**COMPACT, "kv_cache_dtype": "fp8_e4m3", "compaction": "attention"}
+#: The merging variant (issue 35.3) on Scaled-FP8 pages: each rank dequantises, merges and
+#: quantises again the V of its own KV heads (the weights are per token): rank-local, no collective.
+MERGE = {**COMPACT, "kv_cache_dtype": "fp8_e4m3", "compaction": "staggered", "merge_values": True}
 #: How long a test waits for an answer that must come (a deadline against a hang). The engines'
 #: collectives keep their default timeout (60 s), longer than this: an error that arrives in time
 #: was detected, not timed out.
@@ -77,6 +80,11 @@ def compact_pair(tiny_ckpt):
 @pytest.fixture(scope="module")
 def fp8_pair(tiny_ckpt):
     yield from tp_pair(tiny_ckpt, FP8)
+
+
+@pytest.fixture(scope="module")
+def merge_pair(tiny_ckpt):
+    yield from tp_pair(tiny_ckpt, MERGE)
 
 
 def both(pair, messages, salt: str) -> tuple[Completion, Completion]:
@@ -231,6 +239,20 @@ def test_tp2_fp8_pages_with_compaction_equal_tp1(fp8_pair):
         assert 0 < two.telemetry.visual_tokens_kept == one.telemetry.visual_tokens_kept < two.telemetry.visual_tokens
     assert two.telemetry.prefix_cache == "hit"
     assert tp2.pool.kv_cache_dtype == "fp8_e4m3" and tp2.pool.layers[0].num_kv_heads == 1  # 2 heads / 2 ranks
+
+
+def test_tp2_merging_compaction_equals_tp1(merge_pair):
+    """A merging compaction's V rewrite reaches the worker in the plan and is applied there to its
+    own KV head: the same tokens as TP1 (cold and hit), one value merge per compacted prefix."""
+    tp1, tp2 = merge_pair
+    pics = images("teal", "maroon")
+    merges = tp2.tensor_parallel_counters()[1]["value_merges"]
+    for question in ("What is here?", "Anything else?"):
+        one, two = both(merge_pair, media_first_messages(pics, question), "merge")
+        assert two.token_ids == one.token_ids
+        assert 0 < two.telemetry.visual_tokens_kept == one.telemetry.visual_tokens_kept < two.telemetry.visual_tokens
+    assert two.telemetry.prefix_cache == "hit"
+    assert tp2.tensor_parallel_counters()[1]["value_merges"] == merges + 1
 
 
 def test_bad_tensor_parallel_sizes_are_refused(tiny_ckpt):

@@ -240,16 +240,25 @@ class CompactionConfig:
         keep_ratio: share of each image's visual tokens kept.
         min_keep: fewest visual tokens kept per image (or frame).
         compact_video: whether video frames are compacted too.
+        merge_values: the merging variant (issue 35.3, off by default): besides dropping, fold each
+            dropped visual token's value into its nearest kept neighbour (:func:`value_merge_plan`;
+            keys untouched). An option of every selector rather than a selector of its own, since
+            *which* tokens stay and *what* a kept slot holds are independent choices: the selector
+            still decides the kept set (so ``prefix_info``'s bitmap, the counts and the pages freed
+            are the drop-only ones), and the merge only rewrites kept slots' V. Requires a method.
     """
 
     method: str | None = "uniform"
     keep_ratio: float = 0.6
     min_keep: int = 16
     compact_video: bool = False
+    merge_values: bool = False
 
     def __post_init__(self):
         if self.method is not None and self.method not in SELECTORS:
             raise ValueError(f"compaction must be None or one of {sorted(SELECTORS)}, got {self.method!r}")
+        if self.merge_values and self.method is None:
+            raise ValueError("merge_values needs a compaction method (it merges into the tokens a selector keeps)")
         if not 0 < self.keep_ratio <= 1:
             raise ValueError(f"keep_ratio must be in (0, 1], got {self.keep_ratio}")
         if self.min_keep < 1:
@@ -269,7 +278,9 @@ class CompactionConfig:
         """A stable description, part of the prefix cache key."""
         if self.method is None:
             return "compaction=none"
-        return f"compaction={self.method};keep={self.keep_ratio!r};min={self.min_keep};video={self.compact_video}"
+        merge = ";merge=values" if self.merge_values else ""
+        return (f"compaction={self.method};keep={self.keep_ratio!r};min={self.min_keep};video={self.compact_video}"
+                f"{merge}")
 
     def kept_positions(self, prefix_len: int, spans: list[VisualSpan], scores: TokenScores | None = None,
                        within: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,3 +310,121 @@ class CompactionConfig:
                 keep[span.start : span.end] = False
                 keep[span.start + chosen] = True
         return keep.nonzero().flatten()
+
+
+# --------------------------------------------------------------------------------------------------
+# The merging variant (issue 35.3): dropped tokens' values folded into kept neighbours
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ValueMergePlan:
+    """What one merging compaction step does to the values of a prefix (:func:`value_merge_plan`).
+
+    Attributes:
+        into: int64 ``[len(before)]``: for stored token ``i`` (logical ``before[i]``), the index in
+            ``after`` of the kept token whose value absorbs it (a kept token: its own index).
+        weight: float64 ``[len(before)]``: its weight in that kept token's new value, the share of
+            original tokens it stands for (the weights into one kept token sum to 1).
+        owner: int64 ``[prefix_len]``: after the step, for each logical prefix token, the logical
+            position of the kept token whose value holds its share (kept tokens: themselves; -1:
+            held by none, e.g. dropped by an earlier drop-only step).
+    """
+
+    into: torch.Tensor
+    weight: torch.Tensor
+    owner: torch.Tensor
+
+    def merged_groups(self) -> int:
+        """Kept tokens whose value changes (that absorb at least one other token)."""
+        return int((torch.bincount(self.into) > 1).sum()) if len(self.into) else 0
+
+
+def nearest_kept(span: VisualSpan, kept: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """For each token of ``tokens`` (int64 offsets within ``span``), the index in ``kept`` (int64
+    increasing offsets within ``span``, at least one) of the kept token nearest to it in the span's
+    grid: least squared distance ``(row - row')^2 + (col - col')^2`` (exact integers), ties to the
+    kept token of lower offset (row-major). Query- and content-independent.
+
+    Returns:
+        int64 ``[len(tokens)]``.
+
+    Raises:
+        ValueError: ``kept`` is empty while ``tokens`` is not.
+    """
+    if len(tokens) == 0:
+        return torch.empty(0, dtype=torch.long)
+    if len(kept) == 0:
+        raise ValueError("a span with dropped tokens keeps none to merge them into")
+    w = span.grid_w
+    dr = tokens[:, None] // w - kept[None, :] // w
+    dc = tokens[:, None] % w - kept[None, :] % w
+    return torch.argmin(dr * dr + dc * dc, dim=1)  # argmin returns the first minimum: the lowest offset
+
+
+def value_merge_plan(prefix_len: int, spans: list[VisualSpan], before: torch.Tensor, after: torch.Tensor,
+                     owner: torch.Tensor | None = None) -> ValueMergePlan:
+    """How a merging compaction from the stored tokens ``before`` to ``after`` folds values.
+
+    Each token of ``before`` not in ``after`` (a dropped visual token) goes to its nearest kept
+    token of the same span (:func:`nearest_kept`: the span's 2D grid, ties to the lower offset;
+    spatial, so query-independent and computable on the scheduling side without reading the
+    pool). A kept token's new value is the mean of the *original* values of every token it stands
+    for: its current value and those of the tokens folded in, each weighted by the number of
+    original tokens it already stands for (``owner``). After one step from the dense prefix this
+    is the plain average of the kept token and its dropped neighbours (VisionZip's contextual
+    tokens average in feature space; here in each layer's V, per KV head); after several steps it
+    is the plain average over the composed group (up to rounding: each step re-rounds).
+
+    Keys are left unchanged (their rotary positions stay valid) and there is no per-token logit
+    bias in the attention kernels, so the kept key is attended with its own logit only: the softmax
+    mass the dropped tokens had is lost (renormalised over the remaining keys), not moved to their
+    representative, whose value now carries their average. (A log(m) bias on a key standing for
+    ``m`` tokens would move it; not buildable here.)
+
+    Args:
+        prefix_len: tokens of the public prefix.
+        spans: its visual spans (logical positions).
+        before: int64 increasing logical positions stored now (physical slot ``i`` holds ``before[i]``).
+        after: int64 increasing subset of ``before``, the tokens this step keeps.
+        owner: int64 ``[prefix_len]``, the previous step's :attr:`ValueMergePlan.owner`; None: each
+            token of ``before`` stands for itself alone (a dense or drop-only prefix).
+
+    Returns:
+        The :class:`ValueMergePlan`.
+
+    Raises:
+        ValueError: ``after`` is not a subset of ``before``, a dropped token lies outside every span,
+            or a span with dropped tokens keeps none.
+    """
+    before, after = before.long(), after.long()
+    if owner is None:
+        owner = torch.full((prefix_len,), -1, dtype=torch.long)
+        owner[before] = before
+    idx = torch.searchsorted(before, after)
+    if len(after) and (int(idx.max()) >= len(before) or not torch.equal(before[idx], after)):
+        raise ValueError("a merging compaction keeps tokens that are not stored")
+    # into[i]: index in after of the kept token absorbing stored token i
+    into = torch.full((len(before),), -1, dtype=torch.long)
+    into[idx] = torch.arange(len(after))
+    for span in spans:
+        lo, hi = int(torch.searchsorted(before, span.start)), int(torch.searchsorted(before, span.end))
+        dropped = (into[lo:hi] < 0).nonzero().flatten() + lo
+        if len(dropped) == 0:
+            continue
+        k_lo, k_hi = int(torch.searchsorted(after, span.start)), int(torch.searchsorted(after, span.end))
+        near = nearest_kept(span, after[k_lo:k_hi] - span.start, before[dropped] - span.start)
+        into[dropped] = near + k_lo
+    if bool((into < 0).any()):
+        raise ValueError("a merging compaction drops a token outside every visual span")
+    held = torch.zeros(prefix_len, dtype=torch.float64)
+    valid = owner >= 0
+    held.index_add_(0, owner[valid], torch.ones(int(valid.sum()), dtype=torch.float64))
+    count = held[before]  # original tokens each stored token stands for
+    total = torch.zeros(len(after), dtype=torch.float64).index_add_(0, into, count)
+    weight = count / total[into]
+    new_owner = owner.clone()
+    where = torch.full((prefix_len,), -1, dtype=torch.long)
+    where[before] = after[into]  # logical position each stored token's share moves to
+    new_owner[valid] = where[owner[valid]]
+    return ValueMergePlan(into, weight, new_owner)

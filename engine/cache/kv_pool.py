@@ -11,8 +11,9 @@ with more than one reference is never written. Writers that need to append to a 
 filled last page first take a private copy (copy-on-write, :meth:`PagePool.fork_last`).
 
 Bookkeeping and data are apart: the scheduling side allocates, shares and releases pages, and the
-data moves it decides (a copy-on-write page copy, a compaction's slot moves) are recorded as
-orders (:class:`PageCopy`, :class:`SlotMove`) instead of run at once. The scheduler hands them to
+data moves it decides (a copy-on-write page copy, a compaction's slot moves, a merging
+compaction's value rewrite) are recorded as orders (:class:`PageCopy`, :class:`SlotMove`,
+:class:`ValueMerge`) instead of run at once. The scheduler hands them to
 the runner in its step plan, which applies them (:meth:`PagePool.apply`) before that step's
 forward, on every tensor-parallel rank alike. An order is applied before any forward that follows
 its decision, so it reads the pool as it was when it was decided.
@@ -28,6 +29,7 @@ import torch
 
 from ops import KVLayerCache, kv_bytes_per_token
 from ops.dispatch import copy_pages, move_slots
+from ops.reference import quantize_fp8
 
 from ..errors import PrismError
 
@@ -55,8 +57,23 @@ class SlotMove:
     dst: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class ValueMerge:
+    """Replace the V (and, on FP8 pages, the V scale) of every slot in ``dst`` by the weighted sum
+    ``sum_i weight[i] * V[src[i]]`` over the entries ``i`` with ``dst[i]`` equal to it, in every
+    layer and for every KV head the pool holds (the merging compaction, issue 35.3). Keys and K
+    scales are not touched. Every source is read before any slot is written; on FP8 pages the
+    sources are dequantised, summed in float32 and the result quantised again with fresh
+    per-(token, head) scales (:func:`ops.reference.quantize_fp8`). Under tensor parallelism each
+    rank applies it to its own KV heads (the weights are per token, never per head): rank-local."""
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    weight: tuple[float, ...]
+
+
 #: A data move of the pool, decided on the scheduling side and applied by the runner.
-KVOrder = PageCopy | SlotMove
+KVOrder = PageCopy | SlotMove | ValueMerge
 
 
 class PagePool:
@@ -244,6 +261,21 @@ class PagePool:
         self.release(block_table[keep:])
         return list(block_table[:keep])
 
+    def merge_values(self, block_table: list[int], into: list[int], weight: list[float]) -> int:
+        """Order the merging compaction's value rewrite of one sequence (a :class:`ValueMerge`),
+        before its :meth:`keep_slots`: physical token ``i`` (``i < len(into)``) is folded, with
+        weight ``weight[i]``, into physical token ``into[i]`` (``into[j] == j`` for a token that
+        stays; the weights into one token sum to 1). Tokens that absorb nothing keep their V
+        untouched (no requantisation). Returns how many tokens' V change (0: nothing ordered)."""
+        groups = Counter(into)
+        members = [i for i, j in enumerate(into) if groups[j] > 1]
+        if not members:
+            return 0
+        self.orders.append(ValueMerge(tuple(self.slot(block_table, i) for i in members),
+                                      tuple(self.slot(block_table, into[i]) for i in members),
+                                      tuple(float(weight[i]) for i in members)))
+        return sum(1 for n in groups.values() if n > 1)
+
     def take_orders(self) -> list[KVOrder]:
         """The data moves decided since the last call, in the order decided (the list is emptied)."""
         orders, self.orders = self.orders, []
@@ -253,6 +285,8 @@ class PagePool:
         """Run one data move (:class:`PageCopy` or :class:`SlotMove`) on this pool's tensors."""
         if isinstance(order, PageCopy):
             self.copy_page(order.src, order.dst)
+        elif isinstance(order, ValueMerge):
+            self.merge_slot_values(list(order.src), list(order.dst), list(order.weight))
         else:
             self.move_slots(list(order.src), list(order.dst))
 
@@ -278,6 +312,42 @@ class PagePool:
         for first in range(0, self.num_layers, step):
             base = (torch.arange(first, min(first + step, self.num_layers)) * slots)[:, None]
             move_slots(self._all, (base + src_t).flatten().to(dev), (base + dst_t).flatten().to(dev))
+
+    def merge_slot_values(self, src: list[int], dst: list[int], weight: list[float]) -> None:
+        """Run a :class:`ValueMerge` on this pool's tensors: the V of each distinct slot of ``dst``
+        becomes ``sum_i weight[i] * V[src[i]]`` over its entries, in every layer and KV head held
+        here, computed in float32 (FP8 V dequantised with its scales first, the result quantised
+        again with fresh per-(token, head) scales; a 16-bit pool rounds the float32 mean to its
+        dtype). K and K scales are untouched. A few layers a pass, like :meth:`move_slots`. Runs with
+        torch operations (no kernel of its own): once per compaction, not per step."""
+        if not src:
+            return
+        _, v_all, _, vs_all = self.buffers()
+        dev, ps = self._k.device, self.page_size
+        src_t = torch.tensor(src, dtype=torch.int64, device=dev)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=dev)
+        w = torch.tensor(weight, dtype=torch.float32, device=dev)
+        raw = v_all.view(torch.uint8) if vs_all is not None else v_all  # FP8 indexed as bytes (as ops does)
+        out_slots, group = torch.unique(dst_t, return_inverse=True)
+        sp, so, dp, do = src_t // ps, src_t % ps, out_slots // ps, out_slots % ps
+        heads, dim = v_all.shape[1], v_all.shape[3]
+        # float32 temporaries (4 bytes a value where a move's are 1 for FP8): a quarter of the rows,
+        # ~256 MiB at 8 KV heads x 128 dims
+        step = max(1, self.MOVE_ROWS // 4 // len(src))
+        for first in range(0, self.num_layers, step):
+            base = (torch.arange(first, min(first + step, self.num_layers), device=dev) * self.num_pages)[:, None]
+            vals = raw[base + sp, :, so]  # [layers, N, H, D]
+            vals = vals.view(v_all.dtype).float() if vs_all is not None else vals.float()
+            if vs_all is not None:
+                vals = vals * vs_all[base + sp, :, so].unsqueeze(-1)
+            merged = torch.zeros((len(base), len(out_slots), heads, dim), dtype=torch.float32, device=dev)
+            merged.index_add_(1, group, vals * w[None, :, None, None])
+            if vs_all is not None:
+                q, scale = quantize_fp8(merged.reshape(-1, heads, dim))
+                raw[base + dp, :, do] = q.view(torch.uint8).view(merged.shape)
+                vs_all[base + dp, :, do] = scale.view(merged.shape[:-1])
+            else:
+                v_all[base + dp, :, do] = merged.to(v_all.dtype)
 
     def check(self, holders: Iterable[Iterable[int]]) -> None:
         """Debug check: every page's reference count equals the number of holders listing it,

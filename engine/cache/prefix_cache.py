@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.rope import VisualSpan
-from .compaction import CompactionConfig, pressure_ratios
+from .compaction import CompactionConfig, pressure_ratios, value_merge_plan
 from .host_pool import HostPool
 from .kv_pool import PagePool
 from .kv_transfer import Offload, Restore, TransferDone
@@ -82,11 +82,18 @@ class KeptTokens:
             None for a dense (uncompacted) prefix.
         keep_ratio: the share of each image's visual tokens the selector was asked to keep (1.0
             for a dense prefix).
+        owner: under the merging variant (``CompactionConfig.merge_values``), int64
+            ``[prefix_len]`` on the CPU: for each logical prefix token, the logical position of the
+            kept token whose V holds its share (kept tokens: themselves; the V of a kept token is
+            the mean of the original V of the tokens that name it, up to rounding, see
+            :func:`~engine.cache.compaction.value_merge_plan`). None: drop-only (every kept V is
+            the token's own).
     """
 
     positions: torch.Tensor
     selector: str | None
     keep_ratio: float
+    owner: torch.Tensor | None = None
 
     def mask(self, prefix_len: int) -> torch.Tensor:
         """bool ``[prefix_len]``: whether each logical prefix token is kept."""
@@ -778,12 +785,18 @@ class PrefixCache:
             raise RuntimeError("compaction of a prefix entry holding shared pages")
         # physical slot i holds logical entry.kept.positions[i]: where each kept token is now
         src = torch.searchsorted(entry.kept.positions, kept).tolist()
+        cfg = self.pressure_steps[step]
+        owner = None
+        if cfg.merge_values:  # fold the dropped tokens' V into kept neighbours before the move
+            plan = value_merge_plan(entry.prefix_len, list(entry.spans), entry.kept.positions, kept,
+                                    entry.kept.owner)
+            self.pool.merge_values(entry.pages, [src[j] for j in plan.into.tolist()], plan.weight.tolist())
+            owner = plan.owner
         before = len(entry.pages)
         entry.pages = self.pool.keep_slots(entry.pages, src)
         freed = before - len(entry.pages)
         entry.kv_len = len(src)
-        cfg = self.pressure_steps[step]
-        entry.record_kept(KeptTokens(kept, cfg.method, cfg.keep_ratio))
+        entry.record_kept(KeptTokens(kept, cfg.method, cfg.keep_ratio, owner))
         self.stats.pressure_compactions += 1
         self.stats.pressure_pages_freed += freed
         return freed

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 
 from ..model.vision import span_features
-from .compaction import COMPACTION_MODES, CompactionConfig
+from .compaction import COMPACTION_MODES, CompactionConfig, value_merge_plan
 from .prefix_cache import KeptTokens, Match, PrefixCache, PrefixEntry, prefix_key
 from .token_scores import media_hashes, prefix_scores
 
@@ -309,7 +309,12 @@ class PrefixReuse:
         kept = torch.arange(n) if dense else self.compaction.kept_positions(n, req.prompt.spans, scores)
         k = len(kept)
         table = list(req.block_table)
+        owner = None
         if k < n:
+            if self.compaction.merge_values:  # V of the dropped tokens folded into kept neighbours first
+                plan = value_merge_plan(n, req.prompt.spans, torch.arange(n), kept)
+                self.pool.merge_values(table, kept[plan.into].tolist(), plan.weight.tolist())
+                owner = plan.owner
             table = self.pool.keep_slots(table, kept.tolist())
         visual_kept = k - (n - req.prompt.num_visual_tokens)
         tel = req.telemetry
@@ -323,7 +328,7 @@ class PrefixReuse:
         )
         if entry is not None:
             method = None if dense else self.compaction.method
-            entry.record_kept(KeptTokens(kept, method, self.compaction.keep_ratio if method else 1.0))
+            entry.record_kept(KeptTokens(kept, method, self.compaction.keep_ratio if method else 1.0, owner))
             entry.scores = scores
             entry.warmed = req.warm
             entry.users += 1

@@ -246,7 +246,8 @@ class TensorParallelGroup:
     def counters(self) -> list[dict]:
         """Every rank's counters, rank 0 first (rank 0's are ``{}`` here; the engine fills them):
         ``vision_images_encoded`` (images the rank's vision tower encoded), ``steps`` (forwards),
-        ``page_copies`` (copy-on-write copies applied), ``slot_moves`` (compaction moves applied).
+        ``page_copies`` (copy-on-write copies applied), ``slot_moves`` (compaction moves applied),
+        ``value_merges`` (merging compactions' V rewrites applied to the rank's own KV heads).
 
         Raises:
             TensorParallelError: the group has failed or a worker did not answer.

@@ -5,10 +5,11 @@ It loads the checkpoint, keeps its shard (:mod:`engine.parallel.sharding`), buil
 (its KV heads only, rank 0's page count) and then only executes the step plans rank 0 sends, in
 order (:class:`~engine.serving.plan.StepPlan`, the same plan rank 0's runner executes, less the
 runs whose encoding failed): the plan's data moves (copy-on-write page copies, compaction's slot
-moves), then the forward of its runs (eager, or a replay of its own step graphs, chosen from the
-plan as rank 0 chooses). It decides nothing: no scheduler, no prefix cache, no sampling, no vision
-encoder (rank 0 encodes each image once and broadcasts the features the plan message names).
-Pages are only storage here; which page holds what is rank 0's bookkeeping.
+moves, a merging compaction's V rewrite of this rank's own KV heads), then the forward of its runs
+(eager, or a replay of its own step graphs, chosen from the plan as rank 0 chooses). It decides
+nothing: no scheduler, no prefix cache, no sampling, no vision encoder (rank 0 encodes each image
+once and broadcasts the features the plan message names). Pages are only storage here; which page holds what is rank 0's
+bookkeeping.
 
 A worker exits when rank 0 says stop, when its pipe closes (rank 0 died) or when its parent
 process is gone; an error of its own is sent to rank 0 and ends the process, which rank 0's
@@ -32,7 +33,7 @@ from ..cache.kv_transfer import KVTransfers
 from ..graphs.capture import capture_step_graphs
 from ..model.qwen3_vl import Qwen3VL, load_model
 from ..model.vision import EncodeCounter
-from ..serving.plan import Offload, PageCopy, Restore, SlotMove, StepPlan
+from ..serving.plan import Offload, PageCopy, Restore, SlotMove, StepPlan, ValueMerge
 from ..serving.runner import ModelRunner
 from .group import Collectives, WorkerSpec, receive_features
 from .sharding import shard_decoder
@@ -93,7 +94,7 @@ def _start(model: Qwen3VL, init: tuple, device: torch.device) -> ModelRunner:
 
 def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeCounter,
            device: torch.device) -> None:
-    steps = copies = moves = offloads = restores = 0
+    steps = copies = moves = merges = offloads = restores = 0
     while True:
         message = conn.recv()
         kind = message[0]
@@ -105,6 +106,7 @@ def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeC
                 runner.transfers.poll()  # rank 0 reports copies; here finished ones are only let go
             copies += sum(isinstance(order, PageCopy) for order in plan.kv_orders)
             moves += sum(isinstance(order, SlotMove) for order in plan.kv_orders)
+            merges += sum(isinstance(order, ValueMerge) for order in plan.kv_orders)
             offloads += sum(isinstance(order, Offload) for order in plan.kv_orders)
             restores += sum(isinstance(order, Restore) for order in plan.kv_orders)
             features = {}
@@ -119,7 +121,8 @@ def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeC
                 steps += 1
         elif kind == "counters":
             conn.send(("counters", {"vision_images_encoded": counter.images, "steps": steps, "page_copies": copies,
-                                 "slot_moves": moves, "offloads": offloads, "restores": restores,
+                                 "slot_moves": moves, "value_merges": merges, "offloads": offloads,
+                                 "restores": restores,
                                  "transfers_held": runner.transfers.in_flight() if runner.transfers else 0}))
         elif kind == "stop":
             return

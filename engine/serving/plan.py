@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ..cache.kv_pool import KVOrder, PageCopy, SlotMove
+from ..cache.kv_pool import KVOrder, PageCopy, SlotMove, ValueMerge
 from ..cache.kv_transfer import Offload, Restore, TransferDone
 from ..model.rope import VisualSpan
 
-__all__ = ["NewRequest", "ScheduledRun", "StepPlan", "StepOutput", "KVOrder", "PageCopy", "SlotMove", "Offload",
-           "Restore"]
+__all__ = ["NewRequest", "ScheduledRun", "StepPlan", "StepOutput", "KVOrder", "PageCopy", "SlotMove", "ValueMerge",
+           "Offload", "Restore"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class StepPlan:
             vision features).
         preempted: ids of requests preempted by this plan (their pages were freed; the runner
             keeps their state and features, so recomputation never reruns the encoder).
-        kv_orders: the pool's data moves (:class:`PageCopy`, :class:`SlotMove`) and the copies
+        kv_orders: the pool's data moves (:class:`PageCopy`, :class:`SlotMove`, :class:`ValueMerge`) and the copies
             between the KV tiers (:class:`Offload`, :class:`Restore`: started on the copy stream,
             not waited for) decided since the last plan, in the order decided: applied before
             anything else.

@@ -383,6 +383,35 @@ MUTANTS: list[Mutant] = [
         ("tests/test_scheduler_core.py::test_prefix_attach_and_copy_on_write",
          "tests/test_kv_pool.py::test_fork_last_copies_a_shared_partly_filled_page"),
     ),
+    # ---------------------------------------------------------------- engine: the merging compaction (issue 35.3)
+    Mutant(
+        "merged-v-keeps-old-scale",
+        "a merging compaction on FP8 pages writes the merged V's new payload but keeps the kept token's old "
+        "V scale (not requantised with a fresh per-token, per-head scale): merged values come out rescaled",
+        "engine/cache/kv_pool.py",
+        "                vs_all[base + dp, :, do] = scale.view(merged.shape[:-1])\n",
+        "",
+        ("tests/test_merge_values.py::test_value_merge_rewrites_only_the_kept_values",),
+    ),
+    Mutant(
+        "merge-neighbour-in-row-major-order",
+        "a dropped token is merged into the kept token nearest in row-major order, not in the image's 2D grid: "
+        "the token below a kept one goes to the end of the row above",
+        "engine/cache/compaction.py",
+        "    return torch.argmin(dr * dr + dc * dc, dim=1)",
+        "    return torch.argmin((tokens[:, None] - kept[None, :]).abs(), dim=1)",
+        ("tests/test_merge_values.py::test_nearest_kept_is_the_grid_neighbour_ties_to_the_lower_offset",
+         "tests/test_merge_values.py::test_merged_hit_equals_cold_run_and_the_merged_masked_oracle"),
+    ),
+    Mutant(
+        "merge-recorded-not-ordered",
+        "a merging compaction when the prefix is cached records the merged groups but never orders the V "
+        "rewrite: the engine answers drop-only while claiming to merge",
+        "engine/cache/prefix_reuse.py",
+        "                self.pool.merge_values(table, kept[plan.into].tolist(), plan.weight.tolist())\n",
+        "",
+        ("tests/test_merge_values.py::test_merged_hit_equals_cold_run_and_the_merged_masked_oracle",),
+    ),
     Mutant(
         "plan-orders-out-of-order",
         "the step plan carries the pool's data moves in reverse: a copy-on-write copy of a page runs before "
