@@ -35,8 +35,8 @@ class ReclaimCosts:
             measured ~54 GB/s of pinned host-to-GPU copies (issue 33), while a cold question
             costs ~94 ms for ~1,650 prompt tokens, ~0.057 ms a token (docs/PERFORMANCE.md).
         compaction_price: cost of one compaction step of a prefix, as a share of recomputing the
-            whole prefix once per later use: the answers lose accuracy (probe model, keep 0.6:
-            70.2% dense against 58.6%, docs/QUALITY.md) on every later question, not once. 1.0
+            whole prefix once per later use: the answers lose accuracy (probe model, uniform keep
+            0.6: 90.0% dense against 71.9%, docs/QUALITY.md) on every later question, not once. 1.0
             prices a compaction like an eviction of the same tokens, so a compaction (which frees
             only the share it drops) loses to dropping a colder entry from the host tier.
     """
