@@ -9,6 +9,9 @@ Routes (ours are registered before Gradio's mount, so they take precedence):
   503 until loaded.
 * ``GET /metrics``: Prometheus metrics (:mod:`app.metrics`); with API keys configured it needs
   one (``Authorization: Bearer KEY``), like ``/v1``; without, it is open like ``/healthz``.
+* ``POST /admin/replicas``, ``DELETE /admin/replicas/<id>``: add an engine replica, or remove one
+  (``--replicas``; :meth:`engine.replicas.ReplicaClient.add_replica` / ``remove_replica``); only
+  with API keys configured, and with one (403 without keys: a replica holds a GPU).
 * ``GET /images/<sha256>``: an uploaded image by its hash (64 lowercase hex digits), only to an
   owner of a session that holds it (the owner cookie; same-origin ``<img>`` requests send it).
 * ``GET /s/<token>``: a shared session, read-only; ``POST /s/<token>/fork`` copies a
@@ -207,6 +210,58 @@ def create_app(settings: Settings, store: SessionStore, loader: ModelLoader, cha
             return exc.response()
         body, content_type = metrics.exposition(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type, "Cache-Control": "no-store"})
+
+    def replicas_admin(request: Request):
+        """The replica client to change, or the refusal to answer: 404 without ``--replicas`` (or
+        while it loads), 403 without API keys configured, 401 without the key."""
+        engine = loader.engine
+        if engine is None or not hasattr(engine, "add_replica"):
+            return None, APIError(404, "this server runs no engine replicas (--replicas)", code="not_found")
+        if not settings.api_keys:
+            return None, APIError(403, "adding or removing replicas needs API keys (--api-key)", code="forbidden")
+        try:
+            api.authorize(request)
+        except APIError as exc:
+            return None, exc
+        return engine, None
+
+    def replica_change(change) -> Response:
+        from engine.errors import InvalidRequestError, PrismError
+
+        try:
+            body = change()
+        except InvalidRequestError as exc:
+            return APIError(400, str(exc)).response()
+        except PrismError as exc:
+            return APIError(503, str(exc), "server_error", code="unavailable").response()
+        except Exception as exc:  # a replica that could not start: its error
+            return APIError(500, f"{type(exc).__name__}: {exc}", "server_error").response()
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
+
+    @app.post("/admin/replicas")
+    def add_replica(request: Request):
+        """Deploy one more engine replica and put it on the ring (blocks while it loads its model):
+        ``{"id": ..., "replicas": [...]}`` (the ``/healthz`` entries)."""
+        engine, refused = replicas_admin(request)
+        if refused is not None:
+            return refused.response()
+
+        def add():
+            from .model_loader import replica_entry
+
+            name = engine.add_replica()
+            return {"id": name, "replicas": [replica_entry(r) for r in engine.replica_status()]}
+
+        return replica_change(add)
+
+    @app.delete("/admin/replicas/{name}")
+    def remove_replica(name: str, request: Request):
+        """Take a replica off the ring and delete it: its requests in flight end as ``aborted``
+        (retryable), its sessions move to the others; ``{"id": ..., "sessions_moved": n}``."""
+        engine, refused = replicas_admin(request)
+        if refused is not None:
+            return refused.response()
+        return replica_change(lambda: {"id": name, "sessions_moved": engine.remove_replica(name)})
 
     def image_response(sha: str, cache_control: str) -> Response:
         path = store.image_path(sha)

@@ -12,7 +12,8 @@ implementations:
   measurement behind the choice of transport.
 
 The child runs a loop that receives commands (submit, cancel, calls, close) and forwards each
-request's outputs, tagged by request id, in batches; in this process a reader thread puts them
+request's outputs, tagged by request id, in batches (one forwarder thread); in this process a
+reader thread (:class:`ConnectionClient`, which the replicas' connections share) puts them
 into the request's :class:`~engine.serving.handle.OutputChannel`, so the app holds ordinary
 :class:`~engine.serving.handle.RequestHandle`\\ s whose ``cancel`` sends a cancel to the child.
 
@@ -30,7 +31,6 @@ called so the owner (the app's :class:`~app.model_loader.ModelLoader`) can start
 from __future__ import annotations
 
 import abc
-import asyncio
 import atexit
 import hashlib
 import itertools
@@ -43,6 +43,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 
 from .errors import EngineAbortedError, InvalidRequestError, PrismError
@@ -51,8 +52,9 @@ from .serving.handle import OutputChannel, RequestHandle, WarmHandle, is_final
 from .serving.outputs import Completion
 from .serving.sampling import SamplingParams
 
-__all__ = ["EngineClient", "InProcessClient", "ProcessClient", "DEFAULT_BLOB_CACHE_BYTES", "ENGINE_CALLS", "KeyLRU",
-           "MissingBlob", "blob_key", "engine_info", "picklable", "send_blobs", "serve_connection", "take_blobs"]
+__all__ = ["EngineClient", "InProcessClient", "ProcessClient", "ConnectionClient", "DEFAULT_BLOB_CACHE_BYTES",
+           "ENGINE_CALLS", "KeyLRU", "MissingBlob", "blob_key", "engine_info", "picklable", "send_blobs",
+           "serve_connection", "take_blobs"]
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +423,13 @@ def _picklable_output(item):
 
 class _Core:
     """The child's side: the engine, the command loop (main thread), the calls (a thread pool) and
-    the forwarding of outputs (one asyncio loop in a thread, one coroutine per request)."""
+    the forwarding of outputs (one thread for every request: each handle's channel wakes it,
+    :meth:`RequestHandle.listen`, and it sends what every woken request has, as one message).
+
+    Why a thread and not an event loop: a loop's wake-up from the engine's thread took ~1-1.5 ms
+    to a first token on the CPU (the self-pipe, the future's callback, the task's step: three
+    turns of the loop, each taking the GIL back from the busy engine thread), a thread waiting on
+    a condition ~0.3 ms (measured beside each other, docs/PERFORMANCE.md "The Ray hop")."""
 
     def __init__(self, engine, conn, blob_cache_bytes: int, *, owns_engine: bool = True):
         self.engine, self.conn = engine, conn
@@ -431,9 +439,10 @@ class _Core:
         self.keys = KeyLRU(blob_cache_bytes)
         self.blobs: dict[str, bytes] = {}
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="prism-core-call")
-        self.loop = asyncio.new_event_loop()
-        self.pending: list[tuple[int, object]] = []
-        self.forwarder = threading.Thread(target=self.loop.run_forever, name="prism-core-forward", daemon=True)
+        self.ready_cv = threading.Condition()
+        self.ready: dict[int, None] = {}  # requests with outputs to send, in the order they woke
+        self.stopping = False
+        self.forwarder = threading.Thread(target=self.forward_forever, name="prism-core-forward", daemon=True)
         self.forwarder.start()
 
     def send(self, message) -> None:
@@ -482,11 +491,10 @@ class _Core:
         else:  # one connection of several to a shared engine: only its own requests end
             for handle in list(self.handles.values()):
                 handle.cancel(wait=False)
-        try:
-            asyncio.run_coroutine_threadsafe(self.drain(), self.loop).result(10)
-        except Exception:  # a request that does not end in time is the parent's EOF to report
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        with self.ready_cv:  # the forwarder sends their ends (a request that does not end in 5 s
+            self.ready_cv.wait_for(lambda: not self.handles, timeout=5)  # is the parent's EOF to report)
+            self.stopping = True
+            self.ready_cv.notify_all()
         self.forwarder.join(5)
         self.pool.shutdown(wait=False, cancel_futures=True)
         if close_cid is not None:
@@ -494,15 +502,26 @@ class _Core:
 
     def submit(self, rid: int, messages, sampling, salt) -> int:
         handle = self.engine.submit(messages, sampling, cache_salt=salt)
-        self.handles[rid] = handle
-        asyncio.run_coroutine_threadsafe(self.forward(rid, handle), self.loop)
+        self.watch(rid, handle)
         return handle.prompt_tokens
 
     def warm(self, rid: int, messages, salt) -> int:
         warm = self.engine.warm_prefix(messages, cache_salt=salt)
-        self.handles[rid] = warm.handle
-        asyncio.run_coroutine_threadsafe(self.forward(rid, warm.handle), self.loop)
+        self.watch(rid, warm.handle)
         return warm.prefix_tokens
+
+    def watch(self, rid: int, handle: RequestHandle) -> None:
+        """Forward ``handle``'s outputs, tagged ``rid``, from now on (what came already too)."""
+        with self.ready_cv:
+            self.handles[rid] = handle
+        handle.listen(partial(self.wake, rid))
+
+    def wake(self, rid: int) -> None:
+        """A channel's listener (the engine's thread): request ``rid`` has outputs to send."""
+        with self.ready_cv:
+            if rid not in self.ready:
+                self.ready[rid] = None
+                self.ready_cv.notify()
 
     def cancel(self, rid: int, wait: bool) -> None:
         handle = self.handles.get(rid)
@@ -514,31 +533,36 @@ class _Core:
             raise InvalidRequestError(f"not an engine call: {name!r}")
         return getattr(self.engine, name)(*args, **kwargs)
 
-    async def forward(self, rid: int, handle: RequestHandle) -> None:
-        try:
-            async for item in handle:
-                self.emit(rid, item)
-        except BaseException as exc:  # the request's error: the parent's handle raises it
-            self.emit(rid, picklable(exc))
-        finally:
-            self.handles.pop(rid, None)
+    def forward_forever(self) -> None:
+        """The forwarder thread: whenever requests woke it, every output they have (a step's
+        tokens for every stream that woke meanwhile) goes to the parent as one message; a
+        request's error as its picklable copy (the parent's handle raises it)."""
+        while True:
+            with self.ready_cv:
+                self.ready_cv.wait_for(lambda: self.ready or self.stopping)
+                if not self.ready:
+                    return
+                ready, self.ready = list(self.ready), {}
+                handles = [(rid, self.handles.get(rid)) for rid in ready]
+            batch, ended = [], []
+            for rid, handle in handles:
+                if handle is None:
+                    continue
+                for item in handle.take_ready():
+                    batch.append((rid, picklable(item) if isinstance(item, BaseException) else item))
+                if handle.done:
+                    ended.append(rid)
+            try:
+                self.flush(batch)
+            except Exception:  # a bug here must not stop every later request's outputs
+                log.exception("forwarding outputs failed")
+            if ended:
+                with self.ready_cv:
+                    for rid in ended:
+                        self.handles.pop(rid, None)
+                    self.ready_cv.notify_all()
 
-    async def drain(self) -> None:
-        """Wait for every forwarding coroutine to end, then send what they left."""
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
-        self.flush()
-
-    def emit(self, rid: int, item) -> None:
-        """Queue one output; the outputs that are ready in this turn of the event loop (a step's
-        tokens for every stream) go to the parent as one message."""
-        if not self.pending:
-            self.loop.call_soon(self.flush)
-        self.pending.append((rid, item))
-
-    def flush(self) -> None:
-        batch, self.pending = self.pending, []
+    def flush(self, batch: list) -> None:
         if not batch:
             return
         try:
@@ -590,7 +614,192 @@ def _core_main(conn, model, device, dtype, options: dict, blob_cache_bytes: int)
 # ---------------------------------------------------------------------------------------- the parent
 
 
-class ProcessClient(EngineClient):
+class ConnectionClient:
+    """The client's side of the core protocol over one :class:`~multiprocessing.connection.Connection`
+    (what :func:`serve_connection` and the child's loop serve): requests and warms, their outputs
+    into :class:`~engine.serving.handle.OutputChannel`\\ s, replies into futures, cancels, calls.
+    :class:`ProcessClient` (a pipe to the child) and :class:`~engine.replicas.link.ReplicaLink`
+    (a TCP connection to a replica) are this class with their own ends.
+
+    A subclass gives :meth:`_lost_error` (the :class:`~engine.errors.EngineAbortedError` a
+    request ends with when the other end goes without :meth:`_close_connection`), may override
+    :meth:`_on_lost` (the owner hears first, from the reader thread, once), :meth:`_reader_ended`
+    and :meth:`_handle_id`, and calls :meth:`_start_reader` once the connection is ready.
+
+    Args:
+        conn: the connection, authenticated already (pickle runs what it is sent).
+        keys: the client's copy of the content keys the other end holds (:class:`KeyLRU`).
+        timeout: seconds to wait for a reply (None: no bound); a reply not in time raises
+            EngineAbortedError.
+        inline_paths: send image paths as their bytes (the other end may be on another host).
+        what: the other end, in messages (``"engine process"``, ``"engine replica"``).
+    """
+
+    def __init__(self, conn, keys: KeyLRU, *, timeout: float | None = None, inline_paths: bool = False,
+                 what: str = "engine"):
+        self._conn, self._keys = conn, keys
+        self._timeout, self._inline_paths, self._what = timeout, inline_paths, what
+        self._closing = False
+        self._dead: BaseException | None = None
+        self._send_lock = threading.Lock()  # also orders the key LRU's operations with the sends
+        self._lock = threading.Lock()
+        self._channels: dict[int, OutputChannel] = {}
+        self._calls: dict[int, Future] = {}
+        self._ids = itertools.count(1)
+        self._reader: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ the subclass's ends
+    def _lost_error(self) -> EngineAbortedError:
+        """The error of a request whose connection was lost (the other end died)."""
+        raise NotImplementedError
+
+    def _on_lost(self) -> None:
+        """Called once, from the reader thread, when the connection closed without being closed
+        here, before the waiting requests fail."""
+
+    def _reader_ended(self) -> None:
+        """Called from the reader thread once the connection has closed, before anything fails."""
+
+    def _handle_id(self, rid: int):
+        """The id of request ``rid``'s handle."""
+        return rid
+
+    def _start_reader(self, name: str) -> None:
+        self._reader = threading.Thread(target=self._read, name=name, daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ requests
+    def _open(self, kind: str, messages, sampling, salt) -> RequestHandle:
+        """Send a request (``kind`` ``"submit"``) or a warm (``"warm"``: the reply is the prefix
+        length, which becomes the handle's ``prompt_tokens``) and return its handle once the other
+        end accepted it.
+
+        Raises:
+            the engine's input errors, as in-process; EngineAbortedError: the connection is lost
+            (or no reply within ``timeout``); PrismError: closed.
+        """
+        rid, channel = next(self._ids), OutputChannel()
+        with self._lock:
+            self._channels[rid] = channel
+        try:
+            try:
+                tokens = self._submit(kind, rid, messages, sampling, salt, resend=False)
+            except MissingBlob:  # the other end dropped a key this side still lists: every byte again
+                tokens = self._submit(kind, rid, messages, sampling, salt, resend=True)
+        except BaseException:
+            with self._lock:
+                self._channels.pop(rid, None)
+            raise
+        return RequestHandle(self._handle_id(rid), channel, partial(self._cancel, rid), prompt_tokens=tokens)
+
+    def _call(self, name: str, *args, **kwargs):
+        """One of :data:`ENGINE_CALLS` on the other end's engine; its result or error."""
+        return self._wait(self._request("call", (name, args, kwargs)))
+
+    def _submit(self, kind, rid, messages, sampling, salt, *, resend: bool) -> int:
+        with self._send_lock:
+            sent, new = send_blobs(messages, self._keys, salt=salt or "", resend=resend,
+                                   inline_paths=self._inline_paths)
+            future = self._request(kind, (rid, sent, sampling, salt, new), locked=True)
+        try:
+            return self._wait(future)
+        except MissingBlob as exc:
+            self._keys.discard(str(exc))
+            raise
+
+    def _wait(self, future: Future, timeout: float | None = None):
+        timeout = self._timeout if timeout is None else timeout
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            raise EngineAbortedError(f"the {self._what} did not answer within {timeout:.0f} s") from None
+
+    def _cancel(self, rid: int, wait: bool) -> None:
+        with self._lock:
+            if rid not in self._channels:  # finished already
+                return
+        try:
+            future = self._request("cancel", (rid, wait))
+            if wait:
+                self._wait(future)
+        except PrismError as exc:  # the connection is lost or closed: the stream ends with its error
+            log.info("cancel on the %s: %s", self._what, exc)
+
+    def _request(self, kind: str, payload: tuple, *, locked: bool = False) -> Future:
+        """Send a command with a fresh call id; its reply resolves the returned future (``close``
+        may be sent while closing)."""
+        future: Future = Future()
+        with self._lock:
+            if self._closing and kind != "close":
+                raise PrismError("engine is closed")
+            if self._dead is not None:
+                raise self._lost_error()
+            cid = next(self._ids)
+            self._calls[cid] = future
+        message = (kind, cid, *payload)
+        try:
+            if locked:
+                self._conn.send(message)
+            else:
+                with self._send_lock:
+                    self._conn.send(message)
+        except (OSError, ValueError):
+            with self._lock:
+                self._calls.pop(cid, None)
+            raise (PrismError("engine is closed") if self._closing else self._lost_error()) from None
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            with self._lock:
+                self._calls.pop(cid, None)
+            raise InvalidRequestError(f"the request cannot be sent to the {self._what}: {exc}") from None
+        return future
+
+    def _read(self) -> None:
+        """The reader thread: outputs into their channels, replies into their futures; when the
+        connection closes, everything still waiting fails (with :meth:`_lost_error` unless closed)."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:  # an output that does not unpickle here: a bug, not the other end's
+                log.exception("unreadable message from the %s", self._what)
+                continue
+            if message[0] == "out":
+                with self._lock:
+                    for rid, item in message[1]:
+                        channel = self._channels.get(rid)
+                        if channel is None:
+                            continue
+                        channel.put(item)
+                        if is_final(item):
+                            del self._channels[rid]
+            elif message[0] == "reply":
+                _, cid, ok, value = message
+                with self._lock:
+                    future = self._calls.pop(cid, None)
+                if future is not None:
+                    future.set_result(value) if ok else future.set_exception(value)
+        self._reader_ended()
+        with self._lock:
+            lost = not self._closing
+            self._dead = self._lost_error() if lost else PrismError("engine is closed")
+            channels, self._channels = list(self._channels.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+        if lost:
+            # the owner hears first: by the time a waiting client reads its error, /healthz says so
+            # and the next request goes elsewhere
+            try:
+                self._on_lost()
+            except Exception:
+                log.exception("the %s's lost-connection hook failed", self._what)
+        for channel in channels:
+            channel.put(self._lost_error() if lost else PrismError("engine is closed"))
+        for future in calls:
+            if not future.done():
+                future.set_exception(self._lost_error() if lost else PrismError("engine is closed"))
+
+
+class ProcessClient(ConnectionClient, EngineClient):
     """The engine core in a child process, behind the :class:`EngineClient` interface.
 
     Starting it loads the model in the child (``Engine.from_pretrained(model, device=device,
@@ -619,17 +828,10 @@ class ProcessClient(EngineClient):
                                         args=(child, str(model), device, dtype, options, blob_cache_bytes))
         self._process.start()
         child.close()  # only the child holds its end now: its death is EOF here
+        super().__init__(self._conn, KeyLRU(blob_cache_bytes), what="engine process")
         self.pid = self._process.pid
         self.on_crash = on_crash
         self.crashed = False
-        self._closing = False
-        self._dead: BaseException | None = None
-        self._send_lock = threading.Lock()  # also orders the key LRU's operations with the sends
-        self._lock = threading.Lock()
-        self._channels: dict[int, OutputChannel] = {}
-        self._calls: dict[int, Future] = {}
-        self._ids = itertools.count(1)
-        self._keys = KeyLRU(blob_cache_bytes)
         try:
             kind, value = self._conn.recv()
         except (EOFError, OSError):
@@ -643,8 +845,7 @@ class ProcessClient(EngineClient):
             raise value
         self.model_id, self.device, self.dtype = value["model_id"], value["device"], value["dtype"]
         self.options, self.min_image_pixels = value["options"], value["min_image_pixels"]
-        self._reader = threading.Thread(target=self._read, name="prism-engine-reader", daemon=True)
-        self._reader.start()
+        self._start_reader("prism-engine-reader")
         # multiprocessing joins a non-daemonic child at exit, and this child waits for the pipe to
         # close: close it first (a daemonic child could not start tensor-parallel workers)
         atexit.register(self.close, 5.0)
@@ -702,128 +903,18 @@ class ProcessClient(EngineClient):
         if threading.current_thread() is not self._reader:  # on_crash may close it from the reader
             self._reader.join(10)
 
-    # ------------------------------------------------------------------ helpers
-    def _open(self, kind: str, messages, sampling, salt) -> RequestHandle:
-        """Send a request (``kind`` ``"submit"``) or a warm (``"warm"``: the child replies with
-        the prefix length, which becomes the handle's ``prompt_tokens``) and make its handle."""
-        rid, channel = next(self._ids), OutputChannel()
-        with self._lock:
-            self._channels[rid] = channel
-        try:
-            try:
-                tokens = self._submit(rid, messages, sampling, salt, resend=False, kind=kind)
-            except MissingBlob:  # the child's keys went another way: send every byte this time
-                tokens = self._submit(rid, messages, sampling, salt, resend=True, kind=kind)
-        except BaseException:
-            with self._lock:
-                self._channels.pop(rid, None)
-            raise
-        return RequestHandle(rid, channel, partial(self._cancel, rid), prompt_tokens=tokens)
-
-    def _submit(self, rid, messages, sampling, salt, *, resend: bool, kind: str = "submit") -> int:
-        with self._send_lock:
-            sent, new = send_blobs(messages, self._keys, salt=salt or "", resend=resend)
-            future = self._request(kind, (rid, sent, sampling, salt, new), locked=True)
-        try:
-            return future.result()
-        except MissingBlob as exc:
-            self._keys.discard(str(exc))
-            raise
-
-    def _cancel(self, rid: int, wait: bool) -> None:
-        with self._lock:
-            if rid not in self._channels:  # finished already
-                return
-        try:
-            future = self._request("cancel", (rid, wait))
-        except EngineAbortedError:  # the handle is failed with it by the reader
-            return
-        if wait:
-            try:
-                future.result()
-            except EngineAbortedError:
-                pass
-
-    def _call(self, name: str, *args, **kwargs):
-        return self._request("call", (name, args, kwargs)).result()
-
-    def _request(self, kind: str, payload: tuple, *, locked: bool = False) -> Future:
-        """Send a command with a fresh call id; its reply resolves the returned future."""
-        future: Future = Future()
-        with self._lock:
-            if self._closing and kind != "close":
-                raise PrismError("engine is closed")
-            if self._dead is not None:
-                raise self._aborted()
-            cid = next(self._ids)
-            self._calls[cid] = future
-        message = (kind, cid, *payload)
-        try:
-            if locked:
-                self._conn.send(message)
-            else:
-                with self._send_lock:
-                    self._conn.send(message)
-        except (OSError, ValueError):
-            with self._lock:
-                self._calls.pop(cid, None)
-            raise self._aborted() from None
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            with self._lock:
-                self._calls.pop(cid, None)
-            raise InvalidRequestError(f"the request cannot be sent to the engine process: {exc}") from None
-        return future
-
-    def _aborted(self) -> EngineAbortedError:
+    # ------------------------------------------------------------------ the connection's ends
+    def _lost_error(self) -> EngineAbortedError:
         code = self._process.exitcode
         how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
         return EngineAbortedError(f"the engine process (pid {self.pid}) stopped unexpectedly ({how}); "
                                   "it is being restarted: ask again in a moment")
 
-    def _read(self) -> None:
-        """The reader thread: outputs into their channels, replies into their futures; at EOF,
-        everything still waiting fails."""
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            except Exception:  # an output that does not unpickle here: a bug, not the child's end
-                log.exception("unreadable message from the engine process")
-                continue
-            if message[0] == "out":
-                with self._lock:
-                    for rid, item in message[1]:
-                        channel = self._channels.get(rid)
-                        if channel is None:
-                            continue
-                        channel.put(item)
-                        if is_final(item):
-                            del self._channels[rid]
-            elif message[0] == "reply":
-                _, cid, ok, value = message
-                with self._lock:
-                    future = self._calls.pop(cid, None)
-                if future is not None:
-                    future.set_result(value) if ok else future.set_exception(value)
-        self._process.join(5)
-        with self._lock:
-            crashed = not self._closing
-            self._dead = self._aborted() if crashed else PrismError("engine is closed")
-            channels, self._channels = list(self._channels.values()), {}
-            calls, self._calls = list(self._calls.values()), {}
-        if crashed:
-            # the owner hears first: by the time a waiting client reads its error, /healthz says
-            # the engine is restarting
-            self.crashed = True
-            log.error("the engine process %s died (exit code %s)", self.pid, self._process.exitcode)
-            if self.on_crash is not None:
-                try:
-                    self.on_crash(self)
-                except Exception:
-                    log.exception("on_crash failed")
-        for channel in channels:
-            channel.put(self._aborted() if crashed else PrismError("engine is closed"))
-        for future in calls:
-            if not future.done():
-                future.set_exception(self._aborted() if crashed else PrismError("engine is closed"))
+    def _reader_ended(self) -> None:
+        self._process.join(5)  # its exit code for the error's message
+
+    def _on_lost(self) -> None:
+        self.crashed = True
+        log.error("the engine process %s died (exit code %s)", self.pid, self._process.exitcode)
+        if self.on_crash is not None:
+            self.on_crash(self)

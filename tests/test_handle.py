@@ -57,6 +57,24 @@ def write_later(channel: OutputChannel, items, start: threading.Event) -> thread
 # ------------------------------------------------------------------------------------------------
 
 
+def test_a_listener_hears_each_put_and_take_ready_returns_what_waits_without_raising():
+    """What the engine core's one forwarder thread uses: a listener called after every put (and
+    at once for items already there), ``take_ready`` every waiting item, an error returned, not
+    raised, and the handle done once its final item was taken."""
+    handle, channel, cancels = new_handle()
+    channel.put(DELTAS[0])
+    heard = []
+    handle.listen(lambda: heard.append(len(heard)))
+    assert heard == [0]  # an item was waiting already
+    channel.put(DELTAS[1])
+    assert heard == [0, 1]
+    assert handle.take_ready() == DELTAS[:2] and handle.take_ready() == [] and not handle.done
+    error = PrismError("boom")
+    channel.put(error)
+    assert handle.take_ready() == [error] and handle.done and handle.error is error
+    handle.cancel()
+    assert cancels.calls == []  # done: nothing to cancel
+
 def test_a_thread_reads_every_delta_then_the_completion_in_order():
     handle, channel, cancels = new_handle()
     start = threading.Event()

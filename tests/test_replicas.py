@@ -30,6 +30,7 @@ from engine import (
     SamplingParams,
     media_first_messages,
 )
+from engine import client as engine_client
 from engine.client import KeyLRU, ProcessClient  # noqa: E402
 
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install -e '.[test]')")
@@ -112,14 +113,14 @@ def test_a_stream_yields_the_same_deltas_and_the_stats_are_the_sum(replicas, loc
 
 def test_an_image_travels_once_per_replica_and_session(replicas, monkeypatch):
     sent = []
-    real = replica_link.send_blobs
+    real = engine_client.send_blobs
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         sent.append(sum(len(b) for b in out[1].values()))
         return out
 
-    monkeypatch.setattr(replica_link, "send_blobs", recording)
+    monkeypatch.setattr(engine_client, "send_blobs", recording)
     image = noise_png(7, size=(160, 120))
     ask(replicas, "once", image)
     ask(replicas, "once", image, "And now?")
@@ -129,8 +130,8 @@ def test_an_image_travels_once_per_replica_and_session(replicas, monkeypatch):
 
 def test_a_path_is_read_and_sent_as_bytes_and_the_second_question_hits(replicas, tmp_path, monkeypatch):
     sent = []
-    real = replica_link.send_blobs
-    monkeypatch.setattr(replica_link, "send_blobs", lambda *a, **k: sent.append(real(*a, **k)) or sent[-1])
+    real = engine_client.send_blobs
+    monkeypatch.setattr(engine_client, "send_blobs", lambda *a, **k: sent.append(real(*a, **k)) or sent[-1])
     path = tmp_path / "photo.png"
     path.write_bytes(noise_png(8))
     parts = [{"image": str(path)}]
@@ -210,7 +211,84 @@ def test_healthz_lists_the_replicas_metrics_label_them_and_keys_guard_the_detail
         store.close()
 
 
+def listening(pids: set[int]) -> dict[str, set[int]]:
+    """The local addresses of the TCP sockets ``pids`` listen on (``/proc``: state 0A), each
+    with the processes that listen there."""
+    import ipaddress
+
+    inodes: dict[str, str] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                fields = row.split()
+                if fields[3] != "0A":
+                    continue
+                raw = fields[1].split(":")[0]
+                packed = bytes.fromhex(raw)  # each 32-bit word little-endian
+                packed = b"".join(packed[i:i + 4][::-1] for i in range(0, len(packed), 4))
+                address = ipaddress.ip_address(packed)
+                inodes[fields[9]] = str(getattr(address, "ipv4_mapped", None) or address)
+    found = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                found.setdefault(inodes[target[8:-1]], set()).add(pid)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return "?"
+
+
+def ray_pids() -> set[int]:
+    """The local Ray instance's processes (GCS, raylet, agents, monitors) and their descendants
+    (the workers: the replicas, Serve's controller), and this driver."""
+    import ray
+
+    roots = {info.process.pid for infos in ray._private.worker._global_node.all_processes.values()
+             for info in infos if info.process is not None}
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    pids, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in pids:
+            pids.add(pid)
+            todo.extend(children.get(pid, ()))
+    return pids | {os.getpid()}
+
+
 def test_the_request_path_listens_on_loopback_and_refuses_a_wrong_key(replicas):
+    """The local instance's every Ray process (GCS, raylet, object manager, agents, workers, each
+    replica's Serve gRPC server among them) listens on loopback only, and so does each replica's
+    request port."""
+    import ray
+
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    pids = ray_pids()
+    assert {replicas.replica_info(n)["pid"] for n in ("replica-0", "replica-1")} <= pids
+    addresses = listening(pids)
+    assert addresses and set(addresses) == {"127.0.0.1"}, {a: [_cmdline(p) for p in ps] for a, ps in
+                                                          addresses.items()}
     info = replicas._replicas["replica-0"].info
     assert info["link"][0] == "127.0.0.1" and "authkey" not in replicas.replica_info("replica-0")
     with pytest.raises(PermissionError):
@@ -246,6 +324,81 @@ def test_two_app_fronts_on_one_cluster_deploy_their_own_replicas(replicas, tiny_
     assert all(r["state"] == "ready" for r in replicas.replica_status())
     image = noise_png(13)
     assert [ask(replicas, "front-a", image).telemetry.prefix_cache for _ in range(2)] == ["miss", "hit"]
+
+
+def salts_by_home(nodes: list[str], target: str, want: int, others: int) -> tuple[list[str], list[str]]:
+    """Session salts whose ring home among ``nodes`` is ``target`` (``want`` of them) and is not
+    (``others``): the ring is deterministic, so which sessions an added replica takes is known."""
+    from engine.replicas.client import _salt_key
+    from engine.replicas.ring import HashRing
+
+    ring, home, away = HashRing(nodes), [], []
+    for i in range(1000):
+        salt = f"resize-{i}"
+        (home if ring.home(_salt_key(salt)) == target else away).append(salt)
+    return home[:want], away[:others]
+
+
+def test_a_replica_added_at_run_time_takes_its_home_sessions_and_a_removed_one_only_its_own(replicas, tmp_path):
+    """``POST /admin/replicas`` (behind the API key) adds replica-2: exactly the sessions whose ring
+    home it becomes move to it (a miss there, then hits), the others stay and hit. Removing it
+    (``DELETE /admin/replicas/replica-2``) ends its stream in flight with the retryable error and
+    moves only its sessions; the others keep their replica and their hits."""
+    from fastapi.testclient import TestClient
+    from ray import serve
+
+    from app.model_loader import ModelChoice, ModelLoader
+    from app.server import create_app
+    from app.settings import Settings
+    from engine.replicas.cluster import app_name
+    from sessions import SessionStore
+
+    movers, stayers = salts_by_home(["replica-0", "replica-1", "replica-2"], "replica-2", 2, 3)
+    images = {salt: noise_png(300 + i) for i, salt in enumerate(movers + stayers)}
+    for salt, image in images.items():
+        ask(replicas, salt, image)
+    placed = {salt: replicas.replica_of(salt) for salt in images}
+    store = SessionStore(tmp_path)
+    choice, key = ModelChoice("tiny", "tiny", True, "test"), {"Authorization": "Bearer sekrit"}
+    try:
+        open_app = create_app(Settings(data_dir=tmp_path), store, ModelLoader.ready(replicas, choice), mount_ui=False)
+        with TestClient(open_app) as http:  # no API keys: no admin
+            assert http.post("/admin/replicas").status_code == 403
+        settings = Settings(data_dir=tmp_path, api_keys=("sekrit",))
+        app = create_app(settings, store, ModelLoader.ready(replicas, choice, settings), mount_ui=False)
+        with TestClient(app) as http:
+            assert http.post("/admin/replicas").status_code == 401
+            added = http.post("/admin/replicas", headers=key)
+            assert added.status_code == 200, added.text
+            assert added.json()["id"] == "replica-2"
+            assert [(r["id"], r["state"]) for r in added.json()["replicas"]] == \
+                [("replica-0", "ready"), ("replica-1", "ready"), ("replica-2", "ready")]
+            assert all(replicas.replica_of(s) is None for s in movers)  # placed again at their next request
+            assert all(replicas.replica_of(s) == placed[s] for s in stayers)
+            for salt in movers:
+                assert ask(replicas, salt, images[salt]).telemetry.prefix_cache == "miss"
+                assert replicas.replica_of(salt) == "replica-2"
+                assert ask(replicas, salt, images[salt]).telemetry.prefix_cache == "hit"
+            for salt in stayers:
+                assert ask(replicas, salt, images[salt]).telemetry.prefix_cache == "hit"
+            stream = replicas.submit([{"role": "user", "content": "Go on."}],
+                                     SamplingParams(max_tokens=4000, temperature=0.0), cache_salt=movers[0])
+            items = iter(stream)
+            assert isinstance(next(items), str)
+            assert http.delete("/admin/replicas/replica-9", headers=key).status_code == 400
+            removed = http.delete("/admin/replicas/replica-2", headers=key)
+            assert removed.status_code == 200 and removed.json() == {"id": "replica-2", "sessions_moved": 2}
+            with pytest.raises(EngineAbortedError, match="was removed"):
+                for _ in items:
+                    pass
+    finally:
+        store.close()
+    assert app_name(replicas.front_id, "replica-2") not in serve.status().applications
+    assert [r["id"] for r in replicas.replica_status()] == ["replica-0", "replica-1"]
+    assert all(replicas.replica_of(s) == placed[s] for s in stayers)
+    assert ask(replicas, stayers[0], images[stayers[0]]).telemetry.prefix_cache == "hit"
+    assert ask(replicas, movers[1], images[movers[1]]).telemetry.prefix_cache in ("miss", "hit")
+    assert replicas.replica_of(movers[1]) in ("replica-0", "replica-1")
 
 
 def test_a_killed_replica_fails_its_stream_moves_its_sessions_once_and_comes_back(replicas):

@@ -72,7 +72,7 @@ class _Replica:
     """The app's view of one replica."""
 
     name: str
-    state: str = "starting"  # "ready", "down"
+    state: str = "starting"  # "ready", "down", "removing"
     info: dict = field(default_factory=dict)
     handle: object = None  # its DeploymentHandle, used on the client's event loop only
     link: ReplicaLink | None = None  # the connection to its current incarnation
@@ -123,17 +123,19 @@ class ReplicaClient(EngineClient):
         self._closing = False
         self._lock = threading.Lock()  # the router and the replicas' states
         self._replicas = {f"replica-{i}": _Replica(f"replica-{i}") for i in range(replicas)}
+        self._next_index = replicas  # an added replica's name: never one used before by this front
+        self._resize = threading.Lock()  # one add or remove at a time
         self._blob_cache_bytes = blob_cache_bytes
+        self._deploy_args = dict(model=str(model), device=device, dtype=dtype, options=options,
+                                 blob_cache_bytes=blob_cache_bytes, num_cpus=replica_cpus, num_gpus=replica_gpus)
         self.router = SessionRouter(list(self._replicas), epsilon=epsilon)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="prism-replicas", daemon=True)
         self._thread.start()
         self.cluster = RayCluster(ray_address, num_cpus=num_cpus)
         try:
-            infos = self.cluster.deploy(self._id, list(self._replicas), str(model), device=device, dtype=dtype,
-                                        options=options, blob_cache_bytes=blob_cache_bytes,
-                                        num_cpus=replica_cpus, num_gpus=replica_gpus)
-            self._run(self._attach_handles(), CALL_TIMEOUT_S)
+            infos = self.cluster.deploy(self._id, list(self._replicas), **self._deploy_args)
+            self._run(self._attach_handles(list(self._replicas.values())), CALL_TIMEOUT_S)
             for replica, info in zip(self._replicas.values(), infos, strict=True):
                 replica.link = self._connect(replica, info)
                 replica.info, replica.state = info, "ready"
@@ -181,7 +183,9 @@ class ReplicaClient(EngineClient):
         return dataclasses.replace(total, sessions=min(total.sessions, 1))  # one salt, however many replicas
 
     def clear_prefix_cache(self) -> None:
-        for replica in [r for r in self._replicas.values() if r.state == "ready"]:
+        with self._lock:
+            ready = [r for r in self._replicas.values() if r.state == "ready"]
+        for replica in ready:
             self._call(replica, "clear_prefix_cache")
 
     def count_prompt_tokens(self, messages, *, cache_salt=None) -> int:
@@ -193,7 +197,8 @@ class ReplicaClient(EngineClient):
         return not self._closing and any(r.state == "ready" for r in self._replicas.values())
 
     def replica_status(self) -> list[dict]:
-        """Each replica: ``id`` (its name), ``state`` (``ready``, ``down``, ``starting``),
+        """Each replica: ``id`` (its name), ``state`` (``ready``, ``down``, ``starting``: being
+        added, ``removing``),
         ``sessions`` (placed on it by this client), ``restarts`` (seen by this client) and, when
         ready, ``stats`` (its :meth:`engine.Engine.stats`; None when it did not answer)."""
         out = []
@@ -220,6 +225,86 @@ class ReplicaClient(EngineClient):
         """Where session ``cache_salt`` is placed now (None: nowhere yet)."""
         with self._lock:
             return self.router.placed(_salt_key(cache_salt))
+
+    def add_replica(self) -> str:
+        """Deploy one more replica (the same model and options, its own Serve application) and put
+        it on the ring once it is ready: the sessions whose home it becomes move to it at their
+        next request (about ``1/N`` of them, N counting it; one cold miss each), the others stay.
+        Blocks while it loads its model (one add or remove at a time).
+
+        Returns:
+            its name (``replica-<i>``, ``i`` never used before by this client).
+
+        Raises:
+            PrismError: the client is closed. RuntimeError: the replica could not start (its
+                constructor's error in the message; nothing changed). OSError, PermissionError:
+                it started but cannot be reached (it is deleted again).
+        """
+        with self._resize:
+            with self._lock:
+                if self._closing:
+                    raise PrismError("engine is closed")
+                name = f"replica-{self._next_index}"
+                self._next_index += 1
+                replica = self._replicas[name] = _Replica(name)  # listed as "starting" meanwhile
+            try:
+                info = self.cluster.deploy(self._id, [name], **self._deploy_args)[0]
+                self._run(self._attach_handles([replica]), CALL_TIMEOUT_S)
+                link = self._connect(replica, info)
+            except BaseException:
+                with self._lock:
+                    self._replicas.pop(name, None)
+                self.cluster.delete(self._id, name)
+                raise
+            with self._lock:
+                if self._closing:
+                    link.close()
+                    raise PrismError("engine is closed")
+                replica.link, replica.info, replica.state = link, info, "ready"
+                moved = self.router.add(name)
+        log.warning("engine replica %s added (pid %s); %d sessions move to it", name, info.get("pid"), len(moved))
+        return name
+
+    def remove_replica(self, name: str, *, wait: bool = True) -> int:
+        """Take replica ``name`` off the ring and delete it: its sessions are placed on the
+        others at their next request (one cold miss each; no other session moves), its requests
+        in flight end with :class:`~engine.errors.EngineAbortedError` (retryable: 503
+        ``aborted`` on ``/v1``, a notice in the chat) before this returns, and what the session
+        store keeps is untouched. One add or remove at a time.
+
+        Args:
+            name: a replica's id (``replica_status()``).
+            wait: return once Serve has stopped it (its resources free), else at once.
+
+        Returns:
+            how many sessions were placed on it (they move).
+
+        Raises:
+            InvalidRequestError: no such replica, or it is the last one. PrismError: closed.
+        """
+        from ..errors import InvalidRequestError
+
+        with self._resize:
+            with self._lock:
+                if self._closing:
+                    raise PrismError("engine is closed")
+                replica = self._replicas.get(name)
+                if replica is None or replica.state in ("starting", "removing"):
+                    raise InvalidRequestError(f"no replica {name!r} to remove (replicas: {', '.join(self._replicas)})")
+                if len(self._replicas) == 1:
+                    raise InvalidRequestError(f"{name} is the last replica: add another before removing it")
+                replica.state = "removing"  # new requests go elsewhere; a probe no longer looks at it
+                moved = self.router.remove(name)
+                link = replica.link
+            if link is not None:
+                link.lose()  # its requests in flight end with the aborted error, the replica cancels them
+                link.join(CALL_TIMEOUT_S)
+                link.close()
+            self.cluster.delete(self._id, name, wait=wait)
+            with self._lock:
+                self._replicas.pop(name, None)
+        log.warning("engine replica %s removed; %d sessions move to the others", name, len(moved))
+        return len(moved)
 
     def close(self) -> None:
         """Cancel what runs, delete the replicas and stop a local Ray instance (harmless twice)."""
@@ -254,7 +339,7 @@ class ReplicaClient(EngineClient):
 
     def _mark_down(self, replica: _Replica, why: str) -> None:
         with self._lock:
-            if replica.state == "down" or self._closing:
+            if replica.state in ("down", "removing") or self._closing:
                 return
             replica.state, replica.down_since = "down", time.monotonic()
             self.router.set_up(replica.name, False)
@@ -262,8 +347,9 @@ class ReplicaClient(EngineClient):
 
     def _mark_ready(self, replica: _Replica, info: dict, link: ReplicaLink) -> None:
         with self._lock:
-            if self._closing:
-                link.close()
+            if self._closing or replica.state == "removing" or self._replicas.get(replica.name) is not replica:
+                if link is not replica.link:
+                    link.close()
                 return
             if replica.info and replica.info.get("incarnation") != info.get("incarnation"):
                 replica.restarts += 1
@@ -277,6 +363,9 @@ class ReplicaClient(EngineClient):
             log.warning("engine replica %s is ready again (pid %s)", replica.name, info.get("pid"))
 
     def _aborted(self, replica: _Replica, why: str) -> EngineAbortedError:
+        if replica.state == "removing":
+            return EngineAbortedError(f"engine replica {replica.name} was removed; this chat moves to another "
+                                      "replica: ask again")
         return EngineAbortedError(f"engine replica {replica.name} stopped unexpectedly ({why}); "
                                   "this chat moves to another replica: ask again")
 
@@ -321,8 +410,8 @@ class ReplicaClient(EngineClient):
 
         return dict(await asyncio.gather(*(one(r) for r in replicas)))
 
-    async def _attach_handles(self) -> None:
-        for replica in self._replicas.values():  # on this loop: a handle is used on the loop that made it
+    async def _attach_handles(self, replicas: list[_Replica]) -> None:
+        for replica in replicas:  # on this loop: a handle is used on the loop that made it
             replica.handle = self.cluster.handle(self._id, replica.name)
 
     async def _probe_forever(self) -> None:
@@ -331,7 +420,9 @@ class ReplicaClient(EngineClient):
         new connection) is ready."""
         while not self._closing:
             await asyncio.sleep(self._probe_interval_s)
-            await asyncio.gather(*(self._probe(r) for r in self._replicas.values()))
+            with self._lock:  # a snapshot: replicas are added and removed meanwhile
+                probed = [r for r in self._replicas.values() if r.state in ("ready", "down")]
+            await asyncio.gather(*(self._probe(r) for r in probed))
 
     async def _probe(self, replica: _Replica) -> None:
         try:

@@ -2,13 +2,21 @@
 existing cluster (``--ray-address``).
 
 A Ray cluster runs whatever code its clients send it, without a password of its own beyond Ray's
-token (docs/SCALING.md, README "Security"), so the local instance is started small: its node
-address is the loopback one, no dashboard, no Serve HTTP or gRPC proxy (nothing listens for HTTP:
-the app probes the replicas by handle and sends requests over each replica's own connection,
-which listens on 127.0.0.1 here), workers at niceness 0 (:data:`WORKER_NICENESS`), logs kept out
-of the app's terminal. Ray's own processes
-(GCS, raylet, workers) still open their gRPC ports on every interface (Ray 2.60 has no option to
-bind them to loopback only); Ray's token authentication, on by default, guards them.
+token (docs/SCALING.md, README "Security"), so the local instance is started small: on loopback
+only (:func:`_loopback_only`), no dashboard, no Serve HTTP or gRPC proxy (nothing listens for
+HTTP: the app probes the replicas by handle and sends requests over each replica's own
+connection, which listens on 127.0.0.1 here), workers at niceness 0 (:data:`WORKER_NICENESS`),
+logs kept out of the app's terminal. Ray's token authentication, on by default, guards its ports
+as well.
+
+Loopback only: Ray 2.60 turns a node address of ``127.0.0.1`` (``_node_ip_address``) into the
+host's outside address, and its processes then listen on every interface (GCS, raylet, object
+manager, workers, the Serve controller: ``*:port``) or on that address (the dashboard agent, the
+runtime-env agent; measured with ``ss -ltnp``). With ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``,
+Ray's single-machine mode (its default on macOS and Windows, where a node's address is the
+loopback one), every one of them listens on 127.0.0.1 (tests/test_replicas.py reads each Ray
+process's listening sockets). That variable only picks the node address; it is set for the
+local instance's processes and this one while it runs, and put back by :meth:`RayCluster.shutdown`.
 
 Each replica is a Serve application of its own with one deployment of one replica
 (``prism-<front>-replica-<i>`` / ``replica-<i>``), ``<front>`` the app front's own id: two app
@@ -68,11 +76,18 @@ class RayCluster:
 
         self.address = address
         self.owned = address is None and not ray.is_initialized()
+        self._restore = lambda: None
         if self.owned:
             RayCluster._local_running = True
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address=LOCAL_HOST,
-                     log_to_driver=False, configure_logging=False, namespace="prism",
-                     _system_config={"worker_niceness": WORKER_NICENESS})
+            self._restore = _loopback_only()
+            try:
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address=LOCAL_HOST,
+                         log_to_driver=False, configure_logging=False, namespace="prism",
+                         _system_config={"worker_niceness": WORKER_NICENESS})
+            except BaseException:
+                RayCluster._local_running = False
+                self._restore()
+                raise
         elif not ray.is_initialized():
             ray.init(address=address, log_to_driver=False, configure_logging=False, namespace="prism")
         serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1"})
@@ -102,12 +117,26 @@ class RayCluster:
                 graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S, graceful_shutdown_wait_loop_s=0.5,
                 max_constructor_retry_count=2,
             ).bind(str(model), device, dtype, dict(options), blob_cache_bytes, name, self.link_host)
-            self.apps.append(app)
+            if app not in self.apps:
+                self.apps.append(app)
             handle = serve.run(replica, name=app, route_prefix=None)
             return handle.info.remote().result()
 
         with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
             return list(pool.map(one, names))
+
+    def delete(self, front: str, name: str, *, wait: bool = True) -> None:
+        """Delete app front ``front``'s replica ``name`` (its Serve application); with ``wait``,
+        return once Serve has stopped it (its resources free for another). Harmless if absent."""
+        from ray import serve
+
+        app = app_name(front, name)
+        try:
+            serve.delete(app, _blocking=wait)
+        except Exception as exc:  # the cluster went away, or it never deployed: nothing left to delete
+            log.info("could not delete %s: %s", app, exc)
+        if app in self.apps:
+            self.apps.remove(app)
 
     @staticmethod
     def handle(front: str, name: str):
@@ -136,3 +165,31 @@ class RayCluster:
         finally:
             ray.shutdown()
             RayCluster._local_running = False
+            self._restore()
+
+
+#: Ray's switch of its single-machine mode (node address: loopback), read by ``ray._private.ray_constants``.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _loopback_only():
+    """Make the Ray instance about to start here a loopback-only one: its processes (which inherit
+    this environment) and this process (whose Ray constants were read at import) take 127.0.0.1 as
+    the node's address, and every Ray port listens there. Returns a function that puts both back
+    (a later ``--ray-address`` join from this process needs the host's address)."""
+    import os
+
+    from ray._private import ray_constants
+
+    before_env, before_flag = os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+    def restore() -> None:
+        if before_env is None:
+            os.environ.pop(LOOPBACK_ENV, None)
+        else:
+            os.environ[LOOPBACK_ENV] = before_env
+        ray_constants.ENABLE_RAY_CLUSTER = before_flag
+
+    return restore

@@ -29,6 +29,30 @@ from ..client import engine_info
 
 __all__ = ["EngineReplica"]
 
+LOOPBACK = "127.0.0.1"
+
+
+def _serve_grpc_on_loopback() -> None:
+    """Make this replica's Serve gRPC server (the one Serve starts in every replica, after its
+    constructor, for calls between deployments; Prism makes none) listen on 127.0.0.1 instead of
+    every interface: Ray Serve 2.60 binds it to ``[::]:0`` with no option (its
+    ``add_port_to_grpc_server``, looked up in ``ray.serve._private.replica`` at that call, is
+    wrapped here). Only on the app's local, loopback-only instance. If a Ray version no longer has
+    that name nothing changes (tests/test_replicas.py checks every Ray process's listening ports)."""
+    from ray.serve._private import replica as serve_replica
+
+    add = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if add is None or getattr(add, "prism_loopback", False):
+        return
+
+    def on_loopback(server, address: str):
+        if address.startswith("[::]:"):
+            address = f"{LOOPBACK}:{address[5:]}"
+        return add(server, address)
+
+    on_loopback.prism_loopback = True
+    serve_replica.add_port_to_grpc_server = on_loopback
+
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=64)
 class EngineReplica:
@@ -53,6 +77,8 @@ class EngineReplica:
         from ..engine import Engine  # the replica process only
         from .link import LinkServer
 
+        if link_host == LOOPBACK:
+            _serve_grpc_on_loopback()
         self.engine = Engine.from_pretrained(model, device=device, dtype=dtype, **options)
         self.name = name
         self.incarnation = uuid.uuid4().hex

@@ -27,21 +27,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import itertools
 import logging
 import os
-import pickle
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from functools import partial
 from multiprocessing.connection import Connection
 
-from ..client import MissingBlob, send_blobs, serve_connection
-from ..errors import EngineAbortedError, InvalidRequestError, PrismError
-from ..serving.handle import OutputChannel, RequestHandle, is_final
+from ..client import ConnectionClient, KeyLRU, serve_connection
+from ..errors import EngineAbortedError
+from ..serving.handle import RequestHandle
 
 __all__ = ["LinkServer", "ReplicaLink", "HANDSHAKE_TIMEOUT_S"]
 
@@ -160,8 +155,9 @@ class LinkServer:
             conn.close()
 
 
-class ReplicaLink:
-    """The app's side of one connection to one replica: requests, their outputs, calls.
+class ReplicaLink(ConnectionClient):
+    """The app's side of one connection to one replica: requests, their outputs, calls
+    (:class:`~engine.client.ConnectionClient` over an authenticated TCP connection).
 
     Args:
         address: the replica's ``(host, port)``. authkey: its key (both from its ``info()``).
@@ -186,18 +182,14 @@ class ReplicaLink:
         except BaseException:
             sock.close()
             raise
-        self._conn = _connection(sock)
-        self.keys, self._aborted, self._on_lost = keys, aborted, on_lost
-        self._prefix, self._timeout = id_prefix, timeout
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()  # also orders the key LRU's operations with the sends
-        self._channels: dict[int, OutputChannel] = {}
-        self._calls: dict[int, Future] = {}
-        self._closing = False
-        self._dead: BaseException | None = None
-        self._reader = threading.Thread(target=self._read, name="prism-link-reader", daemon=True)
-        self._reader.start()
+        super().__init__(_connection(sock), keys, timeout=timeout, inline_paths=True, what="engine replica")
+        self._aborted, self._lost_hook, self._prefix = aborted, on_lost, id_prefix
+        self._start_reader("prism-link-reader")
+
+    @property
+    def keys(self) -> KeyLRU:
+        """The content keys the replica holds for this connection (the app's copy)."""
+        return self._keys
 
     @property
     def alive(self) -> bool:
@@ -211,23 +203,11 @@ class ReplicaLink:
             the engine's input errors, as in-process; EngineAbortedError: the connection is lost,
             or the replica did not answer within ``timeout``.
         """
-        rid, channel = next(self._ids), OutputChannel()
-        with self._lock:
-            self._channels[rid] = channel
-        try:
-            try:
-                tokens = self._submit(kind, rid, messages, sampling, salt, resend=False)
-            except MissingBlob:  # the replica dropped a key this side still lists: every byte again
-                tokens = self._submit(kind, rid, messages, sampling, salt, resend=True)
-        except BaseException:
-            with self._lock:
-                self._channels.pop(rid, None)
-            raise
-        return RequestHandle(f"{self._prefix}-{rid}", channel, partial(self._cancel, rid), prompt_tokens=tokens)
+        return self._open(kind, messages, sampling, salt)
 
     def call(self, name: str, *args, **kwargs):
         """One of :data:`engine.client.ENGINE_CALLS` on the replica's engine; its result or error."""
-        return self._wait(self._request("call", (name, args, kwargs)))
+        return self._call(name, *args, **kwargs)
 
     def close(self) -> None:
         """Close the connection (the replica cancels what it still runs for it); requests still
@@ -241,101 +221,41 @@ class ReplicaLink:
         except OSError:
             pass
 
-    # ------------------------------------------------------------------ helpers
-    def _submit(self, kind, rid, messages, sampling, salt, *, resend: bool) -> int:
-        with self._send_lock:
-            sent, new = send_blobs(messages, self.keys, salt=salt or "", resend=resend, inline_paths=True)
-            future = self._request(kind, (rid, sent, sampling, salt, new), locked=True)
-        try:
-            return self._wait(future)
-        except MissingBlob as exc:
-            self.keys.discard(str(exc))
-            raise
-
-    def _wait(self, future: Future):
-        try:
-            return future.result(self._timeout)
-        except FutureTimeout:
-            raise EngineAbortedError(f"the engine replica did not answer within {self._timeout:.0f} s") from None
-
-    def _cancel(self, rid: int, wait: bool) -> None:
+    def lose(self) -> None:
+        """End the connection as if the replica had gone (it is being removed): the replica
+        cancels what it runs for it, and requests still waiting here end with the owner's
+        ``aborted`` error (retryable), after ``on_lost`` (from the reader thread, as for a
+        replica that died). Harmless on a connection lost or closed already."""
         with self._lock:
-            if rid not in self._channels:  # finished already
+            if self._closing or self._dead is not None:
                 return
+        try:  # shutdown, not close: the reader thread's recv sees the end and fails what waits
+            sock = socket.socket(fileno=os.dup(self._conn.fileno()))
+        except (OSError, ValueError):  # closed meanwhile
+            return
         try:
-            future = self._request("cancel", (rid, wait))
-            if wait:
-                self._wait(future)
-        except PrismError as exc:  # the connection is lost: the stream ends with its error
-            log.info("cancel on a replica: %s", exc)
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
-    def _request(self, kind: str, payload: tuple, *, locked: bool = False) -> Future:
-        future: Future = Future()
-        with self._lock:
-            if self._closing:
-                raise PrismError("engine is closed")
-            if self._dead is not None:
-                raise self._aborted()
-            cid = next(self._ids)
-            self._calls[cid] = future
-        message = (kind, cid, *payload)
-        try:
-            if locked:
-                self._conn.send(message)
-            else:
-                with self._send_lock:
-                    self._conn.send(message)
-        except (OSError, ValueError):
-            with self._lock:
-                self._calls.pop(cid, None)
-            raise (PrismError("engine is closed") if self._closing else self._aborted()) from None
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            with self._lock:
-                self._calls.pop(cid, None)
-            raise InvalidRequestError(f"the request cannot be sent to the engine replica: {exc}") from None
-        return future
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the reader thread has failed what waited on a lost or closed connection."""
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout)
 
-    def _read(self) -> None:
-        """The reader thread: outputs into their channels, replies into their futures; when the
-        connection closes, everything still waiting fails."""
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            except Exception:  # an output that does not unpickle here: a bug, not the replica's end
-                log.exception("unreadable message from an engine replica")
-                continue
-            if message[0] == "out":
-                with self._lock:
-                    for rid, item in message[1]:
-                        channel = self._channels.get(rid)
-                        if channel is None:
-                            continue
-                        channel.put(item)
-                        if is_final(item):
-                            del self._channels[rid]
-            elif message[0] == "reply":
-                _, cid, ok, value = message
-                with self._lock:
-                    future = self._calls.pop(cid, None)
-                if future is not None:
-                    future.set_result(value) if ok else future.set_exception(value)
-        with self._lock:
-            lost = not self._closing
-            self._dead = self._aborted() if lost else PrismError("engine is closed")
-            channels, self._channels = list(self._channels.values()), {}
-            calls, self._calls = list(self._calls.values()), {}
-        if lost:
-            try:
-                self._on_lost(self)  # the owner hears first: the next request routes elsewhere
-            except Exception:
-                log.exception("on_lost failed")
-        for channel in channels:
-            channel.put(self._aborted() if lost else PrismError("engine is closed"))
-        for future in calls:
-            if not future.done():
-                future.set_exception(self._aborted() if lost else PrismError("engine is closed"))
+    # ------------------------------------------------------------------ the connection's ends
+    def _lost_error(self) -> EngineAbortedError:
+        return self._aborted()
+
+    def _handle_id(self, rid: int) -> str:
+        return f"{self._prefix}-{rid}"
+
+    def _on_lost(self) -> None:
+        self._lost_hook(self)
+
+    def _reader_ended(self) -> None:
         try:
             self._conn.close()
         except OSError:

@@ -44,6 +44,7 @@ class OutputChannel:
         self._items: deque[Output] = deque()
         self._cv = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._listener: Callable[[], None] | None = None
         self.closed = False  # a final item was put: nothing follows it
 
     def put(self, item: Output) -> None:
@@ -59,6 +60,27 @@ class OutputChannel:
                 loop.call_soon_threadsafe(_wake, future)
             except RuntimeError:  # that event loop is closed: its reader is gone, the writer goes on
                 pass
+        listener = self._listener
+        if listener is not None:
+            listener()
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after each :meth:`put` (in the writer's thread, outside the
+        channel's lock: it must be quick and must not block), and once now if items are waiting:
+        for a reader that serves many channels from one thread and takes what is ready with
+        :meth:`take_ready`. One listener per channel."""
+        with self._cv:
+            self._listener = callback
+            waiting = bool(self._items)
+        if waiting:
+            callback()
+
+    def take_ready(self) -> list[Output]:
+        """Every item waiting now, oldest first (none: an empty list); never blocks."""
+        with self._cv:
+            items = list(self._items)
+            self._items.clear()
+            return items
 
     def get(self, block: bool = True, timeout: float | None = None) -> Output:
         """The next item, waiting for it with ``block`` (at most ``timeout`` seconds).
@@ -166,6 +188,22 @@ class RequestHandle:
             return
         self._cancelled = True
         self._cancel(wait)
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """Have ``callback()`` called (from the engine's thread) whenever an output arrives, for a
+        reader that forwards many requests' outputs from one thread with :meth:`take_ready`
+        (:class:`~engine.client.ConnectionClient`'s other end); see :meth:`OutputChannel.listen`."""
+        self._channel.listen(callback)
+
+    def take_ready(self) -> list[Output]:
+        """The outputs that arrived and were not read yet, without blocking: text deltas, then at
+        the end the :class:`Completion` or the request's error (returned, not raised; the handle
+        is :attr:`done` once it was taken)."""
+        items = self._channel.take_ready()
+        for item in items:
+            if is_final(item):
+                self._final = item
+        return items
 
     def _take(self, item: Output) -> Output:
         if is_final(item):
