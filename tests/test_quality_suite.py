@@ -18,6 +18,7 @@ What these tests prove:
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -529,6 +530,29 @@ def test_checkpoint_shards_transfer_and_load(tmp_path, toy_checkpoint):
         ckpt.join_parts(tmp_path / "parts", tmp_path / "joined2")
 
 
+def test_aux_place_targets_are_each_tokens_cell_in_raster_order():
+    """``--aux-place``: merged token ``t`` of an image of 8 x 8 cells is labelled ``(t // 8, t % 8)``,
+    image after image (the order :func:`cell_labels` documents and the test above checks against
+    the pixels), and its loss adds the row and column cross-entropies to the cell loss."""
+    from benchmarks.quality.train import AuxHeads
+
+    heads = AuxHeads(16, 1, grid=(8, 8))
+    place = heads.place_labels(128, "cpu")
+    assert place[:64].tolist() == [[t // 8, t % 8] for t in range(64)] and torch.equal(place[64:], place[:64])
+    with pytest.raises(ValueError, match="whole images"):
+        heads.place_labels(100, "cpu")
+    torch.manual_seed(0)
+    tokens, labels = torch.randn(128, 16), torch.zeros(128, 3, dtype=torch.long)
+    plain = AuxHeads(16, 1)
+    with torch.no_grad():
+        plain.heads[0].weight.copy_(heads.heads[0].weight[:plain.heads[0].out_features])
+        plain.heads[0].bias.copy_(heads.heads[0].bias[:plain.heads[0].out_features])
+        heads.heads[0].weight[plain.heads[0].out_features:] = 0  # uniform place logits: log 8 each
+        heads.heads[0].bias[plain.heads[0].out_features:] = 0
+    with_place, without = heads.loss([tokens], labels)[0], plain.loss([tokens], labels)[0]
+    assert abs(float(with_place - without) - math.log(8)) < 1e-5
+
+
 def test_toy_run_with_aux_loss_and_size_override_saves_a_plain_qwen3vl(tmp_path, tiny_ckpt, processor):
     """``train`` end to end on the CPU with ``--aux-weight`` (merger and DeepStack heads) and a
     wider vision tower: it trains a few steps (aux statistics in the history), saves a checkpoint
@@ -544,10 +568,11 @@ def test_toy_run_with_aux_loss_and_size_override_saves_a_plain_qwen3vl(tmp_path,
     out, parts = tmp_path / "ckpt", tmp_path / "parts"
     metrics = train(parse_args([
         "--out", str(out), "--toy", "--steps", "3", "--batch", "4", "--workers", "0", "--eval", "5",
-        "--aux-weight", "0.5", "--aux-deepstack", "--vision-width", "48", "--vision-mlp", "96",
+        "--aux-weight", "0.5", "--aux-deepstack", "--aux-place", "--vision-width", "48", "--vision-mlp", "96",
         "--curriculum", "binding2", "--transfer", str(parts), "--metrics", str(tmp_path / "m.json"),
         "--device", "cpu", "--log-every", "1", "--ckpt-minutes", "0", "--lr", "3e-3", "--warmup", "1"]))
     assert metrics["steps"] == 3 and metrics["aux_weight"] == 0.5 and metrics["aux_levels"] == 2
+    assert metrics["aux_place"] is True
     assert all(np.isfinite(h["aux_loss"]) and 0 <= h["aux_kind_accuracy"] <= 1 for h in metrics["history"])
     assert metrics["vision_config"]["hidden_size"] == 48
     config = json.loads((out / "config.json").read_text())

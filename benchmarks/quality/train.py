@@ -50,7 +50,7 @@ from engine.model.config import ModelConfig
 from . import checkpoint as ckpt
 from .data import CELL_CLASSES, Batch, TrainStream, build_batch, cell_labels, device_pixels
 from .model import ProbeVL
-from .scenes import CURRICULA, QUESTION_TYPES, TRAINING_TYPES, Sample, accuracy_by_type, heldout
+from .scenes import CURRICULA, IMAGE_SIZE, QUESTION_TYPES, TRAINING_TYPES, Sample, accuracy_by_type, heldout
 from .tokens import PromptTokens
 
 #: Answers are one word or digit: the answer token, <|im_end|>, and a little slack.
@@ -106,14 +106,32 @@ class AuxHeads(nn.Module):
     for the merger output and one per DeepStack output when ``levels > 1``. Not part of the
     checkpoint (the saved model is :class:`ProbeVL` alone).
 
+    With ``grid = (rows, cols)`` (``--aux-place``) each head also predicts its token's cell row and
+    column in the image (every image has the same grid), so the visual tokens carry their place
+    linearly in their features, where the decoder's attention can read it off the tokens a
+    question selects (the position questions compare two shapes' columns).
+
     Args:
         width: the visual tokens' width (``vision_config.out_hidden_size``).
         levels: 1 (merger output) or 1 + the DeepStack taps.
+        grid: ``(rows, cols)`` of merged tokens per image for the place targets, or None (no place
+            targets).
     """
 
-    def __init__(self, width: int, levels: int = 1):
+    def __init__(self, width: int, levels: int = 1, grid: tuple[int, int] | None = None):
         super().__init__()
-        self.heads = nn.ModuleList(nn.Linear(width, sum(CELL_CLASSES)) for _ in range(levels))
+        self.grid = grid
+        out = sum(CELL_CLASSES) + (sum(grid) if grid is not None else 0)
+        self.heads = nn.ModuleList(nn.Linear(width, out) for _ in range(levels))
+
+    def place_labels(self, tokens: int, device) -> torch.Tensor:
+        """int64 ``[tokens, 2]``: each merged token's ``(row, col)`` in its image (cells in raster
+        order, image after image). Raises ValueError: ``tokens`` is not a whole number of images."""
+        rows, cols = self.grid
+        if tokens % (rows * cols):
+            raise ValueError(f"{tokens} visual tokens are not whole images of {rows}x{cols} cells")
+        cell = torch.arange(tokens, device=device) % (rows * cols)
+        return torch.stack([cell // cols, cell % cols], dim=1)
 
     def loss(self, tokens: Sequence[torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                        torch.Tensor]:
@@ -121,7 +139,8 @@ class AuxHeads(nn.Module):
 
         Per level: cross-entropy of kind, colour and word averaged over every cell, plus that of
         kind and colour averaged over the cells holding a shape (most cells are empty; this keeps
-        the signal for shapes from being diluted); the levels are averaged.
+        the signal for shapes from being diluted), plus with :attr:`grid` that of the cell's row and
+        column averaged over every cell; the levels are averaged.
 
         Args:
             tokens: ``levels`` tensors ``[T, width]`` (the merger output, then DeepStack outputs).
@@ -131,19 +150,25 @@ class AuxHeads(nn.Module):
             ``(loss, kind_hits, colour_hits)``: a float32 scalar, and float32 ``[2]`` each as
             ``(correct, cells)`` counted over the cells holding a shape (merger head).
         """
-        nk, nc, _ = CELL_CLASSES
+        nk, nc, nw = CELL_CLASSES
+        place = self.place_labels(len(labels), labels.device) if self.grid is not None else None
         shape = (labels[:, 0] > 0).float()
         cells = shape.sum().clamp(min=1.0)
         total = torch.zeros((), device=labels.device)
         kind_hits = colour_hits = None
         for j, (head, x) in enumerate(zip(self.heads, tokens, strict=False)):
             logits = head(x).float()
-            kind, colour, word = logits[:, :nk], logits[:, nk:nk + nc], logits[:, nk + nc:]
+            kind, colour, word = logits[:, :nk], logits[:, nk:nk + nc], logits[:, nk + nc:nk + nc + nw]
             ce_kind = F.cross_entropy(kind, labels[:, 0], reduction="none")
             ce_colour = F.cross_entropy(colour, labels[:, 1], reduction="none")
             ce_word = F.cross_entropy(word, labels[:, 2], reduction="none")
             every_cell = (ce_kind + ce_colour + ce_word).mean() / 3
             total = total + every_cell + ((ce_kind + ce_colour) * shape).sum() / (2 * cells)
+            if place is not None:
+                rows = self.grid[0]
+                at = nk + nc + nw
+                total = total + (F.cross_entropy(logits[:, at:at + rows], place[:, 0])
+                                 + F.cross_entropy(logits[:, at + rows:], place[:, 1])) / 2
             if j == 0:
                 kind_hits = torch.stack([((kind.argmax(-1) == labels[:, 0]).float() * shape).sum(), shape.sum()])
                 colour_hits = torch.stack([((colour.argmax(-1) == labels[:, 1]).float() * shape).sum(), shape.sum()])
@@ -295,7 +320,11 @@ def train(args: argparse.Namespace) -> dict:
     if args.aux_weight > 0:
         levels = 1 + (len(spec["vision_config"]["deepstack_visual_indexes"]) if args.aux_deepstack else 0)
         torch.manual_seed(args.seed + 1)
-        aux = AuxHeads(spec["vision_config"]["out_hidden_size"], levels).to(device)
+        grid = None
+        if args.aux_place:  # every sample's images have one size: its merged-token grid
+            merged = spec["vision_config"]["patch_size"] * spec["vision_config"]["spatial_merge_size"]
+            grid = (IMAGE_SIZE[0] // merged, IMAGE_SIZE[1] // merged)
+        aux = AuxHeads(spec["vision_config"]["out_hidden_size"], levels, grid).to(device)
     trained = torch.nn.ModuleList([model] + ([aux] if aux is not None else []))
     optimizer = make_optimizer(trained, args.lr)
     schedule = Schedule(args.lr, warmup=args.warmup)
@@ -373,6 +402,7 @@ def train(args: argparse.Namespace) -> dict:
         "steps_per_second": round(step / max(train_seconds, 1e-9), 2), "parameters": params,
         "lr": args.lr, "seed": args.seed, "curriculum": args.curriculum, "init": args.init,
         "aux_weight": args.aux_weight, "aux_levels": len(aux.heads) if aux is not None else 0,
+        "aux_place": bool(args.aux_place),
         "vision_config": {k: spec["vision_config"][k] for k in ("hidden_size", "depth", "intermediate_size",
                                                                  "num_heads", "deepstack_visual_indexes")},
         "text_config": {k: spec["text_config"][k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size")},
@@ -415,6 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--aux-weight", type=float, default=0.0,
                    help="weight of the auxiliary per-visual-token loss (kind, colour, word of each cell; 0: off)")
     p.add_argument("--aux-deepstack", action="store_true", help="also put aux heads on the DeepStack outputs")
+    p.add_argument("--aux-place", action="store_true",
+                   help="the aux heads also predict each visual token's row and column (for position questions)")
     ckpt.add_size_arguments(p)
     p.add_argument("--init", help="start from this checkpoint's weights (e.g. benchmarks/quality/probe) "
                                   "instead of a fresh initialisation; the optimizer state starts fresh")
