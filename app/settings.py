@@ -51,14 +51,27 @@ def _positive_bytes(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _bounded(convert, within, refusal: str):
+    """An argparse type: ``convert`` (``int`` or ``float``) the text, then require ``within(value)``.
+
+    ``refusal`` is the message for a value out of range, formatted with ``value`` (the converted
+    number) and ``text`` (as given). Text that does not convert is refused as "not an integer" /
+    "not a number"."""
+    what = "an integer" if convert is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not within(value):
+            raise argparse.ArgumentTypeError(refusal.format(value=value, text=text))
+        return value
+
+    return parse
+
+
+_positive_int = _bounded(int, lambda v: v >= 1, "must be at least 1, got {value}")
 
 
 def _port(text: str) -> int:
@@ -68,46 +81,14 @@ def _port(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def _replica_count(text: str) -> int:
-    """0 (no replicas: one engine) or a number of replicas, at most 64."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"must be in [0, 64], got {value}")
-    return value
-
-
-def _cpus(text: str) -> float:
-    """A positive number of CPUs, fractions allowed."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value <= 1024:
-        raise argparse.ArgumentTypeError(f"must be a positive number of CPUs, got {text}")
-    return value
+_seconds = _bounded(float, lambda v: 0 < v < float("inf"), "must be a positive number of seconds, got {text}")
+_ratio = _bounded(float, lambda v: 0 < v <= 1, "must be in (0, 1], got {value}")
+#: 0 (no replicas: one engine) or a number of replicas, at most 64.
+_replica_count = _bounded(int, lambda v: 0 <= v <= 64, "must be in [0, 64], got {value}")
+#: A positive number of CPUs, fractions allowed.
+_cpus = _bounded(float, lambda v: 0 < v <= 1024, "must be a positive number of CPUs, got {text}")
+#: A share in [0, 1] (0 turns the feature off).
+_share = _bounded(float, lambda v: 0 <= v <= 1, "must be in [0, 1], got {value}")
 
 
 _RAY_ADDRESS_RE = re.compile(r"^(ray://)?[A-Za-z0-9.\-\[\]:]{1,253}:\d{1,5}$|^auto$")
@@ -117,17 +98,6 @@ def _ray_address(text: str) -> str:
     if not _RAY_ADDRESS_RE.match(text):
         raise argparse.ArgumentTypeError(f"not a Ray address (host:port, ray://host:port or auto): {text[:80]!r}")
     return text
-
-
-def _share(text: str) -> float:
-    """A share in [0, 1] (0 turns the feature off)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
 
 
 def default_data_dir() -> Path:
