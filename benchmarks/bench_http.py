@@ -122,12 +122,16 @@ async def engine_request(engine, image: bytes, text: str, max_tokens: int) -> di
     raise RuntimeError("no completion")  # pragma: no cover
 
 
-async def http_request(client, image: bytes, text: str, max_tokens: int) -> dict:
-    """One streaming request through ``/v1/chat/completions``, timed by the HTTP client."""
-    body = {"messages": openai_messages(engine_messages(image, text)), "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "prompt_cache_key": CACHE_KEY}
+async def stream_chat(client, body: dict, on_first=None) -> tuple[float, list[float], dict]:
+    """POST ``body`` (with ``"stream": true``) to ``/v1/chat/completions`` and read its events:
+    ``(sent, deltas, telemetry)``, the ``perf_counter`` seconds it was sent, of each text delta,
+    and the final event's Prism telemetry. ``on_first()`` is called at the first text delta.
+
+    Raises:
+        RuntimeError: a status other than 200, an error event, or no ``finish_reason``.
+    """
     sent = time.perf_counter()
-    first = last = None
+    deltas: list[float] = []
     telemetry = None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -140,12 +144,22 @@ async def http_request(client, image: bytes, text: str, max_tokens: int) -> dict
                 raise RuntimeError(f"stream error: {event['error']}")
             choice = event["choices"][0]
             if choice["delta"].get("content"):
-                last = time.perf_counter()
-                first = first or last
+                deltas.append(time.perf_counter())
+                if len(deltas) == 1 and on_first is not None:
+                    on_first()
             if choice.get("finish_reason"):
                 telemetry = event["prism"]["telemetry"]
     if telemetry is None:
         raise RuntimeError("the stream ended without a finish_reason")
+    return sent, deltas, telemetry
+
+
+async def http_request(client, image: bytes, text: str, max_tokens: int) -> dict:
+    """One streaming request through ``/v1/chat/completions``, timed by the HTTP client."""
+    body = {"messages": openai_messages(engine_messages(image, text)), "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "prompt_cache_key": CACHE_KEY}
+    sent, deltas, telemetry = await stream_chat(client, body)
+    first, last = (deltas[0], deltas[-1]) if deltas else (None, None)
     return _record(sent, first, last, telemetry["generated_tokens"], telemetry)
 
 

@@ -116,32 +116,11 @@ async def ask(client, urls: list[str], key: str, question: str, max_tokens: int,
     when the first text delta arrives."""
     body = {"messages": messages(urls, question), "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "prompt_cache_key": key}
-    sent = time.perf_counter()
-    first = last = telemetry = None
-    gaps: list[float] = []
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            choice = event["choices"][0]
-            if choice["delta"].get("content"):
-                now = time.perf_counter()
-                if last is not None:
-                    gaps.append((now - last) * 1e3)
-                last = now
-                if first is None:
-                    first = now
-                    if first_token is not None:
-                        first_token.set()
-            if choice.get("finish_reason"):
-                telemetry = event["prism"]["telemetry"]
-    if telemetry is None or first is None:
-        raise RuntimeError("the stream ended without text or a finish_reason")
+    sent, deltas, telemetry = await bench_http.stream_chat(client, body, first_token.set if first_token else None)
+    if not deltas:
+        raise RuntimeError("the stream ended without text")
+    first, last = deltas[0], deltas[-1]
+    gaps = [(b - a) * 1e3 for a, b in zip(deltas, deltas[1:], strict=False)]
     generated = telemetry["generated_tokens"]
     return {"ttft_ms": (first - sent) * 1e3, "tpot_ms": (last - first) * 1e3 / (generated - 1) if generated > 1
             else None, "gap_ms_p50": statistics.median(gaps) if gaps else None, "generated": generated,
