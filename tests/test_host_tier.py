@@ -190,6 +190,60 @@ def test_host_full_compacts_when_the_host_holds_what_is_worth_more():
     check(cache)
 
 
+def test_an_offload_cheaper_than_any_compaction_plans_none(monkeypatch):
+    """The compaction an offload is priced against is planned (a selector run) only when it could
+    lose less: here the offload's 0.4 tokens a page is below every prefix's bound (24 tokens over
+    6 pages), so no plan is made and the move is the same offload (issue 33's admission profile,
+    benchmarks/profile_admission.py)."""
+    cache, transfers = tiered()
+    a, b = add_dense(cache, "a"), add_dense(cache, "b", hits=1)
+
+    def no_plan(*_):
+        raise AssertionError("a compaction was planned for an offload that loses less than any")
+    monkeypatch.setattr(cache, "plan", no_plan)
+    assert not cache.make_room(cache.pool.num_free + 1)
+    assert a.tier == "host" and b.tier == "gpu" and cache.stats.pressure_compactions == 0
+    step(cache, transfers)
+    check(cache)
+
+
+def _moves(seed: int) -> list[str]:
+    """Random fills and reclaims of a small tiered cache (host tier short, hits 0-60, so offloads,
+    host drops and compactions all win some comparisons); the moves made, in order."""
+    import random
+    rng = random.Random(seed)
+    cache, transfers = tiered(num_pages=30, host_pages=12)
+    log = []
+    for name in ("offload", "evict", "evict_host", "compact"):
+        orig = getattr(cache, name)
+
+        def wrapped(entry, *a, _orig=orig, _name=name):
+            log.append(f"{_name}:{entry.key}")
+            return _orig(entry, *a)
+        setattr(cache, name, wrapped)
+    for i in range(40):
+        cache.make_room(6)
+        step(cache, transfers)
+        if cache.pool.num_free >= 6:
+            add_dense(cache, f"p{i}", hits=rng.choice((0, 0, 1, 3, 60)))
+        cache.make_room(cache.pool.num_free + rng.randint(1, 8))
+        step(cache, transfers)
+        check(cache)
+    return log
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_lossy_move_looked_for_late_makes_the_moves_of_the_eager_one(seed, monkeypatch):
+    """reclaim_once prices a compaction by a bound before planning it: the same moves, in the same
+    order, as when every lossy move is planned in full first."""
+    from engine.cache import reclaim
+    lazy = _moves(seed)
+    full = reclaim.lossy_move
+    monkeypatch.setattr(reclaim, "lossy_move", lambda cache, against=None: full(cache))
+    eager = _moves(seed)
+    assert lazy == eager
+    assert {m.split(":")[0] for m in lazy} >= {"offload", "compact"}
+
 def test_compact_first_compacts_before_it_offloads():
     cache, transfers = tiered(order="compact_first")
     entry = add_dense(cache, "a")

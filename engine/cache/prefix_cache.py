@@ -496,8 +496,13 @@ class PrefixCache:
         members = self.family(base)
         if any(m.users for m in members):
             return None
+        refcount = self.pool.refcount
+        if len(members) == 1:  # one block table: distinct pages, each held once by it
+            if any(refcount[p] != 1 for p in base.pages):
+                return None
+            return members
         held = Counter(p for m in members for p in m.pages)
-        if any(self.pool.refcount[p] != n for p, n in held.items()):
+        if any(refcount[p] != n for p, n in held.items()):
             return None
         return members
 
@@ -508,10 +513,14 @@ class PrefixCache:
         return (max(m.value() for m in members), max(m.last_used for m in members))
 
     def coldest_idle_family(self) -> PrefixEntry | None:
-        """The prefix of the idle GPU family (:meth:`_idle_family`) of least value, or None. A scan
-        of the prefixes (an offload is rare next to a step)."""
-        idle = [e for e in self.prefixes.values() if self._idle_family(e) is not None and e.pages]
-        return min(idle, key=self._family_order, default=None)
+        """The prefix of the idle GPU family (:meth:`_idle_family`) of least value, or None. The
+        GPU prefixes are sorted by :meth:`_family_order` (stable: ties keep insertion order, as a
+        ``min`` over them would) and checked for idleness in that order, so only the families
+        ahead of the answer are checked (the check counts every page's references: it dominated
+        a host hit's plan, which calls this once per offload of :func:`~engine.cache.reclaim.keep_free`)."""
+        gpu = [e for e in self.prefixes.values() if e.alive and e.tier == "gpu" and e.pages]
+        gpu.sort(key=self._family_order)
+        return next((e for e in gpu if self._idle_family(e) is not None), None)
 
     def host_victims(self, pages_needed: int) -> list[PrefixEntry] | None:
         """The host families to drop, least value first, so ``pages_needed`` host pages are free:

@@ -61,18 +61,24 @@ def reclaim_once(cache: PrefixCache) -> bool:
     4. Else the GPU entry of least value is evicted (last).
 
     Returns whether a move was made (False: nothing may go)."""
-    lossy = lossy_move(cache)
     unit = cache.coldest_idle_family() if cache.host is not None else None
+    # ``lossy`` is looked for when it is read: under offload_first only once an offload is priced,
+    # and then only as far as the comparison needs (a compaction plan runs a selector)
+    lossy = lossy_move(cache) if unit is None or cache.reclaim_order == "compact_first" else _LATER
     if unit is not None and not (cache.reclaim_order == "compact_first" and lossy is not None):
         pages = cache.distinct(cache.family(unit), "pages")
         victims = cache.host_victims(len(pages))
         if victims is not None:
             loss = sum(recompute_loss(cache, v) for v in victims) + restore_loss(cache, unit, len(pages))
+            if lossy is _LATER:
+                lossy = lossy_move(cache, against=loss / len(pages))
             if lossy is None or loss / len(pages) <= lossy[-1]:
                 for victim in victims:
                     cache.evict_host(victim)
                 cache.offload(unit)
                 return True
+    if lossy is _LATER:
+        lossy = lossy_move(cache)
     if lossy is not None:
         kind, entry, *rest = lossy
         if kind == "evict":
@@ -108,11 +114,20 @@ def keep_free(cache: PrefixCache) -> int:
     return moved
 
 
-def lossy_move(cache: PrefixCache) -> tuple | None:
+#: :func:`reclaim_once`'s placeholder for a ``lossy`` move not looked for yet.
+_LATER = object()
+
+
+def lossy_move(cache: PrefixCache, against: float | None = None) -> tuple | None:
     """The pressure steps' next move, as before the host tier: ``("evict", extension, loss per
     page)`` for the idle extension of least value, else ``("compact", prefix, step, kept, loss per
     page)`` for the first compaction that frees a page; None without pressure steps or when
-    neither exists."""
+    neither exists.
+
+    ``against``: a loss per page the caller only compares with the move's (``against <= loss``
+    wins). When no compaction could lose less than it (a step frees at most the entry's pages, so
+    its loss per page is at least its tokens' price over all its pages), no plan is computed and
+    ``("bound", None, lower bound)`` is returned: the comparison comes out as with the real move."""
     if not cache.pressure_steps:
         return None
     idle = cache.first_evictable((1,))
@@ -120,7 +135,13 @@ def lossy_move(cache: PrefixCache) -> tuple | None:
         own = [p for p in idle.pages if cache.pool.refcount[p] == 1]
         tail = len(idle.tokens) - idle.prefix_len
         return ("evict", idle, (1 + idle.hits) * tail / max(1, len(own)))
-    for entry, step in cache.compactable():
+    candidates = cache.compactable()
+    if against is not None and candidates:
+        bound = min((1 + e.hits) * len(e.tokens) * cache.costs.compaction_price / max(1, len(e.pages))
+                    for e, _ in candidates)
+        if against <= bound:
+            return ("bound", None, bound)
+    for entry, step in candidates:
         kept = cache.plan(entry, step)
         if kept is not None:
             freed = len(entry.pages) - cache.pool.pages_for(len(kept))

@@ -680,6 +680,15 @@ MUTANTS: list[Mutant] = [
         (HOST + "test_host_full_compacts_when_the_host_holds_what_is_worth_more",),
     ),
     Mutant(
+        "lossy-bound-skips-the-plan",
+        "an offload priced against a compaction skips planning it even when the compaction could lose less "
+        "(the host tier drops a hot family instead of compacting a cold GPU prefix)",
+        "engine/cache/reclaim.py",
+        "        if against <= bound:\n",
+        "        if True:\n",
+        (HOST + "test_the_lossy_move_looked_for_late_makes_the_moves_of_the_eager_one",),
+    ),
+    Mutant(
         "host-hit-restore-not-reported",
         "a hit restored from the host tier reports no restore time or pages, and is not counted as a host hit",
         "engine/cache/prefix_reuse.py",
