@@ -182,8 +182,8 @@ MUTANTS: list[Mutant] = [
         "chat-sends-no-salt",
         "the chat asks every session's questions under no cache salt (one shared cache for everyone)",
         "app/chat.py",
-        "cache_salt=session.cache_salt)",
-        "cache_salt=None)",
+        "history), sampling,\n                                   cache_salt=session.cache_salt)",
+        "history), sampling,\n                                   cache_salt=None)",
         ("tests/test_app_chat.py::test_each_session_asks_under_its_own_cache_salt",),
     ),
     Mutant(
