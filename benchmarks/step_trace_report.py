@@ -26,11 +26,13 @@ if str(ROOT) not in sys.path:
 from engine.serving.trace import read  # noqa: E402
 
 
-def kind(record: dict) -> str:
-    """The step's class: ``"restore"``, ``"warm"``, ``"prefill"``, ``"decode"`` or ``"idle"`` (no run)."""
+def kind(record: dict, previous: dict | None = None) -> str:
+    """The step's class: ``"restore"`` (it orders or waits for a restore, or follows a step during
+    which restores started: it carries their questions' first chunks), ``"warm"``, ``"prefill"``,
+    ``"decode"`` or ``"idle"`` (no run)."""
     if not record["runs"]:
         return "idle"
-    if record["restores"] or record["awaited"]:
+    if record["restores"] or record["awaited"] or (previous or {}).get("early_restores"):
         return "restore"
     if record["warm_tokens"]:
         return "warm"
@@ -45,8 +47,9 @@ def summary(records: list[dict], start: float | None = None, end: float | None =
     gaps (all ms). ``start`` / ``end``: perf_counter seconds (a step counts when it began inside)."""
     chosen = [r for r in records if (start is None or r["t"] >= start) and (end is None or r["t"] <= end)]
     groups: dict[str, list[dict]] = {}
+    before = {id(r): p for p, r in zip([None, *records[:-1]], records, strict=True)}
     for r in chosen:
-        groups.setdefault(f"{kind(r)}/{r['path']}", []).append(r)
+        groups.setdefault(f"{kind(r, before[id(r)])}/{r['path']}", []).append(r)
     out = {"steps": len(chosen), "groups": {}}
     for name, rs in sorted(groups.items()):
         ex = [r["exec_ms"] for r in rs]

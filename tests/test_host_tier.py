@@ -500,6 +500,119 @@ def test_a_host_hit_prefills_in_the_plan_that_carries_its_restore(tiny_engine_fa
     assert hit.token_ids == cold.generate(messages, SP).token_ids
 
 
+def _offloaded(engine, messages, salt):
+    """Move the session's cached prefix to the host tier (as pressure would) and let the copy land."""
+    entry = entry_of(engine, messages, salt)
+    with engine.loop.paused():
+        engine.prefix_cache.offload(entry)
+    engine.generate(media_first_messages([], "Say hi."), SamplingParams(max_tokens=2), cache_salt="z")  # a step
+    assert entry.tier == "host"
+    return entry
+
+
+def _arrive_during_step(engine, when, messages, salt):
+    """Submit ``messages`` from inside the ``when``-th forward from now (after the model, before
+    sampling waits for it): the question arrives while a step's GPU work runs, as it does on a busy
+    server. Returns a list that gets its handle."""
+    runner, calls, got = engine.loop.runner, [0], []
+    forward = runner.forward
+
+    def arriving(*args, **kwargs):
+        calls[0] += 1
+        out = forward(*args, **kwargs)
+        if calls[0] == when:
+            got.append(engine.submit(messages, SP, cache_salt=salt))
+        return out
+
+    runner.forward = arriving
+    return got
+
+
+def test_a_host_hit_arriving_during_a_step_starts_its_restore_before_the_next_plan(tiny_engine_factory, photos):
+    """A question that arrives while a step runs has its restore started at once (it overlaps the
+    rest of that step): no plan orders it, the next plan carries the question's first chunk with
+    the copy already landed (on the CPU copies run at once), and the answer equals a cold run's."""
+    engine = small(tiny_engine_factory, pages=24)
+    a = photos[0]
+    engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    _offloaded(engine, media_first_messages([a], QUESTIONS[0]), "a")
+    plans, execute = [], engine.loop.runner.execute
+
+    def recording(plan):
+        plans.append(plan)
+        return execute(plan)
+
+    engine.loop.runner.execute = recording
+    messages = media_first_messages([a], QUESTIONS[1])
+    got = _arrive_during_step(engine, 4, messages, "a")
+    stream = engine.generate(media_first_messages([photos[1]], QUESTIONS[0]),
+                             SamplingParams(max_tokens=12, ignore_eos=True), cache_salt="b")
+    hit = got[0].result(timeout=60)
+    assert stream.telemetry.generated_tokens == 12
+    assert (hit.telemetry.prefix_cache, hit.telemetry.prefix_tier) == ("hit", "host")
+    assert hit.telemetry.restored_pages == 5 and engine.loop.early_restores == 1
+    assert not any(isinstance(o, Restore) for p in plans for o in p.kv_orders)  # started between plans
+    prefix_len = engine.prompts.build(messages).prefix_len
+    (first,) = [p for p in plans for r in p.runs if r.start == prefix_len and r.num_tokens > 1]
+    assert not first.transfers_awaited  # landed before that plan
+    cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
+    assert hit.token_ids == cold.generate(messages, SP).token_ids
+
+
+def test_an_early_restore_takes_free_pages_only_and_leaves_cancellations_to_the_next_step(
+        tiny_engine_factory, photos):
+    """What a step in flight may not see change: a host hit arriving meanwhile is admitted early
+    only when its restore and first chunk fit in free pages as they are (no eviction, compaction
+    or offload under a running forward); else it is admitted by the next plan, which makes room. A
+    cancellation that arrives meanwhile is applied after the step (the step still writes the
+    cancelled request's pages)."""
+    engine = small(tiny_engine_factory, pages=9)
+    a = photos[0]
+    engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    _offloaded(engine, media_first_messages([a], QUESTIONS[0]), "a")
+    messages = media_first_messages([a], QUESTIONS[1])
+    got = _arrive_during_step(engine, 3, messages, "a")
+    stream = engine.generate(media_first_messages([photos[1]], QUESTIONS[0]),
+                             SamplingParams(max_tokens=12, ignore_eos=True), cache_salt="b")
+    hit = got[0].result(timeout=60)
+    assert engine.loop.early_restores == 0  # 9 pages: the running stream leaves too few free
+    assert (hit.telemetry.prefix_cache, hit.telemetry.prefix_tier) == ("hit", "host")
+    cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
+    assert hit.token_ids == cold.generate(messages, SP).token_ids
+    assert stream.telemetry.generated_tokens == 12
+
+    roomy = small(tiny_engine_factory, pages=24)
+    roomy.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
+    _offloaded(roomy, media_first_messages([a], QUESTIONS[0]), "a")
+    seen, start = [], roomy.loop.runner.start_transfers
+    victim = []
+
+    def starting(orders):  # what the step in flight sees when the restore starts
+        seen.append((len(roomy.loop._cancels), roomy.loop.scheduler.request(victim[0].id) is not None))
+        start(orders)
+
+    roomy.loop.runner.start_transfers = starting
+    runner, forward, armed = roomy.loop.runner, roomy.loop.runner.forward, []
+
+    def arriving(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        req = roomy.loop.scheduler.request(victim[0].id) if victim else None
+        if req is not None and req.first_token_at is not None and not armed:  # the victim decodes
+            victim[0].cancel(wait=False)
+            armed.append(roomy.submit(messages, SP, cache_salt="a"))
+        return out
+
+    runner.forward = arriving
+    victim.append(roomy.submit(media_first_messages([photos[2]], QUESTIONS[0]),
+                               SamplingParams(max_tokens=40, ignore_eos=True), cache_salt="c"))
+    cut = victim[0].result(timeout=60)
+    hit = armed[0].result(timeout=60)
+    assert seen == [(1, True)]  # the restore started with the cancellation pending, its request alive
+    assert cut.finish_reason == "cancelled" and cut.telemetry.generated_tokens < 40
+    assert (hit.telemetry.prefix_tier, roomy.loop.early_restores) == ("host", 1)
+    assert hit.token_ids == cold.generate(messages, SP).token_ids
+
+
 def test_the_runner_orders_a_read_restore_before_everything_after_it():
     """A restore a plan's runs read: right after the runner starts it on the copy stream, its
     compute stream waits for it, so a copy-on-write of a restored page (the next order) and the

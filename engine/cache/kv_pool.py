@@ -276,10 +276,17 @@ class PagePool:
                                       tuple(float(weight[i]) for i in members)))
         return sum(1 for n in groups.values() if n > 1)
 
-    def take_orders(self) -> list[KVOrder]:
-        """The data moves decided since the last call, in the order decided (the list is emptied)."""
-        orders, self.orders = self.orders, []
-        return orders
+    def take_orders(self, kinds: tuple[type, ...] | None = None) -> list[KVOrder]:
+        """The data moves decided since the last call, in the order decided (the list is emptied).
+        With ``kinds``, only the orders of those types; the others stay, in order, for the next
+        call (the serving loop starts restores from the host tier while a step runs, and leaves
+        the page copies they imply to the next plan)."""
+        if kinds is None:
+            orders, self.orders = self.orders, []
+            return orders
+        taken = [o for o in self.orders if isinstance(o, kinds)]
+        self.orders = [o for o in self.orders if not isinstance(o, kinds)]
+        return taken
 
     def apply(self, order: KVOrder) -> None:
         """Run one data move (:class:`PageCopy` or :class:`SlotMove`) on this pool's tensors."""

@@ -164,11 +164,15 @@ class KVTransfers:
             self._staging_views = self._page_words(host.layout.views(self._staging_raw))
 
     # ------------------------------------------------------------------ the interface
-    def submit(self, order: Transfer) -> None:
+    def submit(self, order: Transfer, after: torch.cuda.Event | None = None) -> None:
         """Start ``order`` (on the CPU: run it to the end). Never raises: a failure (a bad order,
         the :attr:`fault` hook, a copy that raised) is reported by the next :meth:`poll` as a
         :class:`TransferDone` with ``error`` set. On CUDA the copy stream first waits for the work
-        the current stream queued so far, so the copy sees every write decided before it."""
+        the current stream queued so far, so the copy sees every write decided before it; with
+        ``after`` (an event recorded on the current stream) only for the work queued before that
+        event: a restore into free pages started while a step's forward runs need not wait for
+        the forward, which touches no free page (:meth:`ModelRunner.start_transfers
+        <engine.serving.runner.ModelRunner.start_transfers>`)."""
         kind = "offload" if isinstance(order, Offload) else "restore"
         entry = _Pending(order, kind)
         try:
@@ -177,7 +181,7 @@ class KVTransfers:
                 self.fault(order)
             if self.cuda:
                 if order.pages:  # an empty order queues nothing: done at once
-                    self._run_cuda(order, entry)
+                    self._run_cuda(order, entry, after)
             else:
                 t = time.perf_counter()
                 self._run_cpu(order)
@@ -270,7 +274,7 @@ class KVTransfers:
             for pool_buf, host_buf in zip(self._buffers, self._host_buffers(run.chunk), strict=True):
                 _move(pool_buf, rows, host_buf[run.start:run.stop], restore)
 
-    def _run_cuda(self, order: Transfer, entry: _Pending) -> None:
+    def _run_cuda(self, order: Transfer, entry: _Pending, after: torch.cuda.Event | None = None) -> None:
         restore = isinstance(order, Restore)
         stream = self._stream
         entry.start = torch.cuda.Event(enable_timing=True)
@@ -280,7 +284,10 @@ class KVTransfers:
         # the copy stream, and so for the compute work it waits on (submit must not block)
         rows_host = self.pool.rows(list(order.pages), device="cpu").pin_memory()
         with torch.cuda.device(self.device):
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            if after is None:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            else:
+                stream.wait_event(after)
             with torch.cuda.stream(stream):  # temporaries made here are freed in this stream's order
                 entry.start.record(stream)
                 rows_all = rows_host.to(self.device, non_blocking=True)

@@ -192,6 +192,19 @@ class PrefixReuse:
         tel.prefix_cache = "hit"
         tel.prefix_tier = "gpu" if req.match.entry.tier == "gpu" else "host"
 
+    @property
+    def has_host_tier(self) -> bool:
+        """Whether the cache has a host tier holding anything (a host hit is possible)."""
+        host = self.cache.host
+        return host is not None and host.num_used > 0
+
+    def restorable(self, req: CachingRequest) -> bool:
+        """Whether ``req``'s intake match is alive on the host tier and nobody restores or
+        computes it now: admitting ``req`` starts its restore."""
+        match = req.match
+        return (match is not None and match.entry.alive and self.on_host(match) and not req.warm
+                and not self.waits(req))
+
     def on_host(self, match: Match) -> bool:
         """Whether the matched entry's KV is in the host tier (restore it before attaching)."""
         return match.entry.base.tier == "host"

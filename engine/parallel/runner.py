@@ -16,6 +16,8 @@ class ParallelRunner(ModelRunner):
     """A :class:`~engine.serving.runner.ModelRunner` for rank 0 of ``group`` (other arguments as
     the base class's)."""
 
+    orders_between_steps = False  # the workers learn of copies from plans only
+
     def __init__(self, *args, group: TensorParallelGroup, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = group

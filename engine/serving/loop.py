@@ -36,6 +36,12 @@ from .trace import StepTrace
 
 log = logging.getLogger(__name__)
 
+#: While a step runs, the loop watches its inbox for host hits (:meth:`EngineLoop._meanwhile`)
+#: until this share of the last step of the same forward path has passed: the restores it starts
+#: then still overlap the step, and the watch ends before the step does (the final wait is the
+#: runner's blocking sync, so the watch adds nothing to a step's time).
+WATCH_SHARE = 0.8
+
 
 def _step_error(exc: Exception) -> PrismError:
     """What a request whose step failed is told: a failed tensor-parallel rank as it is (its own
@@ -75,6 +81,11 @@ class EngineLoop:
         self.steps = 0
         self.tokens_generated = 0
         self.trace = StepTrace.from_env()  # PRISM_STEP_TRACE: one line per step, for profiling
+        self._exec_s: dict[str, float] = {}  # the last step's execution time by forward path
+        self._step_started = 0.0
+        self.early_restores = 0  # restores started while a step ran (:meth:`_meanwhile`)
+        if reuse is not None and runner.orders_between_steps:
+            runner.meanwhile = self._meanwhile
         self._thread = threading.Thread(target=self._run, name="prism-engine", daemon=True)
         if start:
             self._thread.start()
@@ -114,7 +125,7 @@ class EngineLoop:
             if sum(r.warm == req.warm for r in self._inbox) + len(queued) >= limit:
                 raise EngineOverloadedError(f"Prism is busy: {limit} requests are already waiting. Try again shortly.")
             self._inbox.append(req)
-            self._cv.notify()
+            self._cv.notify_all()  # the loop may wait in a step's watch, beside callers' waits
 
     def cancel(self, req: Request, wait: bool = True) -> None:
         """Stop ``req``; its KV pages are freed before the next step. With ``wait`` the call
@@ -195,7 +206,8 @@ class EngineLoop:
             counts = self._trace_counts(plan) if self.trace is not None else None
         if plan.is_empty():
             return False
-        planned = time.perf_counter()
+        planned = self._step_started = time.perf_counter()
+        early = self.early_restores
         try:
             output = self.runner.execute(plan)
         except Exception as exc:  # one bad step fails its requests only; the loop goes on
@@ -208,6 +220,7 @@ class EngineLoop:
                 self._cv.notify_all()
             return bool(plan.runs)
         executed = time.perf_counter()
+        self._exec_s[output.path] = executed - planned
         with self._cv:
             sampled = self._apply(plan, output)
         # Detokenisation runs outside the lock; the stream of a request is only ever touched by
@@ -220,7 +233,8 @@ class EngineLoop:
                 self._check_pages()
             self._cv.notify_all()
         if counts is not None:
-            counts.update(path=output.path, vision_ms=round(sum(output.vision_ms.values()), 3))
+            counts.update(path=output.path, vision_ms=round(sum(output.vision_ms.values()), 3),
+                          early_restores=self.early_restores - early)
             self.trace.record(started, planned, executed, time.perf_counter(), counts)
         return bool(plan.runs)
 
@@ -241,17 +255,48 @@ class EngineLoop:
                 "awaited": len(plan.transfers_awaited)}
 
     def _intake(self) -> None:
-        """Take the inbox (each request's prefix is looked up here) and the cancellations. Holds
-        the lock."""
+        """Take the inbox and the cancellations. Holds the lock."""
+        self._take_inbox()
+        for req in self._cancels:
+            self._finish(req, None)
+        self._cancels.clear()
+        self._cv.notify_all()
+
+    def _take_inbox(self) -> None:
+        """Hand the inbox's requests to the scheduler (each question's prefix is looked up
+        here). Holds the lock."""
         for req in self._inbox:
             if self.reuse is not None and not req.warm:  # a warm asks nothing of the cache yet
                 self.reuse.look_up(req)
             self.scheduler.add(req)
         self._inbox.clear()
-        for req in self._cancels:
-            self._finish(req, None)
-        self._cancels.clear()
         self._cv.notify_all()
+
+    def _meanwhile(self, path: str) -> None:
+        """The runner's call while a step's GPU work runs (its plan taken, its forward queued):
+        with a host tier that holds anything, the questions that arrived since the step was
+        planned are taken in and a host hit among them is admitted with its restore started at
+        once (:meth:`Scheduler.restore_early`), so its copy overlaps this step instead of holding
+        up the next one. On CUDA the inbox is watched until shortly before the step is expected
+        to end (:data:`WATCH_SHARE` of the last step of the same forward path); the wait for the
+        step's end stays the runner's own blocking sync. Cancellations wait for the next
+        iteration: a cancelled request's pages may still be written by this step."""
+        if not self.reuse.has_host_tier:
+            return
+        watch = self.runner.transfers is not None and self.runner.transfers.cuda
+        deadline = self._step_started + WATCH_SHARE * self._exec_s.get(path, 0.0)
+        with self._cv:
+            while not self._stopping:
+                if self._inbox:
+                    self._take_inbox()
+                    orders = self.scheduler.restore_early()
+                    if orders:
+                        self.runner.start_transfers(orders)
+                        self.early_restores += len(orders)
+                left = deadline - time.perf_counter()
+                if not watch or left <= 0:
+                    return
+                self._cv.wait(left)  # submit() notifies
 
     def _apply(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, int]]:
         """The scheduler's update from the step, its telemetry, and the requests whose encoding

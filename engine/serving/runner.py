@@ -12,6 +12,7 @@ finished. Vision features survive preemption, so recomputation never reruns the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +116,14 @@ class ModelRunner:
         self.prefill_graphs = prefill_graphs  # PrefillGraphs for short cold prompts alone in a step, or None
         self._seqs: dict[int, _Sequence] = {}
         self.features: dict[int, dict[tuple[str, int], VisionFeatures]] = {}
+        # set by the loop: called once a step while its GPU work runs (see :meth:`start_transfers`)
+        self.meanwhile: Callable[[str], None] | None = None
+        self._meanwhile_due: str | None = None  # the step's forward path until meanwhile ran
+        self._moves_done: torch.cuda.Event | None = None  # the step's data moves, queued before its forward
+
+    #: Whether :meth:`start_transfers` may run between two plans (a tensor-parallel rank 0's
+    #: workers learn of copies from plans only, so its runner says no).
+    orders_between_steps = True
 
     # ------------------------------------------------------------------ one plan
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -125,12 +134,17 @@ class ModelRunner:
             Exception: whatever the forward raised (the plan's requests then fail).
         """
         self.take(plan)
+        if self.transfers is not None and self.transfers.cuda and self.meanwhile is not None:
+            self._moves_done = torch.cuda.Event()
+            self._moves_done.record()
         out = StepOutput()
         self._encode(plan, out)
         runs = [run for run in plan.runs if run.req_id not in out.failed]
         features = {run.req_id: f for run in runs if (f := self._run_features(run)) is not None}
         out.path = self.path_of(runs) if runs else "none"
+        self._meanwhile_due = out.path if self.meanwhile is not None else None
         sampled = self._launch(plan, runs, features)
+        self._run_meanwhile()  # a step that samples nothing ran it nowhere yet
         for req_id, token in sampled:
             out.sampled[req_id] = token
             self._seqs[req_id].tokens.append(token)
@@ -169,6 +183,29 @@ class ModelRunner:
                 self.pool.apply(order)
         if self.transfers is not None and plan.transfers_landed:
             self.transfers.wait(plan.transfers_landed)
+
+    def _run_meanwhile(self) -> None:
+        """Call :attr:`meanwhile` once this step, with the step's GPU work queued and not waited for."""
+        path, self._meanwhile_due = self._meanwhile_due, None
+        if path is not None:
+            self.meanwhile(path)
+
+    def start_transfers(self, orders: list[Restore]) -> None:
+        """Start restores from the host tier at once, while the step in progress runs (its plan
+        was taken, its forward queued): the serving loop admits a host hit that arrives meanwhile
+        and its copy overlaps the rest of the step instead of delaying the next one. The copy
+        stream waits for this step's data moves only, not for its forward: the restore's pages
+        were free, and a step writes no free page (its moves may read pages they free, hence the
+        wait). The next plan's forward waits for the copy on the GPU if it has not landed
+        (``transfers_awaited``).
+
+        Raises:
+            TypeError: an order that is not a :class:`~engine.cache.kv_transfer.Restore`.
+        """
+        for order in orders:
+            if not isinstance(order, Restore):
+                raise TypeError(f"only restores start between plans, not {order!r}")
+            self.transfers.submit(order, after=self._moves_done)
 
     def _launch(self, plan: StepPlan, runs: list[ScheduledRun], features: dict[int, RunFeatures]):
         """The forward of ``runs`` and its samples (tensor parallelism sends the plan first)."""
@@ -243,7 +280,9 @@ class ModelRunner:
 
     def _sample(self, req_ids: list[int], logits: torch.Tensor, greedy: torch.Tensor | None):
         """Next token of each request: greedy rows from one batched argmax (one host sync),
-        the others through their own sampler."""
+        the others through their own sampler. :attr:`meanwhile` runs first (the sync would end
+        the step's overlap with it)."""
+        self._run_meanwhile()
         infos = [self._seqs[i].info for i in req_ids]
         own_sampler = [not s.sampling.greedy or s.sampling.repetition_penalty != 1.0 for s in infos]
         if greedy is None and not all(own_sampler):

@@ -57,6 +57,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.kv_pool import PagePool
+from ..cache.kv_transfer import Restore
 from ..cache.prefix_reuse import PrefixReuse
 from ..errors import EngineOverloadedError, PrismError
 from .plan import NewRequest, ScheduledRun, StepOutput, StepPlan
@@ -222,9 +223,40 @@ class Scheduler:
             self._schedule_warms(draft, budget)
         for req, _ in draft.items:
             req.max_pages_held = max(req.max_pages_held, len(req.block_table))
-        if self.reuse is not None:
-            self.reuse.cache.keep_free()  # offloads ahead of demand ride this step's plan
+        if self.reuse is not None and not any(self._answers_host_hit(req) for req, _ in draft.items):
+            # offloads ahead of demand ride this step's plan, unless a host hit's first chunk
+            # does: its copy or its forward would wait for theirs, and they serve later hits only
+            self.reuse.cache.keep_free()
         return self._plan(draft)
+
+    @staticmethod
+    def _answers_host_hit(req: Request) -> bool:
+        """Whether ``req`` is a host hit that has not answered yet (its first chunk is due)."""
+        return req.telemetry.prefix_tier == "host" and req.first_token_at is None and not req.warm
+
+    def restore_early(self) -> list[Restore]:
+        """While a step runs (its plan taken, its forward queued): admit the questions at the
+        front of the waiting queue whose prefix is on the host tier and whose restore and first
+        chunk fit in the free pages as they are, and return their copies, for the runner to start
+        at once (:meth:`ModelRunner.start_transfers
+        <engine.serving.runner.ModelRunner.start_transfers>`). The copy then overlaps the step
+        in progress instead of the next one; the question's first chunk comes in the next plan,
+        as any running request's. Nothing is reclaimed here (no eviction, compaction or offload
+        may change what the running step reads), arrival order holds (it stops at the first
+        question it cannot admit so), and a request's page copies stay for the next plan. Holds
+        the lock."""
+        if self.reuse is None or not self.reuse.has_host_tier:
+            return []
+        admitted = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if not self.reuse.restorable(req) or self._admit(req, reclaim=False) is not _Admission.ADMITTED:
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            admitted += 1
+        return self.pool.take_orders((Restore,)) if admitted else []
 
     def _plan(self, draft: _Draft) -> StepPlan:
         plan = StepPlan(finished=self._ended, preempted=[r.id for r in draft.preempted] + self._warms_preempted)
@@ -409,9 +441,10 @@ class Scheduler:
             n = min(n, req.prompt.prefix_len - req.num_computed)  # compaction happens at the boundary
         return n
 
-    def _admit(self, req: Request) -> _Admission:
+    def _admit(self, req: Request, *, reclaim: bool = True) -> _Admission:
         """Attach the request's cached prefix (if still there; restored from the host tier first)
-        and check its first chunk can get pages. Anything but ADMITTED leaves it waiting."""
+        and check its first chunk can get pages. Anything but ADMITTED leaves it waiting. With
+        ``reclaim=False`` (:meth:`restore_early`) a host hit takes free pages only, or waits."""
         reuse = self.reuse
         if reuse is not None and reuse.waits(req):
             return _Admission.IN_FLIGHT
@@ -422,11 +455,14 @@ class Scheduler:
         if match is not None and reuse.on_host(match):
             first = min(len(req.tokens) - match.length, self.config.max_num_batched_tokens)
             need = reuse.restore_pages(match) + pages_for(match.kv_len + first) - pages_for(match.kv_len) + 1
-            with reuse.pinned(match):  # making room must not drop the entry from the host tier
-                room = self._free_pages(need)  # the family, and its question's first chunk
+            if reclaim:
+                with reuse.pinned(match):  # making room must not drop the entry from the host tier
+                    room = self._free_pages(need)  # the family, and its question's first chunk
+            else:
+                room = self.pool.num_free >= need
             if room:  # its first chunk rides the plan that carries the copy (and waits for it on the GPU)
                 return self._attached(req, match, reuse.restore(req, match))
-            if self.running or self._room_pending(need):
+            if not reclaim or self.running or self._room_pending(need):
                 return _Admission.NO_PAGES
             reuse.drop(req)  # nothing runs and nothing lands: it could never come back
             match = None

@@ -15,7 +15,9 @@ a client can reach). Each line describes one step of :class:`~engine.serving.loo
 - ``path``: which forward ran (``"graph"``: the decode CUDA graph, ``"prefill_graph"``,
   ``"eager"``, ``"none"``: no forward);
 - ``vision_ms``: the encoder's time for the step's requests; ``restores`` / ``offloads``: host-tier
-  copies started; ``awaited``: copies of earlier plans this step's runs waited for.
+  copies the plan started; ``awaited``: copies of earlier plans this step's runs waited for;
+  ``early_restores``: restores started while this step ran, for questions that arrived meanwhile
+  (their first chunk is in the next step).
 
 No request ids, salts or tokens are written: the trace says how the engine spent its time, not
 whose work it was. Lines are buffered and flushed every :data:`FLUSH_EVERY` steps and at close.

@@ -858,4 +858,30 @@ MUTANTS: list[Mutant] = [
         "",
         (DEFERRED + "test_defer_needs_the_same_session_and_a_known_image",),
     ),
+    Mutant(
+        "early-restore-reclaims",
+        "a host hit arriving while a step runs is admitted whatever the free pages (its restore takes pages "
+        "the pool does not have, or room is made under the running forward)",
+        "engine/serving/scheduler.py",
+        "            else:\n                room = self.pool.num_free >= need\n",
+        "            else:\n                room = True\n",
+        ("tests/test_host_tier.py::test_an_early_restore_takes_free_pages_only_and_leaves_cancellations_to_the_next_step",),
+    ),
+    Mutant(
+        "early-restore-takes-cancels",
+        "the watch during a step applies cancellations too: a cancelled request's pages are freed (and may be "
+        "restored into) while the step still writes them",
+        "engine/serving/loop.py",
+        "                if self._inbox:\n                    self._take_inbox()\n",
+        "                if self._inbox or self._cancels:\n                    self._intake()\n",
+        ("tests/test_host_tier.py::test_an_early_restore_takes_free_pages_only_and_leaves_cancellations_to_the_next_step",),
+    ),
+    Mutant(
+        "no-early-restore",
+        "a host hit arriving during a step waits for the next plan to order its copy (the copy is not hidden)",
+        "engine/serving/loop.py",
+        "                    orders = self.scheduler.restore_early()\n",
+        "                    orders = []\n",
+        ("tests/test_host_tier.py::test_a_host_hit_arriving_during_a_step_starts_its_restore_before_the_next_plan",),
+    ),
 ]
