@@ -289,17 +289,23 @@ def test_kernel_gives_zeros_for_padding_rows():
     assert torch.equal(out[1], torch.zeros_like(out[1])) and bool(out[0].abs().sum() > 0)
 
 
-def test_kernel_refuses_what_the_fp8_product_cannot_take():
+@pytest.mark.parametrize("fn", ["paged_decode_attention_fp8_mma", "paged_decode_attention_fp8_kam"])
+def test_kernel_refuses_what_the_fp8_product_cannot_take(fn):
+    kernel = getattr(tk, fn)
     q, fp8, b16, meta = _layout([5], hkv=1, group=2, d=32, device=DEVICE)
     with pytest.raises(ValueError, match="FP8 pages"):
-        tk.paged_decode_attention_fp8_mma(q, b16, meta)
+        kernel(q, b16, meta)
     with pytest.raises(ValueError, match="block_n"):
-        tk.paged_decode_attention_fp8_mma(q, fp8, meta, block_n=16)
+        kernel(q, fp8, meta, block_n=16)
+    with pytest.raises(ValueError, match="block_n"):
+        kernel(q, fp8, meta, block_n=96)
     with pytest.raises(ValueError, match="1 or 2 terms"):
-        tk.paged_decode_attention_fp8_mma(q, fp8, meta, q_terms=0)
+        kernel(q, fp8, meta, q_terms=0)
+    with pytest.raises(ValueError, match="dequant"):
+        kernel(q, fp8, meta, dequant="ptx")
     q, fp8, _, meta = _layout([5], hkv=1, group=2, d=16, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim"):
-        tk.paged_decode_attention_fp8_mma(q, fp8, meta)
+        kernel(q, fp8, meta)
 
 
 def test_fp8_matrix_units_are_gated_by_compute_capability():
@@ -327,6 +333,74 @@ def test_kernel_replays_in_a_cuda_graph():
 
 
 # --------------------------------------------------------------------------------------------------
+# The keys-as-M kernel (ops/triton_kernels/fp8_decode_kam.py): the same math, transposed products
+# --------------------------------------------------------------------------------------------------
+
+#: Per variant, (splits, block_n, pv_t) settings: one chunk and several (split-K, some chunks empty
+#: at the short lengths), 32/64/128 keys a block, PV as V^T P^T and as P V.
+KAM_SETTINGS = ((1, 64, True), (3, 32, False), (4, 128, True), (2, 32, True))
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0][:3]}-hkv{c[1]}-g{c[2]}-d{c[3]}-p{c[4]}")
+@pytest.mark.parametrize("variant", list(tk.KAM_VARIANTS))
+def test_keys_as_m_kernel_matches_the_reference(case, variant):
+    """Every variant, contexts of 1 token to a partial last page (77, 300, 130 over 16-token pages; 5
+    over 4) with several chunks, against the reference's math at the same block size and split."""
+    lens, hkv, group, d, page = case
+    p_fp8, q_terms = tk.KAM_VARIANTS[variant]
+    q, fp8, _, meta = _layout(lens, hkv=hkv, group=group, d=d, page=page, seed=len(lens), device=DEVICE)
+    for splits, block_n, pv_t in KAM_SETTINGS:
+        got = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=splits, p_fp8=p_fp8, q_terms=q_terms,
+                                                block_n=block_n, pv_t=pv_t)
+        want = ref.paged_decode_attention_fp8_mma(q.cpu(), _to_cpu(fp8), _meta_cpu(meta), p_fp8=p_fp8,
+                                                  q_terms=q_terms, num_splits=splits, block_n=block_n)
+        print(f"{variant} splits {splits} block_n {block_n} pv_t {pv_t}: "
+              f"max |kernel - reference| {float((got.cpu() - want).abs().max()):.3g}")
+        torch.testing.assert_close(got.cpu(), want, **KERNEL_TOL)
+
+
+def test_keys_as_m_kernel_equals_the_group_as_m_kernel():
+    """Both FP8-MMA kernels compute the same math: at one block size and split they agree to float32
+    rounding on the CPU (a head or key permuted at the transposed store would be O(1))."""
+    q, fp8, _, meta = _layout([40, 3, 90], hkv=2, group=4, d=64, seed=7, device=DEVICE)
+    for p_fp8 in (True, False):
+        kam = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=2, p_fp8=p_fp8, block_n=32)
+        mma = tk.paged_decode_attention_fp8_mma(q, fp8, meta, num_splits=2, p_fp8=p_fp8, block_n=32)
+        assert kam.shape == mma.shape and kam.dtype == mma.dtype
+        torch.testing.assert_close(kam, mma, **KERNEL_TOL)
+
+
+def test_keys_as_m_kernel_gives_zeros_for_padding_rows():
+    q, fp8, _, meta = _layout([20, 20], hkv=1, group=4, d=32, seed=8, device=DEVICE)
+    meta.seq_lens[1] = 0
+    out = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=2)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and bool(out[0].abs().sum() > 0)
+
+
+def test_keys_as_m_default_split_follows_its_config():
+    cfg = tk.KAM_DECODE_CONFIG
+    assert tk.kam_decode_splits(8, 8, 16384) == tk.mma_decode_splits(8, 8, 16384, cfg["block_n"], cfg["waves"])
+    assert tk.kam_decode_splits(1, 8, 100, 64, 4) == 2  # never chunks shorter than a block
+    assert tk.kam_decode_splits(1, 1, 10**6) == tk.MAX_DECODE_SPLITS
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_keys_as_m_kernel_replays_in_a_cuda_graph():
+    q, fp8, _, meta = _layout([513, 16, 4000, 1], hkv=8, group=4, d=128, seed=9, device="cuda")
+    q = q.to(torch.bfloat16)
+    splits = tk.kam_decode_splits(4, 8, 4096)
+    for p_fp8 in (True, False):
+        eager = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=splits, p_fp8=p_fp8)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=splits, p_fp8=p_fp8)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+
+
+# --------------------------------------------------------------------------------------------------
 # Dispatch: the per-shape table and the override
 # --------------------------------------------------------------------------------------------------
 
@@ -340,12 +414,14 @@ def test_dispatch_keeps_the_current_kernel_until_measured(monkeypatch):
 
 def test_dispatch_table_chooses_per_shape_bucket(monkeypatch):
     monkeypatch.delenv("PRISM_FP8_DECODE", raising=False)
-    monkeypatch.setitem(dispatch.DECODE_KERNEL_TABLE, ("fp8", 8, 16384), "mma_p8")
+    monkeypatch.setitem(dispatch.DECODE_KERNEL_TABLE, ("fp8", 8, 16384), ("mma_p8", {}))
     want = "mma_p8" if tk.fp8_mma_supported(DEVICE) else "widen"
     assert dispatch.decode_kernel(True, 8, 16384, 128, DEVICE) == want
     assert dispatch.decode_kernel(True, 5, 9000, 128, DEVICE) == want  # the same buckets
-    assert dispatch.decode_kernel(True, 9, 16384, 128, DEVICE) == "widen"  # batch bucket 16
-    assert dispatch.decode_kernel(True, 8, 16385, 128, DEVICE) == "widen"  # context bucket 32k
+    assert dispatch.decode_kernel(True, 9, 16384, 128, DEVICE) == want  # batch bucket 16: one step away
+    assert dispatch.decode_kernel(True, 8, 16385, 128, DEVICE) == want  # context bucket 32k: one step away
+    assert dispatch.decode_kernel(True, 17, 16384, 128, DEVICE) == "widen"  # batch bucket 32: two steps
+    assert dispatch.decode_kernel(True, 8, 40000, 128, DEVICE) == "widen"  # context bucket 64k: two steps
     assert dispatch.decode_kernel(True, 8, 16384, 80, DEVICE) == "widen"  # head_dim not a multiple of 32
     assert dispatch.decode_kernel(False, 8, 16384, 128, DEVICE) == "widen"  # bf16 pages
 
