@@ -602,3 +602,34 @@ def test_decode_graphs_capture_the_table_s_kernel_per_bucket(monkeypatch):
     q = torch.randn(256, 8, d, generator=torch.Generator().manual_seed(0))[:8]
     want = graphs.plans[8](q, pool.layers[0], meta)
     torch.testing.assert_close(model.outputs[8], want, atol=1e-6, rtol=1e-6)
+
+
+def test_bench_writes_a_table_dispatch_loads(tmp_path):
+    """benchmarks/bench_fp8_decode.py on the CPU (``PRISM_BENCH_SMOKE``: interpreter, tiny points,
+    numbers meaningless): every point has its best kernel and speedups, and its ``table`` loads into
+    dispatch as the per-point best."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "fp8_decode.json"
+    env = {**os.environ, "PRISM_BENCH_SMOKE": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fp8_decode.py"), str(out)], env=env,
+                   check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    for point in result["shapes"].values():
+        best = point["best"]
+        assert {"kam_p8", "kam_p16", "mma_p8", "mma_p16", "fp8_widen", "bf16"} <= set(point["kernels"])
+        timed = {k: v["ms"] for k, v in point["kernels"].items() if "ms" in v and v.get("sanity_ok")}
+        assert best["ms"] == min(timed.values())
+        assert best["speedup_vs_bf16"] == pytest.approx(point["kernels"]["bf16"]["ms"] / best["ms"])
+        assert best["speedup_vs_fp8_widen"] == pytest.approx(point["kernels"]["fp8_widen"]["ms"] / best["ms"])
+    table = dispatch.decode_table_from_bench(out)
+    assert len(table) == len(result["table"]) >= 1
+    for e in result["table"]:
+        b, c = (int(x) for x in e["measured"].split("x"))
+        point = next(p for p in result["shapes"].values() if (p["batch"], p["context"]) == (b, c))
+        assert table["fp8", *dispatch.decode_buckets(b, c)] == (point["best"]["kernel"], point["best"]["settings"])
