@@ -561,6 +561,7 @@ class _AttendOnly:
         return out.reshape(b, -1)
 
 
+@pytest.mark.skipif(CUDA, reason="the CPU stand-in for capture (interpreter); a GPU captures real graphs")
 def test_decode_graphs_capture_the_table_s_kernel_per_bucket(monkeypatch):
     """The decode graphs choose each bucket's kernel at capture by its batch size and their longest
     context: a table entry changes the captured kernel of its buckets only. CUDA graphs need a GPU, so
