@@ -289,17 +289,23 @@ def test_kernel_gives_zeros_for_padding_rows():
     assert torch.equal(out[1], torch.zeros_like(out[1])) and bool(out[0].abs().sum() > 0)
 
 
-def test_kernel_refuses_what_the_fp8_product_cannot_take():
+@pytest.mark.parametrize("fn", ["paged_decode_attention_fp8_mma", "paged_decode_attention_fp8_kam"])
+def test_kernel_refuses_what_the_fp8_product_cannot_take(fn):
+    kernel = getattr(tk, fn)
     q, fp8, b16, meta = _layout([5], hkv=1, group=2, d=32, device=DEVICE)
     with pytest.raises(ValueError, match="FP8 pages"):
-        tk.paged_decode_attention_fp8_mma(q, b16, meta)
+        kernel(q, b16, meta)
     with pytest.raises(ValueError, match="block_n"):
-        tk.paged_decode_attention_fp8_mma(q, fp8, meta, block_n=16)
+        kernel(q, fp8, meta, block_n=16)
+    with pytest.raises(ValueError, match="block_n"):
+        kernel(q, fp8, meta, block_n=96)
     with pytest.raises(ValueError, match="1 or 2 terms"):
-        tk.paged_decode_attention_fp8_mma(q, fp8, meta, q_terms=0)
+        kernel(q, fp8, meta, q_terms=0)
+    with pytest.raises(ValueError, match="dequant"):
+        kernel(q, fp8, meta, dequant="ptx")
     q, fp8, _, meta = _layout([5], hkv=1, group=2, d=16, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim"):
-        tk.paged_decode_attention_fp8_mma(q, fp8, meta)
+        kernel(q, fp8, meta)
 
 
 def test_fp8_matrix_units_are_gated_by_compute_capability():
@@ -327,6 +333,74 @@ def test_kernel_replays_in_a_cuda_graph():
 
 
 # --------------------------------------------------------------------------------------------------
+# The keys-as-M kernel (ops/triton_kernels/fp8_decode_kam.py): the same math, transposed products
+# --------------------------------------------------------------------------------------------------
+
+#: Per variant, (splits, block_n, pv_t) settings: one chunk and several (split-K, some chunks empty
+#: at the short lengths), 32/64/128 keys a block, PV as V^T P^T and as P V.
+KAM_SETTINGS = ((1, 64, True), (3, 32, False), (4, 128, True), (2, 32, True))
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0][:3]}-hkv{c[1]}-g{c[2]}-d{c[3]}-p{c[4]}")
+@pytest.mark.parametrize("variant", list(tk.KAM_VARIANTS))
+def test_keys_as_m_kernel_matches_the_reference(case, variant):
+    """Every variant, contexts of 1 token to a partial last page (77, 300, 130 over 16-token pages; 5
+    over 4) with several chunks, against the reference's math at the same block size and split."""
+    lens, hkv, group, d, page = case
+    p_fp8, q_terms = tk.KAM_VARIANTS[variant]
+    q, fp8, _, meta = _layout(lens, hkv=hkv, group=group, d=d, page=page, seed=len(lens), device=DEVICE)
+    for splits, block_n, pv_t in KAM_SETTINGS:
+        got = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=splits, p_fp8=p_fp8, q_terms=q_terms,
+                                                block_n=block_n, pv_t=pv_t)
+        want = ref.paged_decode_attention_fp8_mma(q.cpu(), _to_cpu(fp8), _meta_cpu(meta), p_fp8=p_fp8,
+                                                  q_terms=q_terms, num_splits=splits, block_n=block_n)
+        print(f"{variant} splits {splits} block_n {block_n} pv_t {pv_t}: "
+              f"max |kernel - reference| {float((got.cpu() - want).abs().max()):.3g}")
+        torch.testing.assert_close(got.cpu(), want, **KERNEL_TOL)
+
+
+def test_keys_as_m_kernel_equals_the_group_as_m_kernel():
+    """Both FP8-MMA kernels compute the same math: at one block size and split they agree to float32
+    rounding on the CPU (a head or key permuted at the transposed store would be O(1))."""
+    q, fp8, _, meta = _layout([40, 3, 90], hkv=2, group=4, d=64, seed=7, device=DEVICE)
+    for p_fp8 in (True, False):
+        kam = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=2, p_fp8=p_fp8, block_n=32)
+        mma = tk.paged_decode_attention_fp8_mma(q, fp8, meta, num_splits=2, p_fp8=p_fp8, block_n=32)
+        assert kam.shape == mma.shape and kam.dtype == mma.dtype
+        torch.testing.assert_close(kam, mma, **KERNEL_TOL)
+
+
+def test_keys_as_m_kernel_gives_zeros_for_padding_rows():
+    q, fp8, _, meta = _layout([20, 20], hkv=1, group=4, d=32, seed=8, device=DEVICE)
+    meta.seq_lens[1] = 0
+    out = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=2)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and bool(out[0].abs().sum() > 0)
+
+
+def test_keys_as_m_default_split_follows_its_config():
+    cfg = tk.KAM_DECODE_CONFIG
+    assert tk.kam_decode_splits(8, 8, 16384) == tk.mma_decode_splits(8, 8, 16384, cfg["block_n"], cfg["waves"])
+    assert tk.kam_decode_splits(1, 8, 100, 64, 4) == 2  # never chunks shorter than a block
+    assert tk.kam_decode_splits(1, 1, 10**6) == tk.MAX_DECODE_SPLITS
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_keys_as_m_kernel_replays_in_a_cuda_graph():
+    q, fp8, _, meta = _layout([513, 16, 4000, 1], hkv=8, group=4, d=128, seed=9, device="cuda")
+    q = q.to(torch.bfloat16)
+    splits = tk.kam_decode_splits(4, 8, 4096)
+    for p_fp8 in (True, False):
+        eager = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=splits, p_fp8=p_fp8)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=splits, p_fp8=p_fp8)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+
+
+# --------------------------------------------------------------------------------------------------
 # Dispatch: the per-shape table and the override
 # --------------------------------------------------------------------------------------------------
 
@@ -340,12 +414,14 @@ def test_dispatch_keeps_the_current_kernel_until_measured(monkeypatch):
 
 def test_dispatch_table_chooses_per_shape_bucket(monkeypatch):
     monkeypatch.delenv("PRISM_FP8_DECODE", raising=False)
-    monkeypatch.setitem(dispatch.DECODE_KERNEL_TABLE, ("fp8", 8, 16384), "mma_p8")
+    monkeypatch.setitem(dispatch.DECODE_KERNEL_TABLE, ("fp8", 8, 16384), ("mma_p8", {}))
     want = "mma_p8" if tk.fp8_mma_supported(DEVICE) else "widen"
     assert dispatch.decode_kernel(True, 8, 16384, 128, DEVICE) == want
     assert dispatch.decode_kernel(True, 5, 9000, 128, DEVICE) == want  # the same buckets
-    assert dispatch.decode_kernel(True, 9, 16384, 128, DEVICE) == "widen"  # batch bucket 16
-    assert dispatch.decode_kernel(True, 8, 16385, 128, DEVICE) == "widen"  # context bucket 32k
+    assert dispatch.decode_kernel(True, 9, 16384, 128, DEVICE) == want  # batch bucket 16: one step away
+    assert dispatch.decode_kernel(True, 8, 16385, 128, DEVICE) == want  # context bucket 32k: one step away
+    assert dispatch.decode_kernel(True, 17, 16384, 128, DEVICE) == "widen"  # batch bucket 32: two steps
+    assert dispatch.decode_kernel(True, 8, 40000, 128, DEVICE) == "widen"  # context bucket 64k: two steps
     assert dispatch.decode_kernel(True, 8, 16384, 80, DEVICE) == "widen"  # head_dim not a multiple of 32
     assert dispatch.decode_kernel(False, 8, 16384, 128, DEVICE) == "widen"  # bf16 pages
 
@@ -362,3 +438,199 @@ def test_env_override_selects_a_variant_for_benchmarks(monkeypatch):
     with pytest.raises(ValueError, match="PRISM_FP8_DECODE"):
         dispatch.decode_kernel(True, 1, 10, 64, DEVICE)
 
+
+
+def test_dispatch_names_agree_with_the_kernels():
+    assert dispatch.MMA_KERNELS == tk.MMA_VARIANTS and dispatch.KAM_KERNELS == tk.KAM_VARIANTS
+    assert set(dispatch.DECODE_KERNELS) == {"widen", *tk.MMA_VARIANTS, *tk.KAM_VARIANTS}
+
+
+def test_table_lookup_nearest_bucket_rules():
+    """Exact bucket first; else the nearest entry at most one bucket away on each axis (ties: the
+    larger context, then the larger batch); else the current kernel. Page formats never mix."""
+    kam, mma, widen = ("kam_p16", {"block_n": 128}), ("mma_p16", {}), ("widen", {"waves": 8})
+    table = {("fp8", 8, 16384): kam, ("fp8", 32, 4096): mma, ("fp8", 32, 2048): widen}
+    look = dispatch.lookup_decode_table
+    assert look(table, "fp8", 8, 16384) is kam and look(table, "fp8", 5, 9000) is kam  # exact buckets
+    assert look(table, "fp8", 16, 16384) is kam  # one batch step
+    assert look(table, "fp8", 8, 32768) is kam and look(table, "fp8", 16, 32768) is kam  # one step each
+    assert look(table, "fp8", 8, 65536) == dispatch.CURRENT_KERNEL  # two context steps
+    assert look(table, "fp8", 1, 16384) == dispatch.CURRENT_KERNEL  # two batch steps (1 -> 4 -> 8)
+    assert look(table, "fp8", 32, 4096) is mma and look(table, "fp8", 32, 2048) is widen
+    assert look(table, "fp8", 32, 3000) is mma  # bucket 4096: exact
+    assert look(table, "fp8", 64, 1024) is widen  # only (32, 2048) is within one step on both axes
+    # a tie at distance 1 from (32, 3072 -> 4096)'s neighbours: (32, 8192) is between 4096 and 16384
+    assert look(table, "fp8", 32, 8192) is mma  # (32, 4096): 1 step; (8, 16384): 2 + 1
+    tie = {("fp8", 16, 4096): mma, ("fp8", 16, 16384): kam}
+    assert look(tie, "fp8", 16, 8192) is kam  # both one context step: the larger context
+    tie = {("fp8", 8, 4096): mma, ("fp8", 32, 4096): kam}
+    assert look(tie, "fp8", 16, 4096) is kam  # both one batch step: the larger batch
+    assert look(table, "bf16", 8, 16384) == dispatch.CURRENT_KERNEL  # another page format
+    assert look({}, "fp8", 8, 16384) == dispatch.CURRENT_KERNEL
+    assert dispatch.decode_buckets(0, 0) == (1, 1024) and dispatch.decode_buckets(10**4, 10**7) == (256, 131072)
+
+
+def _bench_result(*entries):
+    return {"table": [{"page_format": f, "batch_bucket": b, "context_bucket": c, "kernel": k, "settings": s}
+                      for f, b, c, k, s in entries]}
+
+
+def test_table_loads_from_the_bench_json(tmp_path, monkeypatch):
+    result = _bench_result(("fp8", 8, 16384, "kam_p8", {"block_n": 128, "num_warps": 8, "waves": 4}),
+                           ("fp8", 1, 2048, "widen", {}))
+    table = dispatch.decode_table_from_bench(result)
+    assert table == {("fp8", 8, 16384): ("kam_p8", {"block_n": 128, "num_warps": 8, "waves": 4}),
+                     ("fp8", 1, 2048): ("widen", {})}
+    path = tmp_path / "fp8_decode.json"
+    path.write_text(__import__("json").dumps(result))
+    assert dispatch.decode_table_from_bench(path) == table
+    for bad, match in ((_bench_result(("fp8", 8, 16384, "fastest", {})), "unknown decode kernel"),
+                       (_bench_result(("fp8", 8, 16384, "kam_p8", {"rows": 64})), "no setting"),
+                       (_bench_result(("fp8", 9, 16384, "kam_p8", {})), "bucket"),
+                       ({"shapes": {}}, "no 'table'")):
+        with pytest.raises(ValueError, match=match):
+            dispatch.decode_table_from_bench(bad)
+    # PRISM_DECODE_TABLE: the file instead of DECODE_KERNEL_TABLE
+    monkeypatch.delenv("PRISM_FP8_DECODE", raising=False)
+    monkeypatch.setenv("PRISM_DECODE_TABLE", str(path))
+    want = "kam_p8" if tk.fp8_mma_supported(DEVICE) else "widen"
+    assert dispatch.decode_choice(True, 8, 16384, 128, DEVICE)[0] == want
+    monkeypatch.delenv("PRISM_DECODE_TABLE")
+    assert dispatch.decode_choice(True, 8, 16384, 128, DEVICE) == dispatch.CURRENT_KERNEL
+
+
+class _Spy:
+    """Wraps a kernel function of ``ops.triton_kernels``, recording each call's keyword arguments."""
+
+    def __init__(self, monkeypatch, name):
+        self.fn, self.calls = getattr(tk, name), []
+        monkeypatch.setattr(tk, name, self)
+
+    def __call__(self, *args, **kw):
+        rest = {k: v for k, v in kw.items() if k != "num_splits"}
+        self.calls.append((args[3] if len(args) > 3 else kw.get("num_splits"), rest))
+        return self.fn(*args, **kw)
+
+
+def test_dispatch_runs_the_table_s_kernel_with_its_settings(monkeypatch):
+    """Through ``dispatch.paged_decode_attention`` (Triton forced: the interpreter on the CPU), a table
+    entry launches its kernel with its settings and its own split; elsewhere the current kernel runs."""
+    monkeypatch.delenv("PRISM_FP8_DECODE", raising=False)
+    monkeypatch.setenv("PRISM_OPS", "triton")
+    settings = {"block_n": 32, "num_warps": 4, "num_stages": 1, "pv_t": False, "waves": 2}
+    monkeypatch.setitem(dispatch.DECODE_KERNEL_TABLE, ("fp8", 4, 1024), ("kam_p16", settings))
+    kam, widen = _Spy(monkeypatch, "paged_decode_attention_fp8_kam"), _Spy(monkeypatch, "paged_decode_attention")
+    q, fp8, _, meta = _layout([40, 7], hkv=2, group=4, d=64, seed=11, device=DEVICE)
+    got = dispatch.paged_decode_attention(q, fp8, meta)
+    splits = tk.kam_decode_splits(2, 2, 40, 32, 2)
+    assert kam.calls == [(splits, {"p_fp8": False, "q_terms": 1, "block_n": 32, "num_warps": 4, "num_stages": 1,
+                                   "pv_t": False})] and not widen.calls
+    want = kam.fn(q, fp8, meta, splits, p_fp8=False, q_terms=1, block_n=32, pv_t=False)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    q, fp8, _, meta = _layout([40, 7] * 5, hkv=2, group=4, d=64, seed=12, device=DEVICE)  # batch bucket 16
+    dispatch.paged_decode_attention(q, fp8, meta)
+    assert len(kam.calls) == 1 and widen.calls == [(tk.default_decode_splits(10, 2, 40, True), {})]
+
+
+def test_decode_plan_splits_match_each_kernel_s_default():
+    for b, ctx in ((1, 100), (8, 16384), (32, 4096)):
+        assert dispatch.decode_splits_for("widen", {}, b, 8, ctx, True) == tk.default_decode_splits(b, 8, ctx, True)
+        assert dispatch.decode_splits_for("widen", {}, b, 8, ctx, False) == tk.default_decode_splits(b, 8, ctx, False)
+        assert dispatch.decode_splits_for("mma_p8", {}, b, 8, ctx, True) == tk.mma_decode_splits(b, 8, ctx)
+        assert dispatch.decode_splits_for("kam_p8", {}, b, 8, ctx, True) == tk.kam_decode_splits(b, 8, ctx)
+    assert dispatch.decode_splits_for("widen", {"waves": 2}, 8, 8, 16384, True) == min(
+        tk.MAX_DECODE_SPLITS, tk.decode_splits(8, 8, 16384, tk.DECODE_CONFIG["fp8"]["block_n"], waves=2))
+
+
+class _AttendOnly:
+    """A model of one attention layer for :class:`engine.graphs.decode.DecodeGraphs`: random q/k/v of
+    the step's rows (the same for a row in every bucket, so each bucket stores the same K/V) through
+    the step's attention context; logits = the attention output."""
+
+    def __init__(self, hq, hkv, d):
+        self.device, self.hq, self.hkv, self.d = torch.device("cpu"), hq, hkv, d
+        self.outputs = {}
+
+    def __call__(self, ids, positions, ctx):
+        b = ids.shape[0]
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(256, self.hq, self.d, generator=g)[:b]
+        k, v = (torch.randn(256, self.hkv, self.d, generator=g)[:b] for _ in range(2))
+        out = ctx.attend(0, q, k, v)
+        self.outputs[b] = out
+        return out.reshape(b, -1)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU stand-in for capture (interpreter); a GPU captures real graphs")
+def test_decode_graphs_capture_the_table_s_kernel_per_bucket(monkeypatch):
+    """The decode graphs choose each bucket's kernel at capture by its batch size and their longest
+    context: a table entry changes the captured kernel of its buckets only. CUDA graphs need a GPU, so
+    the capture is replaced by running each bucket's step once (the interpreter on the CPU)."""
+    from engine.cache.kv_pool import PagePool
+    from engine.graphs import decode as graphs_decode
+
+    monkeypatch.delenv("PRISM_FP8_DECODE", raising=False)
+    monkeypatch.setattr(graphs_decode, "capture_per_size",
+                        lambda device, sizes, forward: {s: (None, forward(s)) for s in sorted(sizes, reverse=True)})
+    settings = {"block_n": 32, "num_warps": 4, "waves": 1}
+    monkeypatch.setitem(dispatch.DECODE_KERNEL_TABLE, ("fp8", 8, 2048), ("kam_p8", settings))
+    kam, widen = _Spy(monkeypatch, "paged_decode_attention_fp8_kam"), _Spy(monkeypatch, "paged_decode_attention")
+    hkv, d, page = 2, 64, 16
+    pool = PagePool(num_layers=1, num_kv_heads=hkv, head_dim=d, num_pages=24, page_size=page,
+                    kv_cache_dtype="fp8_e4m3", model_dtype=torch.float32)
+    model = _AttendOnly(8, hkv, d)
+    graphs = graphs_decode.DecodeGraphs(model, pool, max_batch=8, max_pages_per_seq=3, max_seq_len=2000)
+    lens = [33, 1, 40, 17, 48, 2, 9, 30]
+    graphs.inputs[graphs.LENS] = torch.tensor(lens)
+    graphs.inputs[graphs.SLOTS] = torch.tensor([3 * i * page + n - 1 for i, n in enumerate(lens)])
+    graphs.tables[:] = torch.arange(24, dtype=torch.int32).reshape(8, 3)
+    g = torch.Generator().manual_seed(0)
+    ref.store_kv(*(torch.randn(24 * page, hkv, d, generator=g) for _ in range(2)), pool.layers[0],
+                 torch.arange(24 * page))
+    graphs.capture()
+    fp8_ok = tk.fp8_mma_supported("cpu")
+    assert graphs.buckets == [1, 2, 4, 8]
+    chosen = {b: p.kernel for b, p in graphs.plans.items()}
+    kam_buckets = (8, 4, 2) if fp8_ok else ()  # 2 and 4: table bucket 4, one batch step from 8; 1: two steps
+    assert chosen == {b: "kam_p8" if b in kam_buckets else "widen" for b in (1, 2, 4, 8)}
+    # largest first, each bucket with its own split
+    assert [c[0] for c in kam.calls] == [tk.kam_decode_splits(b, hkv, 2000, 32, 1) for b in kam_buckets]
+    assert all(kw["block_n"] == 32 and kw["num_warps"] == 4 and "waves" not in kw for _, kw in kam.calls)
+    assert [c[0] for c in widen.calls] == [tk.default_decode_splits(b, hkv, 2000, True) for b in (8, 4, 2, 1)
+                                           if b not in kam_buckets]
+    # what the bucket of 8 captured is that kernel over the step's rows
+    meta = AttentionMetadata.build([1] * 8, lens, graphs.tables.tolist(), [-1] * 8, "cpu")
+    q = torch.randn(256, 8, d, generator=torch.Generator().manual_seed(0))[:8]
+    want = graphs.plans[8](q, pool.layers[0], meta)
+    torch.testing.assert_close(model.outputs[8], want, atol=1e-6, rtol=1e-6)
+
+
+def test_bench_writes_a_table_dispatch_loads(tmp_path):
+    """benchmarks/bench_fp8_decode.py on the CPU (``PRISM_BENCH_SMOKE``: interpreter, tiny points,
+    numbers meaningless): every point has its best kernel and speedups, and its ``table`` loads into
+    dispatch as the per-point best."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "fp8_decode.json"
+    env = {**os.environ, "PRISM_BENCH_SMOKE": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fp8_decode.py"), str(out)], env=env,
+                   check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    for point in result["shapes"].values():
+        best = point["best"]
+        assert {"kam_p8", "kam_p16", "mma_p8", "mma_p16", "fp8_widen", "bf16"} <= set(point["kernels"])
+        timed = {k: v["ms"] for k, v in point["kernels"].items() if "ms" in v and v.get("sanity_ok")}
+        assert best["ms"] == min(timed.values())
+        assert best["speedup_vs_bf16"] == pytest.approx(point["kernels"]["bf16"]["ms"] / best["ms"])
+        assert best["speedup_vs_fp8_widen"] == pytest.approx(point["kernels"]["fp8_widen"]["ms"] / best["ms"])
+    table = dispatch.decode_table_from_bench(out)
+    assert len(table) == len(result["table"]) >= 1
+    for e in result["table"]:
+        b, c = (int(x) for x in e["measured"].split("x"))
+        point = next(p for p in result["shapes"].values() if (p["batch"], p["context"]) == (b, c))
+        assert table["fp8", *dispatch.decode_buckets(b, c)] == (point["best"]["kernel"], point["best"]["settings"])

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from ops import AttentionMetadata
-from ops.triton_kernels import default_decode_splits, paged_decode_attention, store_kv
+from ops.dispatch import DecodePlan, decode_plan
+from ops.triton_kernels import store_kv
 
 from ..cache.kv_pool import PagePool
 from ..model.qwen3_vl import Qwen3VL
@@ -24,15 +25,16 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class _GraphDecodeStep:
-    """Attention context of a captured decode step: Triton store + split decode, fixed splits."""
+    """Attention context of a captured decode step: Triton store + the bucket's decode plan (kernel,
+    settings and split fixed at capture)."""
 
-    def __init__(self, pool: PagePool, meta: AttentionMetadata, num_splits: int):
-        self.pool, self.meta, self.num_splits = pool, meta, num_splits
+    def __init__(self, pool: PagePool, meta: AttentionMetadata, plan: DecodePlan):
+        self.pool, self.meta, self.plan = pool, meta, plan
 
     def attend(self, layer, q, k, v):
         cache = self.pool.layers[layer]
         store_kv(k, v, cache, self.meta.slot_mapping)
-        return paged_decode_attention(q, cache, self.meta, num_splits=self.num_splits)
+        return self.plan(q, cache, self.meta)
 
 
 class DecodeGraphs:
@@ -51,7 +53,8 @@ class DecodeGraphs:
         max_batch: the most rows captured: the scheduler's ``max_num_seqs``, or more so that short
             prefills (one row per token) fit.
         max_pages_per_seq: block-table width (the model length in pages).
-        max_seq_len: the longest sequence, used to choose each bucket's context split.
+        max_seq_len: the longest sequence: with the bucket's batch size it chooses each bucket's
+            decode attention (:func:`ops.dispatch.decode_plan`: kernel, settings, context split).
     """
 
     IDS, POS, SLOTS, LENS = 0, slice(1, 4), 4, 5  # rows of the packed input block
@@ -73,10 +76,19 @@ class DecodeGraphs:
         self._sent = torch.cuda.Event() if pin else None  # the staging buffers may be reused after it
         self.max_seq_len = max_seq_len
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.plans: dict[int, DecodePlan] = {}
+
+    def decode_plans(self) -> dict[int, DecodePlan]:
+        """Each bucket's decode attention, chosen for its batch size and :attr:`max_seq_len` (the
+        table of :mod:`ops.dispatch`; the current kernel where it has no entry)."""
+        layer = self.pool.layers[0]
+        return {b: decode_plan(layer.is_fp8, b, self.max_seq_len, layer.num_kv_heads, layer.head_dim,
+                               self.model.device) for b in self.buckets}
 
     def capture(self) -> None:
-        """Capture every bucket (largest first, sharing one memory pool)."""
-        hkv = self.pool.layers[0].num_kv_heads
+        """Capture every bucket (largest first, sharing one memory pool), each with its decode plan
+        (:attr:`plans`, made before the capture)."""
+        self.plans = self.decode_plans()
         ids, positions = self.inputs[self.IDS], self.inputs[self.POS]
 
         def step(b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +96,7 @@ class DecodeGraphs:
                 self.inputs[self.SLOTS, :b], self.qsl[: b + 1], self.inputs[self.LENS, :b], self.tables[:b],
                 1, self.max_seq_len,
             )
-            splits = default_decode_splits(b, hkv, self.max_seq_len, self.pool.layers[0].is_fp8)
-            logits = self.model(ids[:b], positions[:, :b], _GraphDecodeStep(self.pool, meta, splits))
+            logits = self.model(ids[:b], positions[:, :b], _GraphDecodeStep(self.pool, meta, self.plans[b]))
             return logits, logits.argmax(dim=-1)
 
         captured = capture_per_size(self.model.device, self.buckets, step)

@@ -203,6 +203,53 @@ def _fp8_mma_decode_kernel(
     tl.store(part_lse_ptr + orow, lse, mask=gok)
 
 
+def _check_fp8_product(q: torch.Tensor, cache: KVLayerCache, block_n: int, q_terms: int,
+                       dequant: str | None) -> bool:
+    """What both FP8-MMA decode kernels need of their inputs; returns their ``ASM`` constant (V widened
+    by :func:`~ops.triton_kernels.attention._widen_fp8` on NVIDIA CUDA under ``dequant="asm"``).
+
+    Raises:
+        ValueError: pages not FP8, head_dim not a multiple of 32 or ``block_n`` not a power of two
+            >= 32 (FP8 products take K >= 32), ``q_terms`` not 1 or 2, an unknown ``dequant``.
+        RuntimeError: ``q``'s device has no FP8 matrix units (:func:`fp8_mma_supported`).
+    """
+    if not cache.is_fp8:
+        raise ValueError("the FP8-MMA decode kernel reads FP8 pages only")
+    d = q.shape[-1]
+    if d % 32 or block_n < 32 or block_n & (block_n - 1):
+        raise ValueError(f"FP8 products need head_dim a multiple of 32 ({d}) and block_n a power of two >= 32 "
+                         f"({block_n})")
+    if q_terms not in (1, 2):
+        raise ValueError(f"Q is quantised in 1 or 2 terms, not {q_terms}")
+    how = dequant or attention.FP8_DEQUANT
+    if how not in attention._DEQUANT_MODES:
+        raise ValueError(f"FP8 dequant must be one of {attention._DEQUANT_MODES}, not {how!r}")
+    if not fp8_mma_supported(q.device):
+        raise RuntimeError(f"no FP8 matrix units on {q.device} (needs compute capability 8.9 or newer)")
+    return q.is_cuda and torch.version.hip is None and how == "asm"
+
+
+def _merge_partials(part_o: torch.Tensor, part_lse: torch.Tensor, q: torch.Tensor, splits: int) -> torch.Tensor:
+    """The split-K merge of the current decode kernel (:func:`_decode_merge_kernel`, PDL as it) over
+    partials ``[B * Hq * splits, D]`` / ``[B * Hq * splits]`` float32; returns ``[B, Hq, D]`` in ``q``'s dtype."""
+    b, hq, d = q.shape
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(b, hq)](
+        part_o,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        hq,
+        splits,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_S=triton.next_power_of_2(max(splits, MAX_DECODE_SPLITS)),
+        **launch_args(q),
+    )
+    return out
+
+
 def mma_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int | None = None,
                       waves: float | None = None) -> int:
     """Context chunks per (sequence, KV head) for the FP8-MMA kernel: :func:`decode_splits` under
@@ -252,23 +299,12 @@ def paged_decode_attention_fp8_mma(
             not 1 or 2, an unknown ``dequant``.
         RuntimeError: ``q``'s device has no FP8 matrix units (:func:`fp8_mma_supported`).
     """
-    if not cache.is_fp8:
-        raise ValueError("the FP8-MMA decode kernel reads FP8 pages only")
+    cfg = MMA_DECODE_CONFIG
+    block_n = block_n or cfg["block_n"]
+    asm = _check_fp8_product(q, cache, block_n, q_terms, dequant)
     b, hq, d = q.shape
     hkv = cache.num_kv_heads
     g = hq // hkv
-    cfg = MMA_DECODE_CONFIG
-    block_n = block_n or cfg["block_n"]
-    if d % 32 or block_n < 32 or block_n & (block_n - 1):
-        raise ValueError(f"FP8 products need head_dim a multiple of 32 ({d}) and block_n a power of two >= 32 "
-                         f"({block_n})")
-    if q_terms not in (1, 2):
-        raise ValueError(f"Q is quantised in 1 or 2 terms, not {q_terms}")
-    how = dequant or attention.FP8_DEQUANT
-    if how not in attention._DEQUANT_MODES:
-        raise ValueError(f"FP8 dequant must be one of {attention._DEQUANT_MODES}, not {how!r}")
-    if not fp8_mma_supported(q.device):
-        raise RuntimeError(f"no FP8 matrix units on {q.device} (needs compute capability 8.9 or newer)")
     gp = max(rows or cfg["rows"], 16, triton.next_power_of_2(g))
     warps = num_warps or cfg["num_warps"]
     if gp >= 64:
@@ -277,7 +313,6 @@ def paged_decode_attention_fp8_mma(
     part_o = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
     bd = triton.next_power_of_2(d)
-    nvidia = q.is_cuda and torch.version.hip is None
     _fp8_mma_decode_kernel[(b, hkv, splits)](
         q,
         part_o,
@@ -304,25 +339,10 @@ def paged_decode_attention_fp8_mma(
         BLOCK_N=block_n,
         P_FP8=p_fp8,
         Q_TERMS=q_terms,
-        ASM=nvidia and how == "asm",
+        ASM=asm,
         EXACT=not q.is_cuda,  # the interpreter's FP8 cast (see _round_e4m3)
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
         **launch_args(q),
     )
-    out = torch.empty_like(q)
-    _decode_merge_kernel[(b, hq)](
-        part_o,
-        part_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        hq,
-        splits,
-        D=d,
-        BLOCK_D=bd,
-        BLOCK_S=triton.next_power_of_2(max(splits, MAX_DECODE_SPLITS)),
-        **launch_args(q),
-    )
-    return out
-
+    return _merge_partials(part_o, part_lse, q, splits)
