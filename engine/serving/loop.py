@@ -209,6 +209,7 @@ class EngineLoop:
             return bool(plan.runs)
         executed = time.perf_counter()
         with self._cv:
+            self.scheduler.step_done(plan, executed - planned)  # what the warms' time budget spends
             sampled = self._apply(plan, output)
         # Detokenisation runs outside the lock; the stream of a request is only ever touched by
         # this thread. A stop string still ends its request in this step (below).
