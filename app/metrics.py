@@ -214,6 +214,9 @@ class _EngineCollector:
                         "request), cancelled, dropped (no room for it).",
                         lambda s: [([r], s.get(f"warms_{r}", 0)) for r in ("computed", "cached", "cancelled",
                                                                             "dropped")], labels=["result"])
+        yield f.counter("prism:prefix_cache_warm_deferred_steps", "Engine steps in which a warm waited for "
+                        "the warms' time budget (the share of the engine's time they may take while questions "
+                        "run: EngineOptions.warm_time_share).", lambda s: s.get("warms_deferred_steps", 0))
 
 
 def _samples(engine) -> list[tuple[list[str], dict]]:

@@ -127,6 +127,13 @@ class Engine:
         )
         options.check_cache_scope()
         self.compaction = options.compaction_config()
+        try:  # checked before anything is reserved (the host tier below)
+            step = SchedulerConfig(options.max_num_seqs, options.step_budget(model.device), options.max_waiting,
+                                   max_warm_tokens=options.max_warm_tokens,
+                                   max_warm_images=options.max_warm_images,
+                                   warm_time_share=options.warm_time_share)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         config_sha = hashlib.sha256((Path(folder) / "config.json").read_bytes()).hexdigest()
         self.namespace = "|".join([f"model={model_id}", f"config={config_sha}", self.prompts.namespace(),
                                    f"dtype={model.dtype}", f"kv={options.kv_cache_dtype}"])
@@ -148,7 +155,6 @@ class Engine:
                                 conversation_reuse=options.conversation_reuse,
                                 mode=options.compaction_mode if self.compaction.method else "always")
         self.prefix_reuse = reuse
-        step = SchedulerConfig(options.max_num_seqs, options.step_budget(model.device), options.max_waiting)
         scheduler = Scheduler(self.pool, step, reuse)
         decode_graphs = prefill_graphs = None
         graph_spec = None

@@ -100,6 +100,12 @@ class EngineOptions:
             InvalidRequestError naming this limit, raised before any of them is decoded.
         max_concurrent_decodes: most prompts whose images and videos are decoded at once (the
             others wait their turn), so that many large requests at once cannot add up in memory.
+        warm_time_share: share of the wall-clock time, in (0, 1], that warms (``Engine.warm``) may
+            take while questions run or wait; 1: no time budget (see
+            :class:`~engine.serving.scheduler.SchedulerConfig`). Not the app's ``--warm-share`` (a
+            share of the KV pool warmed at a start).
+        max_warm_tokens, max_warm_images: the per-step bounds of warms while questions run or wait
+            (see :class:`~engine.serving.scheduler.SchedulerConfig`).
     """
 
     min_pixels: int | None = None
@@ -137,6 +143,9 @@ class EngineOptions:
     tensor_parallel_timeout_s: float = 60.0
     max_media_per_prompt: int = 16
     max_concurrent_decodes: int = 2
+    warm_time_share: float = 0.03
+    max_warm_tokens: int = 1024
+    max_warm_images: int = 4
 
     def image_options(self) -> ImageOptions:
         return ImageOptions(

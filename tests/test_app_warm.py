@@ -687,6 +687,7 @@ def test_upload_warms_show_in_metrics_on_the_engine(tmp_path, engine, photos):
     results = {r: samples[("prism:prefix_cache_warm_results_total", (("result", r),))]
                for r in ("computed", "cached", "cancelled", "dropped")}
     assert results["computed"] == 1 + before["warms_computed"] and results["cached"] == 1 + before["warms_cached"]
+    assert samples[("prism:prefix_cache_warm_deferred_steps_total", ())] == engine.stats()["warms_deferred_steps"]
 
 
 def test_an_uploaded_photo_is_decoded_once_from_upload_to_warm_to_answer(real_chat, monkeypatch):

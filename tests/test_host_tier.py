@@ -263,7 +263,10 @@ def test_keep_free_offloads_ahead_of_demand_up_to_the_watermark():
     step(cache, transfers)  # a went to the host: the watermark is its 6 pages, capped at 16 // 8 = 2
     b, c = add_dense(cache, "b", hits=1), add_dense(cache, "c")
     assert cache.pool.num_free == 4 and cache.keep_free() == 0
-    held = cache.pool.allocate(3)  # a running request's pages: 1 free, below the watermark
+    held = cache.pool.allocate(2)  # a running request's pages: 2 free, at the watermark
+    assert cache.keep_free() == 0
+    held += cache.pool.allocate(1)  # 1 free: below the watermark, not below half of it (a busy step waits)
+    assert cache.keep_free(below=0.5) == 0 and c.tier == "gpu"
     assert cache.keep_free() == 1 and c.tier == "host" and b.tier == "gpu"  # the colder one, lossless
     assert cache.pool.num_free + cache.pending_pages == 7 and a.tier == "host"
     step(cache, transfers)

@@ -220,3 +220,14 @@ def test_forget_cancels_the_sessions_warms_and_nothing_of_them_stays_cached(tiny
     assert kept.result(WAIT_S) > 0
     assert ask(engine, pics, "Anything?", "gone").telemetry.prefix_cache == "miss"
     assert engine.stats()["warms_cancelled"] == 1
+
+
+def test_the_warms_time_share_is_passed_to_the_scheduler_and_checked(tiny_engine_factory):
+    engine = tiny_engine_factory(**EXACT, warm_time_share=0.5, max_warm_tokens=64, max_warm_images=2)
+    config = engine.loop.scheduler.config
+    assert (config.warm_time_share, config.max_warm_tokens, config.max_warm_images) == (0.5, 64, 2)
+    assert engine.loop.scheduler.warm_budget.share == 0.5
+    assert engine.stats()["warms_deferred_steps"] == 0
+    for share in (0, 1.5):
+        with pytest.raises(InvalidRequestError, match="warm_time_share"):
+            tiny_engine_factory(**EXACT, warm_time_share=share)

@@ -25,11 +25,16 @@ from engine.serving.scheduler import Scheduler, SchedulerConfig
 QUESTION = [20, 21, 22]
 
 
-def make(num_pages: int, budget: int = 16, **config) -> Scheduler:
+def make(num_pages: int, budget: int = 16, clock=None, **config) -> Scheduler:
+    """A scheduler on a fresh pool. The warms' time budget is off (``warm_time_share=1``) unless
+    ``config`` sets it: these tests are about the per-step rules (tests/test_warm_budget.py has the
+    budget's, on the fake ``clock``)."""
     pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=num_pages, page_size=PAGE,
                     kv_cache_dtype="auto")
     reuse = PrefixReuse(PrefixCache(pool, ()), CompactionConfig(None), "test", mode="always")
-    return Scheduler(pool, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, **config), reuse)
+    config = {"warm_time_share": 1.0, **config}
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, **config)
+    return Scheduler(pool, cfg, reuse, **({} if clock is None else {"clock": clock}))
 
 
 def warm(sched: Scheduler, ids=PREFIX, salt: str = "s", p: Prompt | None = None) -> Request:

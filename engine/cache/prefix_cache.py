@@ -443,10 +443,10 @@ class PrefixCache:
                 break
         return self.pool.num_free >= pages_needed
 
-    def keep_free(self) -> int:
+    def keep_free(self, *, below: float = 1.0) -> int:
         """Offload idle families ahead of demand, up to the free-page watermark
-        (:func:`~engine.cache.reclaim.keep_free`); the families offloaded."""
-        return keep_free(self)
+        (:func:`~engine.cache.reclaim.keep_free`, ``below`` as there); the families offloaded."""
+        return keep_free(self, below=below)
 
     def first_evictable(self, kinds: tuple[int, ...]) -> PrefixEntry | None:
         """The first entry of :meth:`evictable` among ``kinds`` (0: prefixes, 1: extensions) on the

@@ -94,16 +94,20 @@ def reclaim_once(cache: PrefixCache) -> bool:
     return True
 
 
-def keep_free(cache: PrefixCache) -> int:
+def keep_free(cache: PrefixCache, *, below: float = 1.0) -> int:
     """Offload idle families ahead of demand (lossless moves only, while the host tier has room,
     never under ``reclaim_order="compact_first"``) until the free and pending pages reach the
     watermark: the largest family offloaded so far, at most an eighth of the pool. A hit on a
     host family then finds its pages free at once and waits for one copy only, not for an
-    offload first and then its restore. Called by the scheduler before each plan. Returns the
-    families offloaded."""
+    offload first and then its restore. With ``below`` < 1 nothing is offloaded unless the free
+    and pending pages are under that share of the watermark (then it is filled). Called by the
+    scheduler when it plans (``Scheduler._keep_free`` says which plans). Returns the families
+    offloaded."""
     if cache.host is None or cache.reclaim_order != "offload_first":
         return 0
     target = min(cache.pool.num_pages // 8, cache.largest_offload)
+    if cache.pool.num_free + cache.pending_pages >= below * target:
+        return 0
     moved = 0
     while cache.pool.num_free + cache.pending_pages < target:
         unit = cache.coldest_idle_family()

@@ -222,6 +222,7 @@ class EngineLoop:
         executed = time.perf_counter()
         self._exec_s[output.path] = executed - planned
         with self._cv:
+            self.scheduler.step_done(plan, executed - planned)  # what the warms' time budget spends
             sampled = self._apply(plan, output)
         # Detokenisation runs outside the lock; the stream of a request is only ever touched by
         # this thread. A stop string still ends its request in this step (below).

@@ -33,9 +33,15 @@ computation, one copy). See docs/ARCHITECTURE.md, "Reclaiming KV pages".
 Warms (``Engine.warm``: a session's public prefix built before its first question) sit below
 everything else: they wait in a queue of their own, outside the arrival order of questions, and
 are admitted only when no question is left waiting for pages; their prefill chunks take what the
-step's budget leaves, and while a question runs at most ``max_warm_tokens`` a step and no more
-than ``max_warm_images`` new images (the vision encoder runs inside the step; with no question
-running a warm goes at full speed); at most ``max_warms_running`` run at once. A
+step's budget leaves. While the engine is contended (a question runs or waits) they are bounded
+twice: a step carries at most ``max_warm_tokens`` of them and reaches at most ``max_warm_images``
+new images (the per-step stall; the vision encoder runs inside the step), and a step carries them
+only when the warms' time budget allows (:mod:`engine.serving.warm_budget`: a token bucket that
+grows by ``warm_time_share`` of the wall-clock time and is spent by the measured execution time of
+the steps that carried warm chunks, reported by the loop through :meth:`Scheduler.step_done`).
+A warm whose prefix a question waits for (the question joined it) is promoted: neither bound
+applies to it, a person is waiting. With nothing contended a warm goes at full speed. At most
+``max_warms_running`` run at once. A
 warm takes only free pages, or the pages of idle entries no request ever hit (a warmed prefix is
 one): it never compacts, offloads or evicts anything of more value, never preempts, and is the
 first preempted when a question needs its pages (it goes back to its queue). A question whose
@@ -53,7 +59,9 @@ decides travel in the next plan.
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..cache.kv_pool import PagePool
@@ -62,6 +70,7 @@ from ..cache.prefix_reuse import PrefixReuse
 from ..errors import EngineOverloadedError, PrismError
 from .plan import NewRequest, ScheduledRun, StepOutput, StepPlan
 from .request import Request, Status
+from .warm_budget import WarmBudget
 
 
 @dataclass(frozen=True)
@@ -73,20 +82,43 @@ class SchedulerConfig:
         max_num_batched_tokens: most tokens (prefill + decode) computed in one step.
         max_waiting: most questions waiting, and apart from them most warms waiting; more are
             refused with EngineOverloadedError.
-        max_warm_tokens: most prefill tokens of warms in one step. At the 8B shape on the H200 a
-            decode step is ~6 ms and 256 prefill tokens add a few ms to the steps a warm shares with
-            running streams (docs/PERFORMANCE.md, "Warm at upload").
-        max_warm_images: most images (or videos) a step's warm chunks reach for the first time, so
-            encode: the encoder runs inside the step (~3 ms an image at the 8B shape). 0: no bound.
+        max_warm_tokens: most prefill tokens of warms in one contended step (the stall one such
+            step adds to the running streams). 1024: at the 8B shape on the H200 a step carrying a
+            warm chunk beside decode rows runs the eager forward, whose ~20-29 ms of launch overhead
+            barely grows with its tokens, so 1024 tokens (an 8-photo, 2,445-token prefix in three
+            steps instead of eleven at 256) cost an estimated ~35-50 ms a step, about the
+            ``warm_burst_s`` a stream may see at once (docs/PERFORMANCE.md, "Warm at upload").
+        max_warm_images: most images (or videos) a contended step's warm chunks reach for the first
+            time, so encode (the encoder runs inside the step). 4: 1024 tokens of 512 x 512 photos
+            (~306 tokens each) reach at most 4, encoded together (~3 ms an image at the 8B shape,
+            against one image a step, 105-249 ms in all for 8 photos). 0: no bound.
         max_warms_running: most warms holding pages at once.
+        warm_time_share: share of the wall-clock time, in (0, 1], the steps carrying warm chunks
+            may take while contended (:class:`~engine.serving.warm_budget.WarmBudget`); 1: no time
+            budget (the per-step bounds alone). 0.03: a warm's own GPU work for 8 photos (~75 ms)
+            is ~5.6% of a 256-token stream at the 8B shape, so an unbudgeted warm alone would
+            exceed the 5% TPOT goal of a stream beside it.
+        warm_burst_s: most credit (seconds) the budget banks, and the most a step carrying warm
+            chunks waits for (a dearer step runs once the bucket is full): one 1024-token warm step.
+
+    Raises:
+        ValueError: ``warm_time_share`` outside (0, 1] or a negative ``warm_burst_s``.
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256
-    max_warm_tokens: int = 256
-    max_warm_images: int = 1
+    max_warm_tokens: int = 1024
+    max_warm_images: int = 4
     max_warms_running: int = 2
+    warm_time_share: float = 0.03
+    warm_burst_s: float = 0.05
+
+    def __post_init__(self):
+        if not 0 < self.warm_time_share <= 1:
+            raise ValueError(f"warm_time_share must be in (0, 1], got {self.warm_time_share!r}")
+        if not self.warm_burst_s >= 0:
+            raise ValueError(f"warm_burst_s must be >= 0, got {self.warm_burst_s!r}")
 
 
 @dataclass
@@ -94,13 +126,15 @@ class WarmStats:
     """Counters of warms (``Engine.stats()``): ``warms`` taken, ``warms_computed`` (their prefix
     built and cached), ``warms_cached`` (cached already, or built by another request meanwhile:
     nothing computed), ``warms_cancelled``, ``warms_dropped`` (no room, and nothing running that
-    could free some)."""
+    could free some), ``warms_deferred_steps`` (steps in which a warm chunk waited for the warms'
+    time budget while questions ran)."""
 
     warms: int = 0
     warms_computed: int = 0
     warms_cached: int = 0
     warms_cancelled: int = 0
     warms_dropped: int = 0
+    warms_deferred_steps: int = 0
 
 
 class _Admission(enum.Enum):
@@ -126,9 +160,11 @@ class Scheduler:
         pool: the KV pool.
         config: the step limits.
         reuse: the prefix cache's bookkeeping, or None when prefix caching is off.
+        clock: monotonic seconds, for the warms' time budget (tests pass a fake).
     """
 
-    def __init__(self, pool: PagePool, config: SchedulerConfig, reuse: PrefixReuse | None = None):
+    def __init__(self, pool: PagePool, config: SchedulerConfig, reuse: PrefixReuse | None = None, *,
+                 clock: Callable[[], float] = time.monotonic):
         self.pool = pool
         self.config = config
         self.reuse = reuse
@@ -139,6 +175,9 @@ class Scheduler:
         self._warmed: list[tuple[Request, str]] = []  # warms done, with their reason, for the loop to finish
         self._warms_preempted: list[int] = []  # warms that gave their pages to a question, for the plan
         self._requests: dict[int, Request] = {}  # every request added and not finished, by id
+        self.warm_budget = WarmBudget(config.warm_time_share, config.warm_burst_s, clock)
+        self._budgeted = 0  # warm tokens of the step being planned that the budget pays for
+        self._charges: list[tuple[StepPlan, int]] = []  # plans with budgeted warm tokens, until step_done
         self._known: set[int] = set()  # ids the runner was sent (NewRequest) and still holds
         self._ended: list[int] = []  # of those, the ones finished since the last plan
         self._failures: list[tuple[Request, Exception]] = []  # to be finished with an error by the loop
@@ -183,6 +222,7 @@ class Scheduler:
         finished since the last plan and the pool's data moves decided since then."""
         draft = _Draft()
         budget = self.config.max_num_batched_tokens
+        self._tick_warm_budget()
         for req in list(self.running):
             if req.status is not Status.RUNNING or req.is_prefilling or req.warm or budget <= 0:
                 continue
@@ -223,11 +263,21 @@ class Scheduler:
             self._schedule_warms(draft, budget)
         for req, _ in draft.items:
             req.max_pages_held = max(req.max_pages_held, len(req.block_table))
-        if self.reuse is not None and not any(self._answers_host_hit(req) for req, _ in draft.items):
-            # offloads ahead of demand ride this step's plan, unless a host hit's first chunk
-            # does: its copy or its forward would wait for theirs, and they serve later hits only
+        if self.reuse is not None:
+            self._keep_free(draft)
+        return self._charged_later(self._plan(draft))
+
+    def _keep_free(self, draft: _Draft) -> None:
+        """Offload idle families ahead of demand (:func:`~engine.cache.reclaim.keep_free`), in the
+        plan where it costs least: a plan without runs (the engine is idle; such a plan follows
+        every last finish) fills the watermark; a plan with runs only when the free pages fell
+        below half of it (a busy engine). Never beside a host hit's first chunk: the copies share
+        the bus and the step's own transfers queue behind them (on the H200 a step carrying an
+        offload took ~3.9 ms longer than a decode step)."""
+        if not draft.items:
             self.reuse.cache.keep_free()
-        return self._plan(draft)
+        elif not any(self._answers_host_hit(req) for req, _ in draft.items):
+            self.reuse.cache.keep_free(below=0.5)
 
     @staticmethod
     def _answers_host_hit(req: Request) -> bool:
@@ -316,23 +366,43 @@ class Scheduler:
 
     # ------------------------------------------------------------------ warms
     def _schedule_warms(self, draft: _Draft, budget: int) -> None:
-        """Give warms what the step left: running warms' next chunks first, then new warms
-        admitted from their queue (see the module docstring for the bounds). With no question
-        running, the bounds are off: nobody's steps get slower, and a question waiting for the
-        warm's prefix should not wait for a throttled warm."""
-        contended = any(not r.warm for r in self.running)
+        """Give warms what the step left: a promoted warm (one a waiting question joined) first and
+        alone, with no bounds; else running warms' next chunks, then new warms admitted from their
+        queue, under the per-step bounds and the time budget while contended (see the module
+        docstring). With nothing contended the bounds are off: nobody's steps get slower."""
+        contended = self._contended()
+        running = [r for r in self.running if r.warm and r.status is Status.RUNNING]
+        joined = self._joined_keys() if contended else set()
+        promoted = [r for r in running if r.prefix_key in joined]
+        if promoted:  # the step is theirs: other warms would only delay the person waiting
+            for req in promoted:
+                if budget <= 0:
+                    break
+                n = self._warm_chunk(req, budget, contended=False)
+                if self._grow_warm(req, req.num_computed + n):
+                    draft.items.append((req, n))
+                    budget -= n
+                elif not self._anything_frees_pages():
+                    self._drop_warm(req)
+            return
         cap = min(budget, self.config.max_warm_tokens) if contended else budget
-        for req in [r for r in self.running if r.warm and r.status is Status.RUNNING]:
+        gated = contended and not self.warm_budget.off
+        taken, deferred = 0, False  # warm tokens this step; whether one waited for the budget
+        for req in running:
             if cap <= 0:
-                return
+                break
             n = self._warm_chunk(req, cap, contended)
+            if gated and not self.warm_budget.allows(taken + n):
+                deferred = True
+                break
             if self._grow_warm(req, req.num_computed + n):
                 draft.items.append((req, n))
                 cap -= n
+                taken += n
             elif not self._anything_frees_pages():
                 self._drop_warm(req)  # it holds pages only it waits on: give them back
         passed: list[Request] = []
-        while self.warming and cap > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.warming and cap > 0 and not deferred and len(self.running) < self.config.max_num_seqs:
             if sum(r.warm for r in self.running) >= self.config.max_warms_running:
                 break
             req = self.warming.popleft()
@@ -347,6 +417,10 @@ class Scheduler:
                 passed.append(req)
                 continue
             n = self._warm_chunk(req, cap, contended)
+            if gated and not self.warm_budget.allows(taken + n):
+                self.warming.appendleft(req)
+                deferred = True
+                break
             if not self._grow_warm(req, n):
                 if not self._anything_frees_pages():
                     self._drop_warm(req)
@@ -359,7 +433,41 @@ class Scheduler:
             self.running.append(req)
             draft.items.append((req, n))
             cap -= n
+            taken += n
         self.warming.extendleft(reversed(passed))
+        self.warm_stats.warms_deferred_steps += deferred
+        self._budgeted = taken if gated else 0
+
+    def _contended(self) -> bool:
+        """Whether a question runs or waits (warms are then bounded and budgeted)."""
+        return bool(self.waiting) or any(not r.warm for r in self.running)
+
+    def _joined_keys(self) -> set[str]:
+        """Prefix keys that waiting questions wait for (a computation in flight: a running warm
+        computing one of them is promoted)."""
+        return {q.prefix_key for q in self.waiting if self.reuse.waits(q)}
+
+    def _tick_warm_budget(self) -> None:
+        """Accrue the warms' time budget for the time since the last step's planning (it was
+        contended meanwhile if it was then) and start the step's count of budgeted warm tokens."""
+        self.warm_budget.tick(self._contended())
+        self._budgeted = 0
+
+    def _charged_later(self, plan: StepPlan) -> StepPlan:
+        """Remember ``plan`` if the warms' budget pays for its warm tokens (:meth:`step_done`)."""
+        if self._budgeted:
+            self._charges.append((plan, self._budgeted))
+        return plan
+
+    def step_done(self, plan: StepPlan, exec_s: float) -> None:
+        """The runner executed ``plan`` in ``exec_s`` seconds (measured by the loop): a step whose
+        warm chunks the time budget allowed spends it. Plans never reported (a failed step) are
+        forgotten with the next one reported."""
+        for i, (charged, tokens) in enumerate(self._charges):
+            if charged is plan:
+                del self._charges[: i + 1]
+                self.warm_budget.spend(exec_s, tokens)
+                return
 
     def _warm_chunk(self, req: Request, cap: int, contended: bool = True) -> int:
         """Tokens of a warm's next chunk: up to its prefix boundary, at most ``cap``, and while

@@ -41,6 +41,7 @@ PREFIX = "tests/test_prefix_cache.py::"
 DEFERRED = "tests/test_deferred_images.py::"
 HOST = "tests/test_host_tier.py::"
 WARM = "tests/test_warm_scheduler.py::"
+BUDGET = "tests/test_warm_budget.py::"
 KERNELS = "tests/test_triton_kernels.py::"
 REFERENCE = "tests/test_ops_reference.py::"
 
@@ -800,6 +801,24 @@ MUTANTS: list[Mutant] = [
         "            if len(new) > bound:\n",
         "            if False:\n",
         (WARM + "test_a_warms_chunk_reaches_one_new_image_a_step_while_a_question_runs",),
+    ),
+    Mutant(
+        "warm-budget-ignored",
+        "a step carries warm chunks whatever the warms' time budget holds (a warm beside a stream takes "
+        "as much of the engine's time as the per-step bounds let it: the stream's TPOT grows)",
+        "engine/serving/warm_budget.py",
+        "        return self.credit >= need\n",
+        "        return True\n",
+        (BUDGET + "test_a_warm_beside_a_stream_takes_at_most_its_share_of_the_time_and_still_finishes",),
+    ),
+    Mutant(
+        "joined-warm-throttled",
+        "a warm that a waiting question joined stays under the per-step bounds and the time budget (the "
+        "person waits on a throttled warm)",
+        "engine/serving/scheduler.py",
+        "        promoted = [r for r in running if r.prefix_key in joined]\n",
+        "        promoted = []\n",
+        (BUDGET + "test_a_warm_a_waiting_question_joined_runs_unbounded_and_unbudgeted",),
     ),
     Mutant(
         "image-processed-per-request",
