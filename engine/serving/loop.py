@@ -84,7 +84,7 @@ class EngineLoop:
         self._exec_s: dict[str, float] = {}  # the last step's execution time by forward path
         self._step_started = 0.0
         self.early_restores = 0  # restores started while a step ran (:meth:`_meanwhile`)
-        if reuse is not None and runner.orders_between_steps:
+        if reuse is not None and getattr(runner, "orders_between_steps", False):  # test fakes lack it
             runner.meanwhile = self._meanwhile
         self._thread = threading.Thread(target=self._run, name="prism-engine", daemon=True)
         if start:
