@@ -33,7 +33,11 @@ def capture_per_size(device: torch.device, sizes: Iterable[int],
             for _ in range(2):
                 forward(size)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            # thread_local: only this thread's calls may break the capture. Under the default
+            # (global) mode another thread's unsafe call (the host tier pinning its first chunk,
+            # cudaHostRegister, on its background thread; request threads' own CUDA work; another
+            # engine's loop) invalidated it: cudaErrorStreamCaptureInvalidated at capture_end.
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 out = forward(size)
             pool = graph.pool()
             graphs[size] = (graph, out)
