@@ -144,8 +144,8 @@ class EngineOptions:
     max_media_per_prompt: int = 16
     max_concurrent_decodes: int = 2
     warm_time_share: float = 0.03
-    max_warm_tokens: int = 1024
-    max_warm_images: int = 4
+    max_warm_tokens: int = 512
+    max_warm_images: int = 2
 
     def image_options(self) -> ImageOptions:
         return ImageOptions(

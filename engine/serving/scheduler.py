@@ -26,9 +26,10 @@ steps and never preempt anyone: a request whose pages an offload in flight will 
 step. A request whose entry is on the host tier is admitted with its restore: its first prefill
 chunk rides the plan that carries the copy, and the runner's forward waits for the copy on the
 GPU (the step carrying it is later by what is left of the copy; the question is not later by a
-step). A request whose entry is being restored for another, or whose prefix another request is
-computing now, waits while the requests behind it are admitted past it (then attaches it: one
-computation, one copy). See docs/ARCHITECTURE.md, "Reclaiming KV pages".
+step); one that arrives while a step runs may have its copy started then, to overlap that step
+(:meth:`Scheduler.restore_early`). A request whose entry is being restored for another, or
+whose prefix another request is computing now, waits while the requests behind it are admitted
+past it (then attaches it: one computation, one copy). See docs/ARCHITECTURE.md, "Reclaiming KV pages".
 
 Warms (``Engine.warm``: a session's public prefix built before its first question) sit below
 everything else: they wait in a queue of their own, outside the arrival order of questions, and
@@ -83,15 +84,16 @@ class SchedulerConfig:
         max_waiting: most questions waiting, and apart from them most warms waiting; more are
             refused with EngineOverloadedError.
         max_warm_tokens: most prefill tokens of warms in one contended step (the stall one such
-            step adds to the running streams). 1024: at the 8B shape on the H200 a step carrying a
-            warm chunk beside decode rows runs the eager forward, whose ~20-29 ms of launch overhead
-            barely grows with its tokens, so 1024 tokens (an 8-photo, 2,445-token prefix in three
-            steps instead of eleven at 256) cost an estimated ~35-50 ms a step, about the
-            ``warm_burst_s`` a stream may see at once (docs/PERFORMANCE.md, "Warm at upload").
+            step adds to the running streams). 512: at the 8B shape on the H200 a step carrying a
+            warm chunk beside decode rows runs the eager forward (~15-20 ms of launch overhead
+            whatever its tokens); with 1024 tokens and 4 images such a step took 48-92 ms (the
+            first of a process compiles: docs/gpu/warm_http_8b_process_budget_v1.*) and the one
+            a 256-token stream met raised its TPOT 1.059x, over the 5% goal; half of it, an
+            estimated ~30-38 ms (not yet measured), keeps one step's stall under the goal.
         max_warm_images: most images (or videos) a contended step's warm chunks reach for the first
-            time, so encode (the encoder runs inside the step). 4: 1024 tokens of 512 x 512 photos
-            (~306 tokens each) reach at most 4, encoded together (~3 ms an image at the 8B shape,
-            against one image a step, 105-249 ms in all for 8 photos). 0: no bound.
+            time, so encode (the encoder runs inside the step). 2: 512 tokens of 512 x 512 photos
+            (~306 tokens each) reach at most 2 (~5 ms an image there, encoded together). 0: no
+            bound.
         max_warms_running: most warms holding pages at once.
         warm_time_share: share of the wall-clock time, in (0, 1], the steps carrying warm chunks
             may take while contended (:class:`~engine.serving.warm_budget.WarmBudget`); 1: no time
@@ -99,7 +101,7 @@ class SchedulerConfig:
             is ~5.6% of a 256-token stream at the 8B shape, so an unbudgeted warm alone would
             exceed the 5% TPOT goal of a stream beside it.
         warm_burst_s: most credit (seconds) the budget banks, and the most a step carrying warm
-            chunks waits for (a dearer step runs once the bucket is full): one 1024-token warm step.
+            chunks waits for (a dearer step runs once the bucket is full): about one warm step.
 
     Raises:
         ValueError: ``warm_time_share`` outside (0, 1] or a negative ``warm_burst_s``.
@@ -108,8 +110,8 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256
-    max_warm_tokens: int = 1024
-    max_warm_images: int = 4
+    max_warm_tokens: int = 512
+    max_warm_images: int = 2
     max_warms_running: int = 2
     warm_time_share: float = 0.03
     warm_burst_s: float = 0.05
