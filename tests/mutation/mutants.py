@@ -903,4 +903,13 @@ MUTANTS: list[Mutant] = [
         "                    orders = []\n",
         ("tests/test_host_tier.py::test_a_host_hit_arriving_during_a_step_starts_its_restore_before_the_next_plan",),
     ),
+    Mutant(
+        "watch-outlasts-the-step",
+        "the watch during a step lasts as long as the slowest recent step of its kind: short steps wait "
+        "for the GPU longer than they run (TPOT up ~10% with a host tier)",
+        "engine/serving/loop.py",
+        "    return started + WATCH_SHARE * min(recent, default=0.0)\n",
+        "    return started + WATCH_SHARE * max(recent, default=0.0)\n",
+        ("tests/test_host_tier.py::test_the_watch_during_a_step_ends_before_the_shortest_recent_step_of_its_kind",),
+    ),
 ]
