@@ -20,14 +20,19 @@ of 10 replays, CUDA events):
   splits; settings that give the same split are timed once);
 * the two-term-Q variants (``*_q2``) at their one-term sibling's fastest setting only.
 
-A setting that fails to compile is recorded with its error. Accuracy per variant at its fastest
-setting: ``max |out - ref|`` against float32 attention over the same FP8 pages (``err_vs_fp8_ref``)
-and over the bf16 pages (``err_vs_bf16_ref``), ``sanity_ok`` when the relative error against the FP8
-reference is within :data:`SANITY`. Which matrix instructions Triton emitted per setting (``wgmma``,
-``mma.sync`` on e4m3 or f16, conversions) from the PTX: on sm_90 Triton lowers an FP8 ``tl.dot`` it
-cannot give ``wgmma`` to float16 ``mma.sync`` after widening the operands (what the 16-row settings
-of docs/gpu/fp8_decode_v1.json show: ``mma_e4m3`` 0, ``mma_f16`` > 0), so ``wgmma`` > 0 is what
-"on the FP8 tensor cores" means here.
+Each point's variants are swept in worker processes, one per group of :data:`GROUPS` (the suspect
+``kam_p8*`` last, alone), each appending every measured setting to a JSON-lines log
+(``OUT.rows/POINT.GROUP.jsonl``) as it goes; a worker stops at its first CUDA error (a dead context
+fails every later launch) and is restarted for the rest, a variant's settings being skipped after
+:data:`MAX_CUDA_ERRORS` such errors. A setting that fails (compile or launch) is recorded with its error.
+
+Accuracy per variant at its fastest setting: ``max |out - ref|`` against float32 attention over the
+same FP8 pages (``err_vs_fp8_ref``) and over the bf16 pages (``err_vs_bf16_ref``), ``sanity_ok``
+when the relative error against the FP8 reference is within :data:`SANITY`. Which matrix
+instructions Triton emitted per setting (``wgmma``, ``mma.sync`` on e4m3 or f16, conversions) from
+the PTX: on sm_90 Triton lowers an FP8 ``tl.dot`` it cannot give ``wgmma`` to float16 ``mma.sync``
+after widening the operands (what the 16-row settings of docs/gpu/fp8_decode_v1.json show:
+``mma_e4m3`` 0, ``mma_f16`` > 0), so ``wgmma`` > 0 is what "on the FP8 tensor cores" means here.
 
 Per point, ``best``: the fastest kernel that passed its check (``fp8_widen`` included), with its
 settings and its speedup vs bf16 pages, vs the current FP8 kernel and vs the best group-as-M
@@ -51,6 +56,7 @@ import pathlib
 import pprint
 import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -184,15 +190,87 @@ def settings_of(variant: str, setting: tuple) -> dict:
     return {"block_n": bn, "num_warps": warps, "num_stages": stages, "rows": rows, "waves": waves}
 
 
-class Sweep:
-    """One point's timings: plans timed, accuracy, the clock of the whole run's budget."""
+#: Variant groups: each point's groups are swept in processes of their own, in this order. A kernel
+#: that poisons the CUDA context (kam_p8's first setting did, on the H200: docs/gpu/fp8_decode_kam_dbg_v1.txt)
+#: then costs only the rest of its own group, and only until the worker is restarted: the suspect
+#: kam_p8 family last, alone. Two-term-Q variants follow their one-term sibling in the same group.
+GROUPS = (("bf16", "fp8_widen", "kam_p16", "mma_p16", "mma_p8", "kam_p16_q2", "mma_p16_q2", "mma_p8_q2"),
+          ("kam_p8", "kam_p8_q2"))
+#: CUDA errors a variant may raise before its remaining settings are skipped (each costs a restart).
+MAX_CUDA_ERRORS = 2
+#: ``PRISM_BENCH_CRASH=kam_p8,...``: those variants raise a CUDA-like error at each launch (the CPU
+#: test of the recovery; a worker treats it as a dead context).
+CRASH = set(filter(None, os.environ.get("PRISM_BENCH_CRASH", "").split(",")))
+_SETTING_KEYS = {"kam": ("block_n", "num_warps", "num_stages", "pv_t", "waves"),
+                 "mma": ("block_n", "num_warps", "num_stages", "rows", "waves")}
 
-    def __init__(self, name: str, batch: int, ctx: int, deadline: float):
+
+def family(variant: str) -> str:
+    return "kam" if variant.startswith("kam") else "mma"
+
+
+def context_dead(exc: BaseException) -> bool:
+    """Whether ``exc`` left the process's CUDA context unusable (every later launch would fail)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if "[CUDA]" in text or "CUDA error" in text or type(exc).__name__ == "AcceleratorError":
+        return True
+    if SMOKE:
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - a failing probe is the answer
+        return True
+    return False
+
+
+def read_records(path: pathlib.Path) -> list[dict]:
+    """A worker's JSON-lines log (what it measured so far; a torn last line is dropped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def close_dangling(records: list[dict], why: str) -> list[dict]:
+    """Error rows for settings a dead worker started and never finished (the process died inside the
+    launch): they count as CUDA errors of their variant, so a restart skips them."""
+    finished = {(r["variant"], r["key"]) for r in records if r["kind"] == "row"}
+    return [{"kind": "row", "variant": r["variant"], "key": r["key"],
+             "row": {**r["settings"], "error": why, "cuda_error": True}}
+            for r in records if r["kind"] == "start" and (r["variant"], r["key"]) not in finished]
+
+
+def variant_rows(records: list[dict], variant: str) -> dict[str, dict]:
+    return {r["key"]: r["row"] for r in records if r["kind"] == "row" and r["variant"] == variant}
+
+
+def fastest(rows: dict[str, dict]) -> str | None:
+    timed = {k: r for k, r in rows.items() if "ms" in r}
+    return min(timed, key=lambda k: timed[k]["ms"]) if timed else None
+
+
+class Sweep:
+    """One point in one worker process: its pools, references, and the sweep of some variants,
+    each result appended to the worker's log as it is measured."""
+
+    def __init__(self, name: str, batch: int, ctx: int, deadline: float, records: list[dict], emit):
         self.name, self.batch, self.ctx, self.deadline = name, batch, ctx, deadline
+        self.records, self._emit = records, emit
         self.q, self.b16, self.fp8, self.meta = setup(batch, ctx)
         self.ref_fp8 = ref.paged_decode_attention(self.q.float(), self.fp8, self.meta).float()
         self.ref_b16 = ref.paged_decode_attention(self.q.float(), self.b16, self.meta).float()
         self.scale = float(self.ref_fp8.abs().max())
+        if not any(r["kind"] == "point" for r in records):
+            self.emit({"kind": "point", "max_abs_ref": self.scale})
+
+    def emit(self, record: dict):
+        self.records.append(record)
+        self._emit(record)
 
     def plan(self, kernel: str, settings: dict) -> dispatch.DecodePlan:
         splits = dispatch.decode_splits_for(kernel, settings, self.batch, HKV, self.ctx, True)
@@ -203,87 +281,181 @@ class Sweep:
         return {"err_vs_fp8_ref": e8, "err_vs_bf16_ref": e16, "rel_err_vs_fp8_ref": e8 / self.scale,
                 "sanity_ok": bool(e8 / self.scale <= SANITY[variant])}
 
-    def time_variant(self, variant: str, settings_list: list[dict]) -> dict:
-        """Time ``variant`` at each of ``settings_list`` (one per distinct split); the fastest's accuracy."""
-        family = "kam" if variant.startswith("kam") else "mma"
-        runs, seen = [], set()
-        for settings in settings_list:
+    def grid(self, variant: str) -> list[dict]:
+        """The settings to time: the family's sweep, or (two-term Q) the sibling's fastest only."""
+        if variant in ONE_TERM:
+            rows = variant_rows(self.records, ONE_TERM[variant])
+            best = fastest(rows)
+            return [] if best is None else [{k: rows[best][k] for k in _SETTING_KEYS[family(variant)]}]
+        if family(variant) == "kam":
+            return [settings_of("kam", (*c, w)) for c in KAM_CONFIGS for w in WAVES]
+        return [settings_of("mma", c) for c in MMA_CONFIGS]
+
+    def run(self, variant: str) -> bool:
+        """Sweep ``variant`` (what an earlier worker finished is skipped); False once the CUDA context
+        is dead (the worker must exit)."""
+        if variant in ("bf16", "fp8_widen"):
+            return self.baseline(variant)
+        done = variant_rows(self.records, variant)
+        fam = family(variant)
+        for settings in self.grid(variant):
             plan = self.plan(variant, settings)
-            key = (tuple(sorted((k, v) for k, v in settings.items() if k != "waves")), plan.num_splits)
-            if key in seen:
+            key = json.dumps([sorted((k, v) for k, v in settings.items() if k != "waves"), plan.num_splits])
+            if key in done:
                 continue
-            seen.add(key)
             row = {**settings, "splits": plan.num_splits}
-            if time.time() > self.deadline:
+            errors = sum(bool(r.get("cuda_error")) for r in done.values())
+            if errors >= MAX_CUDA_ERRORS:
+                row["skipped"] = f"after {errors} CUDA errors of {variant}"
+            elif time.time() > self.deadline:
                 row["skipped"] = "time budget"
-                runs.append(row)
+            if "skipped" in row:
+                done[key] = row
+                self.emit({"kind": "row", "variant": variant, "key": key, "row": row})
                 continue
-            before = compiled_ptx(family)
+            self.emit({"kind": "start", "variant": variant, "key": key, "settings": row})
+            before = compiled_ptx(fam)
             try:
+                if variant in CRASH:
+                    raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered "
+                                       "(PRISM_BENCH_CRASH)")
                 row["ms"] = graph_ms(lambda plan=plan: plan(self.q, self.fp8, self.meta))
-            except Exception as exc:  # noqa: BLE001 - a setting that does not compile is a result
+            except Exception as exc:  # noqa: BLE001 - a setting that fails is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                log(f"[{self.name}] {variant} {row}: FAILED")
-                runs.append(row)
+                dead = context_dead(exc)
+                if dead:
+                    row["cuda_error"] = True
+                done[key] = row
+                self.emit({"kind": "row", "variant": variant, "key": key, "row": row})
+                log(f"[{self.name}] {variant} {row}: FAILED" + (" (CUDA context lost)" if dead else ""))
+                if dead:
+                    return False
                 continue
-            new = [ptx for k, ptx in compiled_ptx(family).items() if k not in before]
+            new = [ptx for k, ptx in compiled_ptx(fam).items() if k not in before]
             if new:
                 row["ptx"] = instructions(new[0])
-            runs.append(row)
+            is_best = fastest(done) is None or row["ms"] < done[fastest(done)]["ms"]
+            done[key] = row
+            self.emit({"kind": "row", "variant": variant, "key": key, "row": row})
             log(f"[{self.name}] {variant} {settings} splits={plan.num_splits}: {row['ms'] * 1e3:.1f} us "
                 f"{row.get('ptx', '')}")
-        entry = {"configs": runs}
-        ok = [r for r in runs if "ms" in r]
-        if ok:
-            best = min(ok, key=lambda r: r["ms"])
-            settings = {k: best[k] for k in settings_list[0]}
-            plan = self.plan(variant, settings)
-            entry.update({"ms": best["ms"], "settings": settings, "splits": plan.num_splits,
-                          **self.accuracy(plan(self.q, self.fp8, self.meta), variant)})
-        return entry
+            if is_best:  # the accuracy of every fastest-so-far: the final fastest has one, whichever worker ran it
+                try:
+                    acc = self.accuracy(plan(self.q, self.fp8, self.meta), variant)
+                except Exception as exc:  # noqa: BLE001
+                    acc = {"accuracy_error": f"{type(exc).__name__}: {str(exc)[:300]}", "sanity_ok": False}
+                    if context_dead(exc):
+                        self.emit({"kind": "accuracy", "variant": variant, "key": key, "accuracy": acc})
+                        return False
+                self.emit({"kind": "accuracy", "variant": variant, "key": key, "accuracy": acc})
+        return True
+
+    def baseline(self, variant: str) -> bool:
+        """The current kernel over bf16 pages (``bf16``) or over the FP8 pages (``fp8_widen``)."""
+        if any(r["kind"] == "baseline" and r["variant"] == variant for r in self.records):
+            return True
+        pages = self.b16 if variant == "bf16" else self.fp8
+        plan = dispatch.DecodePlan("widen", {}, dispatch.decode_splits_for("widen", {}, self.batch, HKV, self.ctx,
+                                                                           variant == "fp8_widen"))
+        try:
+            ms = graph_ms(lambda: plan(self.q, pages, self.meta))
+            out = plan(self.q, pages, self.meta)
+        except Exception as exc:  # noqa: BLE001
+            self.emit({"kind": "baseline", "variant": variant, "entry": {"error": f"{type(exc).__name__}: {exc}"}})
+            return not context_dead(exc)
+        entry = {"ms": ms, "err_vs_bf16_ref": max_err(out, self.ref_b16)} if variant == "bf16" else {
+            "ms": ms, "settings": {}, "splits": plan.num_splits, **self.accuracy(out, variant)}
+        self.emit({"kind": "baseline", "variant": variant, "entry": entry})
+        log(f"[{self.name}] {variant} {ms * 1e3:.1f} us")
+        return True
 
 
-def run_point(name: str, batch: int, ctx: int, deadline: float) -> dict:
-    t0 = time.time()
-    sw = Sweep(name, batch, ctx, deadline)
-    res = {"batch": batch, "context": ctx, "max_abs_ref": sw.scale, "kernels": {}}
-    current = dispatch.DecodePlan("widen", {}, dispatch.decode_splits_for("widen", {}, batch, HKV, ctx, False))
-    bf16_ms = graph_ms(lambda: current(sw.q, sw.b16, sw.meta))
-    res["kernels"]["bf16"] = {"ms": bf16_ms, "err_vs_bf16_ref": max_err(current(sw.q, sw.b16, sw.meta), sw.ref_b16)}
-    widen = sw.plan("widen", {})
-    widen_ms = graph_ms(lambda: widen(sw.q, sw.fp8, sw.meta))
-    res["kernels"]["fp8_widen"] = {"ms": widen_ms, "settings": {}, "splits": widen.num_splits,
-                                   **sw.accuracy(widen(sw.q, sw.fp8, sw.meta), "fp8_widen")}
-    log(f"[{name}] bf16 {bf16_ms * 1e3:.1f} us, fp8 widen {widen_ms * 1e3:.1f} us")
-    grids = {
-        "mma": [settings_of("mma", c) for c in MMA_CONFIGS],
-        "kam": [settings_of("kam", (*c, w)) for c in KAM_CONFIGS for w in WAVES],
-    }
-    for variant in ("kam_p16", "kam_p8", "mma_p16", "mma_p8"):
-        res["kernels"][variant] = sw.time_variant(variant, grids[variant[:3]])
-    for variant, sibling in ONE_TERM.items():  # two-term Q: at the sibling's fastest setting only
-        if "settings" in res["kernels"][sibling]:
-            res["kernels"][variant] = sw.time_variant(variant, [res["kernels"][sibling]["settings"]])
-    res["speedup_vs_bf16"] = {k: bf16_ms / v["ms"] for k, v in res["kernels"].items() if "ms" in v}
-    passed = {k: v for k, v in res["kernels"].items() if "ms" in v and v.get("sanity_ok") and k != "bf16"}
+def worker(spec_path: str) -> int:
+    """One group of one point (``--worker SPEC.json``, started by :func:`run_group`): appends to the
+    spec's JSON-lines log, resuming after what it already holds. Exit 3: the CUDA context died."""
+    spec = json.loads(pathlib.Path(spec_path).read_text())
+    path = pathlib.Path(spec["rows"])
+    records = read_records(path)
+    with path.open("a") as f:
+        def emit(record):
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+        sw = Sweep(spec["name"], spec["batch"], spec["ctx"], spec["deadline"], records, emit)
+        for variant in spec["variants"]:
+            if not sw.run(variant):
+                return 3
+    return 0
+
+
+def run_group(name: str, batch: int, ctx: int, group: tuple, deadline: float, path: pathlib.Path) -> list[dict]:
+    """Sweep ``group`` at one point in worker processes, restarting one after each that dies (a dead
+    CUDA context, a crash), until one finishes; returns the log's records."""
+    path.unlink(missing_ok=True)
+    spec = path.with_suffix(".spec.json")
+    spec.write_text(json.dumps({"name": name, "batch": batch, "ctx": ctx, "deadline": deadline,
+                                "variants": list(group), "rows": str(path)}))
+    for _ in range(MAX_CUDA_ERRORS * len(group) + 2):
+        try:
+            rc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", str(spec)],
+                                timeout=max(deadline - time.time(), 0) + 600).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        records = read_records(path)
+        if rc == 0:
+            return records
+        dangling = close_dangling(records, f"worker died (exit {rc})")
+        with path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in dangling)
+        log(f"[{name}] worker of {group[0]}.. exited {rc}; restarting it for the rest")
+    return read_records(path)
+
+
+def summarize(name: str, batch: int, ctx: int, records: list[dict], seconds: float) -> dict:
+    """One point's result from its workers' records: per kernel its timed settings, the fastest with
+    its accuracy, and the speedups (bf16 pages, current FP8 kernel, group-as-M)."""
+    res = {"batch": batch, "context": ctx, "kernels": {}}
+    points = [r for r in records if r["kind"] == "point"]
+    res["max_abs_ref"] = points[0]["max_abs_ref"] if points else None
+    for r in records:
+        if r["kind"] == "baseline":
+            res["kernels"][r["variant"]] = r["entry"]
+    accuracy = {(r["variant"], r["key"]): r["accuracy"] for r in records if r["kind"] == "accuracy"}
+    for variant in (v for group in GROUPS for v in group if v not in ("bf16", "fp8_widen")):
+        rows = variant_rows(records, variant)
+        entry = {"configs": list(rows.values())}  # none: not reached, or (two-term Q) no sibling timed
+        best = fastest(rows)
+        if best is not None:
+            top = rows[best]
+            entry.update({"ms": top["ms"], "settings": {k: top[k] for k in _SETTING_KEYS[family(variant)]},
+                          "splits": top["splits"],
+                          **accuracy.get((variant, best), {"accuracy_error": "not measured", "sanity_ok": False})})
+        res["kernels"][variant] = entry
+    kernels = res["kernels"]
+    bf16_ms = kernels.get("bf16", {}).get("ms")
+    widen_ms = kernels.get("fp8_widen", {}).get("ms")
+    if bf16_ms:
+        res["speedup_vs_bf16"] = {k: bf16_ms / v["ms"] for k, v in kernels.items() if "ms" in v}
+    passed = {k: v for k, v in kernels.items() if "ms" in v and v.get("sanity_ok") and k != "bf16"}
     mma_passed = {k: v for k, v in passed.items() if k != "fp8_widen"}
-    if mma_passed:
-        fastest = min(mma_passed, key=lambda k: mma_passed[k]["ms"])
-        res["fastest_mma"] = fastest
-        res["fp8_attention_speedup"] = bf16_ms / mma_passed[fastest]["ms"]
-        top = mma_passed[fastest]
-        res["best_mma"] = {"kernel": fastest, "settings": top["settings"], "splits": top["splits"], "ms": top["ms"],
+    if mma_passed and bf16_ms and widen_ms:
+        top_name = min(mma_passed, key=lambda k: mma_passed[k]["ms"])
+        top = mma_passed[top_name]
+        res["fastest_mma"] = top_name
+        res["fp8_attention_speedup"] = bf16_ms / top["ms"]
+        res["best_mma"] = {"kernel": top_name, "settings": top["settings"], "splits": top["splits"], "ms": top["ms"],
                            "speedup_vs_bf16": bf16_ms / top["ms"], "speedup_vs_fp8_widen": widen_ms / top["ms"]}
-    res["fp8_attention_speedup_old"] = bf16_ms / widen_ms
+    if bf16_ms and widen_ms:
+        res["fp8_attention_speedup_old"] = bf16_ms / widen_ms
     group_as_m = [v["ms"] for k, v in passed.items() if k.startswith("mma")]
-    if passed:
+    if passed and bf16_ms and widen_ms:
         name_best = min(passed, key=lambda k: passed[k]["ms"])
         best = passed[name_best]
         res["best"] = {"kernel": "widen" if name_best == "fp8_widen" else name_best, "settings": best["settings"],
                        "splits": best["splits"], "ms": best["ms"], "speedup_vs_bf16": bf16_ms / best["ms"],
                        "speedup_vs_fp8_widen": widen_ms / best["ms"],
                        "speedup_vs_group_as_m": min(group_as_m) / best["ms"] if group_as_m else None}
-    res["seconds"] = time.time() - t0
+    res["seconds"] = seconds
     return res
 
 
@@ -313,7 +485,10 @@ def main(argv=None) -> int:
     ap.add_argument("--points", help=f"comma-separated subset of {','.join(POINTS)}")
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing new settings after this long")
     ap.add_argument("--table", metavar="JSON", help="print the DECODE_KERNEL_TABLE literal of a result, exit")
+    ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)  # one group's process (run_group)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        return worker(args.worker)
     if args.table:
         return print_table(args.table)
     out = pathlib.Path(args.out) if args.out else pathlib.Path(os.environ.get("OUT", ".")) / "fp8_decode.json"
@@ -332,40 +507,46 @@ def main(argv=None) -> int:
         "fp8_mma_supported": tk.fp8_mma_supported(DEVICE),
         "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page": PAGE},
         "budget_s": args.budget_s,
+        "groups": [list(g) for g in GROUPS],
         "shapes": {},
     }
     if not result["fp8_mma_supported"]:
         log(f"no FP8 matrix units on {result['device']} (capability {result['capability']})")
+    logs = out.parent / f"{out.stem}.rows"  # the workers' JSON-lines logs: what each measured, as it went
+    logs.mkdir(parents=True, exist_ok=True)
     # the issue's two points first: they get the budget before the short contexts do
     order = sorted(points, key=lambda k: (k not in ("8x16k", "32x4k"), k))
     for name in order:
         batch, ctx = points[name]
-        result["shapes"][name] = run_point(name, batch, ctx, t0 + args.budget_s)
-        if not SMOKE:
-            torch.cuda.empty_cache()  # the point's pools are gone with run_point's frame
-        result["table"] = table_entries(result["shapes"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))  # what is measured so far survives a later failure
+        t1, records = time.time(), []
+        for i, group in enumerate(GROUPS):
+            records += run_group(name, batch, ctx, group, t0 + args.budget_s, logs / f"{name}.{i}.jsonl")
+            result["shapes"][name] = summarize(name, batch, ctx, records, time.time() - t1)
+            result["table"] = table_entries(result["shapes"])
+            out.write_text(json.dumps(result, indent=1))  # what is measured so far survives a later failure
     for key, name in (("fp8_attention_speedup", "8x16k"), ("fp8_attention_speedup_32x4k", "32x4k")):
         shape = result["shapes"].get(name)
         if shape is None:
             continue
         if "fp8_attention_speedup" in shape:
             result[key] = shape["fp8_attention_speedup"]
-        result[key + "_old"] = shape["fp8_attention_speedup_old"]
-        for variant, speedup in shape["speedup_vs_bf16"].items():
+        if "fp8_attention_speedup_old" in shape:
+            result[key + "_old"] = shape["fp8_attention_speedup_old"]
+        for variant, speedup in shape.get("speedup_vs_bf16", {}).items():
             if variant not in ("bf16", "fp8_widen"):
                 result[f"{key}_{variant}"] = speedup
     result["seconds"] = time.time() - t0
     out.write_text(json.dumps(result, indent=1))
     log("")
     for name, shape in result["shapes"].items():
-        log(f"{name}: max |ref| {shape['max_abs_ref']:.3g}")
+        log(f"{name}: max |ref| {shape['max_abs_ref']}")
         for k, v in shape["kernels"].items():
             acc = (f" err vs fp8 ref {v['err_vs_fp8_ref']:.3g} (rel {v['rel_err_vs_fp8_ref']:.3g}, "
                    f"sanity {'ok' if v['sanity_ok'] else 'FAIL'}), vs bf16 ref {v['err_vs_bf16_ref']:.3g}"
                    if "err_vs_fp8_ref" in v else "")
-            ms = f"{v['ms'] * 1e3:7.1f} us  x{shape['speedup_vs_bf16'][k]:.2f} vs bf16" if "ms" in v else "no run"
+            x = shape.get("speedup_vs_bf16", {}).get(k)
+            ms = (f"{v['ms'] * 1e3:7.1f} us  x{x:.2f} vs bf16" if x else f"{v['ms'] * 1e3:7.1f} us") if "ms" in v \
+                else "no run"
             log(f"  {k:11s} {ms}{acc} {v.get('settings', '')}")
         log(f"  best: {shape.get('best')}")
         log(f"  best FP8-MMA: {shape.get('best_mma')}")
