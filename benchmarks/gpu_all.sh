@@ -17,18 +17,25 @@
 # replaces its arguments but --out; default 2,500 held-out samples with the blind control and 500 of the transfer split, every selector x keep ratio), selectors
 # (benchmarks/bench_selectors.py: each selector's miss / hit TTFT at the 8B shape beside uniform's), http (benchmarks/bench_http.py at the 8B shape, in_process and process),
 # warm (benchmarks/bench_warm.py at the 8B shape through /v1; WARM_ARGS replaces its arguments but --out). HOST_COPY=0
-# leaves bench_host_copy.py out of hosttier. Web steps (http, warm) need the web wheels in .whl (bench_http.py lists them).
+# leaves bench_host_copy.py out of hosttier. Web steps (http, warm) need the web wheels (bench_http.py lists them; with
+# fastapi >= 0.16x also opentelemetry-api, importlib-metadata, zipp), carried in .whl_web in calls of their own.
+# STEPS=install installs the carried wheels only (with no STEPS the default kernels, smoke and bench run: minutes).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD
-fi
+# wheels carried in .whl (and, in a later call of the same machine, .whl_web: the carry limit is
+# 64 MiB with the tree) go to /tmp/site, which lasts as long as the machine
+for wheels in .whl .whl_web; do
+  if ls $wheels/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels/*.whl
+  fi
+done
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for step in ${STEPS:-kernels smoke bench}; do
   case $step in
+    install) ;;  # STEPS=install: only the carried wheels (.whl, .whl_web) into /tmp/site, nothing run
     fused) timeout 120 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -k "fused or store or move" 2>&1 | tail -5 | tee "$OUT/fused.txt" ;;
     profile) timeout 300 python3 benchmarks/profile_decode.py 2>&1 | grep -v Warning | tail -80 | tee "$OUT/profile.txt" ;;
     # tests_skips.txt (also appended to tests.txt): counts, every skip reason with its tests, tests run per
