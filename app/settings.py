@@ -89,6 +89,7 @@ _replica_count = _bounded(int, lambda v: 0 <= v <= 64, "must be in [0, 64], got 
 _cpus = _bounded(float, lambda v: 0 < v <= 1024, "must be a positive number of CPUs, got {text}")
 #: A share in [0, 1] (0 turns the feature off).
 _share = _bounded(float, lambda v: 0 <= v <= 1, "must be in [0, 1], got {value}")
+_time_share = _bounded(float, lambda v: 0 < v <= 1, "must be in (0, 1], got {value}")
 
 
 _RAY_ADDRESS_RE = re.compile(r"^(ray://)?[A-Za-z0-9.\-\[\]:]{1,253}:\d{1,5}$|^auto$")
@@ -137,6 +138,7 @@ class Settings:
     max_media_per_request: int | None = None
     warm: str = "on"
     warm_share: float = 0.25
+    warm_time_share: float = 0.03  # engine.serving.scheduler.SchedulerConfig's default
     replicas: int = 0  # 0: no Ray, one engine (--engine); N: N replicas on Ray Serve
     ray_address: str | None = None
     replica_cpus: float = 1.0
@@ -180,6 +182,8 @@ class Settings:
             options["host_cache_bytes"] = self.host_cache_bytes
         if self.tensor_parallel_size != 1:
             options["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.warm_time_share != Settings.warm_time_share:
+            options["warm_time_share"] = self.warm_time_share
         return options
 
 
@@ -245,6 +249,9 @@ _OPTIONS = [
     ("--warm-share", "warm_share", _share, None,
      "share of the KV pool, in [0, 1], that the most recently used chats' image prefixes may fill when the "
      "server (or a restarted engine core) starts, warmed before anyone asks; 0: none warmed at a start"),
+    ("--warm-time-share", "warm_time_share", _time_share, None,
+     "share of the engine's time, in (0, 1], that warms may take while questions run or wait (the rest of "
+     "a warm waits: a running stream's TPOT stays within a few percent); 1: no time budget"),
     ("--replicas", "replicas", _replica_count, None,
      "engine replicas on Ray Serve behind this app, each chat session routed to one by its cache salt "
      "(consistent hashing with bounded loads; docs/SCALING.md); 0: one engine as --engine says, no Ray"),

@@ -237,6 +237,13 @@ def test_warming_off_starts_nothing(store, fake, photos):
     assert parse_settings(["--warm", "off", "--warm-share", "0"], {}).warm == "off"
     with pytest.raises(SystemExit):
         parse_settings(["--warm-share", "1.5"], {})
+    budget = parse_settings(["--warm-time-share", "0.05"], {})
+    assert budget.engine_options()["warm_time_share"] == 0.05
+    assert "warm_time_share" not in parse_settings([], {}).engine_options()  # the engine's default
+    assert parse_settings([], {"PRISM_WARM_TIME_SHARE": "1"}).warm_time_share == 1.0
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            parse_settings(["--warm-time-share", bad], {})
 
 
 def test_a_warm_superseded_while_the_engine_preprocesses_is_cancelled(store, photos):
