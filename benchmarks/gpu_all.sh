@@ -16,7 +16,8 @@
 # (benchmarks/bench_tp.py: two GPUs), quality (benchmarks/bench_quality.py on the probe model, QUALITY_ARGS
 # replaces its arguments but --out; default 2,500 held-out samples with the blind control and 500 of the transfer split, every selector x keep ratio), selectors
 # (benchmarks/bench_selectors.py: each selector's miss / hit TTFT at the 8B shape beside uniform's), http (benchmarks/bench_http.py at the 8B shape, in_process and process),
-# warm (benchmarks/bench_warm.py at the 8B shape through /v1; WARM_ARGS replaces its arguments but --out). HOST_COPY=0
+# warm (benchmarks/bench_warm.py at the 8B shape through /v1; WARM_ARGS replaces its arguments but --out). fp8decode
+# (benchmarks/bench_fp8_decode.py: every FP8 decode variant at five batch x context points; FP8_ARGS adds arguments). HOST_COPY=0
 # leaves bench_host_copy.py out of hosttier. Web steps (http, warm) need the web wheels (bench_http.py lists them; with
 # fastapi >= 0.16x also opentelemetry-api, importlib-metadata, zipp), carried in .whl_web in calls of their own.
 # STEPS=install installs the carried wheels only (with no STEPS the default kernels, smoke and bench run: minutes).
@@ -62,6 +63,12 @@ for step in ${STEPS:-kernels smoke bench}; do
     serving) timeout 400 python3 benchmarks/bench_serving.py --shape 8b --device cuda --out "$OUT/bench_serving.json" \
              2>&1 | grep -v Warning | tail -30 | tee "$OUT/bench_serving.txt" ;;
     kernels) timeout 300 python3 -m pytest tests/test_triton_kernels.py -q -x -p no:cacheprovider -n ${TEST_WORKERS:-6} 2>&1 | tail -15 | tee "$OUT/kernels.txt" ;;
+    # issue 36: the FP8 decode kernels' sweep (FP8_ARGS: e.g. --points 32x4k,8x16k); the workers' logs go back
+    # as one archive (a call returns at most 8 files)
+    fp8decode) timeout ${FP8_TIMEOUT:-450} python3 benchmarks/bench_fp8_decode.py "$OUT/fp8_decode.json" ${FP8_ARGS:-} 2>&1 \
+             | grep -v Warning | tail -40 | tee "$OUT/fp8_decode.txt"
+           [ -d "$OUT/fp8_decode.rows" ] && tar -czf "$OUT/fp8_decode_rows.tgz" -C "$OUT" fp8_decode.rows \
+             && rm -rf "$OUT/fp8_decode.rows" ;;
     smoke) timeout 300 python3 benchmarks/gpu_smoke.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/smoke.txt" ;;
     workingset) timeout 560 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
              ${WS_ARGS:---worksets pressure --requests 200 --time-budget-s 470 \
