@@ -498,6 +498,14 @@ def paged_decode_attention(
         num_stages=num_stages or cfg["num_stages"],
         **launch_args(q),
     )
+    return merge_decode_partials(part_o, part_lse, q, splits)
+
+
+def merge_decode_partials(part_o: torch.Tensor, part_lse: torch.Tensor, q: torch.Tensor, splits: int) -> torch.Tensor:
+    """The split-K merge of the decode kernels (:func:`_decode_merge_kernel`, PDL as they launch) over
+    partials ``[B * Hq * splits, D]`` / ``[B * Hq * splits]`` float32, by log-sum-exp; returns
+    ``[B, Hq, D]`` in ``q``'s dtype."""
+    b, hq, d = q.shape
     out = torch.empty_like(q)
     _decode_merge_kernel[(b, hq)](
         part_o,
@@ -508,7 +516,7 @@ def paged_decode_attention(
         hq,
         splits,
         D=d,
-        BLOCK_D=bd,
+        BLOCK_D=triton.next_power_of_2(d),
         BLOCK_S=triton.next_power_of_2(max(splits, MAX_DECODE_SPLITS)),  # one compile for every usual split
         **launch_args(q),
     )

@@ -37,7 +37,7 @@ from ..metadata import AttentionMetadata, KVLayerCache
 from ..pdl import _interpreting, launch_args, pdl_sync
 from ..reference import AMAX_FLOOR, FP8_MAX
 from . import attention
-from .attention import MAX_DECODE_SPLITS, _decode_merge_kernel, _widen_fp8, decode_splits
+from .attention import MAX_DECODE_SPLITS, _widen_fp8, decode_splits
 
 _LOG2E = 1.4426950408889634
 
@@ -229,27 +229,6 @@ def _check_fp8_product(q: torch.Tensor, cache: KVLayerCache, block_n: int, q_ter
     return q.is_cuda and torch.version.hip is None and how == "asm"
 
 
-def _merge_partials(part_o: torch.Tensor, part_lse: torch.Tensor, q: torch.Tensor, splits: int) -> torch.Tensor:
-    """The split-K merge of the current decode kernel (:func:`_decode_merge_kernel`, PDL as it) over
-    partials ``[B * Hq * splits, D]`` / ``[B * Hq * splits]`` float32; returns ``[B, Hq, D]`` in ``q``'s dtype."""
-    b, hq, d = q.shape
-    out = torch.empty_like(q)
-    _decode_merge_kernel[(b, hq)](
-        part_o,
-        part_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        hq,
-        splits,
-        D=d,
-        BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_S=triton.next_power_of_2(max(splits, MAX_DECODE_SPLITS)),
-        **launch_args(q),
-    )
-    return out
-
-
 def mma_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int | None = None,
                       waves: float | None = None) -> int:
     """Context chunks per (sequence, KV head) for the FP8-MMA kernel: :func:`decode_splits` under
@@ -345,4 +324,4 @@ def paged_decode_attention_fp8_mma(
         num_stages=num_stages or cfg["num_stages"],
         **launch_args(q),
     )
-    return _merge_partials(part_o, part_lse, q, splits)
+    return attention.merge_decode_partials(part_o, part_lse, q, splits)

@@ -39,8 +39,8 @@ import triton.language as tl
 from ..metadata import AttentionMetadata, KVLayerCache
 from ..pdl import launch_args, pdl_sync
 from ..reference import AMAX_FLOOR, FP8_MAX
-from .attention import _widen_fp8
-from .fp8_decode import _LOG2E, _check_fp8_product, _merge_partials, _to_e4m3, mma_decode_splits
+from .attention import _widen_fp8, merge_decode_partials
+from .fp8_decode import _LOG2E, _check_fp8_product, _to_e4m3, mma_decode_splits
 
 #: Launch settings of the keys-as-M kernel: not yet measured (issue 36; ``benchmarks/bench_fp8_decode.py``
 #: sweeps ``block_n`` 64/128, 4/8 warps, 1-3 stages, waves). ``wgmma`` takes four warps at least.
@@ -266,4 +266,4 @@ def paged_decode_attention_fp8_kam(
         num_stages=num_stages or cfg["num_stages"],
         **launch_args(q),
     )
-    return _merge_partials(part_o, part_lse, q, splits)
+    return merge_decode_partials(part_o, part_lse, q, splits)
