@@ -34,12 +34,15 @@ except Exception:  # pragma: no cover - depends on the install
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether ops on tensor ``t`` run as Triton kernels."""
+    return kernels_on(t.device)
+
+
+def kernels_on(device: torch.device) -> bool:
+    """Whether ops on tensors of ``device`` run as Triton kernels (:func:`use_triton` for a tensor there)."""
     mode = os.environ.get("PRISM_OPS", "auto")
     if triton_kernels is None or mode == "reference":
         return False
-    if mode == "triton":
-        return True
-    return t.is_cuda
+    return mode == "triton" or device.type == "cuda"
 
 
 def _pick(name: str, t: torch.Tensor):

@@ -136,3 +136,17 @@ def test_on_cuda_the_prompt_replays_a_captured_graph(tiny_engine_factory, media_
     done = eng.generate(photo_question(media_path), first)
     assert graphs.replays == 1
     assert done.token_ids == eager.generate(photo_question(media_path), first).token_ids
+
+
+def test_no_step_graphs_when_the_references_are_forced(monkeypatch):
+    """``PRISM_OPS=reference`` (the GPU smoke's oracle) runs the references, which read values back to
+    the host: a capture of them fails (cudaErrorStreamCaptureInvalidated), so no graphs are offered."""
+    from engine.graphs.capture import graphs_supported
+    from ops import dispatch
+
+    monkeypatch.setattr(dispatch, "triton_kernels", object())  # as if Triton were there
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("PRISM_OPS", "reference")
+    assert not graphs_supported(cuda)
+    monkeypatch.setenv("PRISM_OPS", "auto")
+    assert graphs_supported(cuda) and not graphs_supported(torch.device("cpu"))

@@ -47,12 +47,13 @@ def capture_per_size(device: torch.device, sizes: Iterable[int],
 
 def graphs_supported(device: torch.device) -> bool:
     """Whether steps on ``device`` can be captured as CUDA graphs: on CUDA, with the Triton kernels
-    (the references read values back to the host, which a capture cannot hold)."""
+    (the references read values back to the host, which a capture cannot hold): not under
+    ``PRISM_OPS=reference``, which ``benchmarks/gpu_smoke.py`` sets to run the oracle on the GPU."""
     if device.type != "cuda":
         return False
-    from ops.dispatch import triton_kernels
+    from ops.dispatch import kernels_on
 
-    return triton_kernels is not None
+    return kernels_on(device)
 
 
 def capture_step_graphs(model, pool, *, decode_rows: int, max_model_len: int, prefill: bool):
