@@ -166,7 +166,8 @@ class Engine:
             parallel.start_workers({**pool_shape, "num_pages": self.pool.num_pages, "host_pages": host_pages},
                                    graph_spec)
         if graph_spec is not None:
-            decode_graphs, prefill_graphs = capture_step_graphs(model, self.pool, **graph_spec)
+            decode_graphs, prefill_graphs = capture_step_graphs(
+                model, self.pool, **graph_spec, gates=transfers.gates if transfers is not None else None)
         if "attention" in self.compaction.score_names:  # its scores pass is eager only (issue 20)
             encoder = functools.partial(model.encode_vision, attention=True)
         else:

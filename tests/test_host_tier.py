@@ -633,24 +633,51 @@ def test_an_early_restore_takes_free_pages_only_and_leaves_cancellations_to_the_
 
 
 def test_the_runner_orders_a_read_restore_before_everything_after_it():
-    """A restore a plan's runs read: right after the runner starts it on the copy stream, its
-    compute stream waits for it, so a copy-on-write of a restored page (the next order) and the
-    forward see the copied data; an offload is not waited for."""
+    """A restore a plan's runs read: with layer gates (CUDA) and nothing after it, it is started
+    gated and the compute stream does not wait for all of it (the forward waits layer group by layer
+    group); with a data move after it (a copy-on-write of a restored page the scheduler could not
+    fold) or without gates, the compute stream waits for all of it right after starting it, so
+    that move and the forward see the copied data. An offload is never waited for."""
     from types import SimpleNamespace
 
     from engine.cache.kv_pool import PageCopy
     from engine.serving.plan import StepPlan
     from engine.serving.runner import ModelRunner
 
-    calls = []
-    transfers = SimpleNamespace(submit=lambda o: calls.append(("submit", o.xfer)),
-                                wait=lambda xs: calls.append(("wait", tuple(xs))))
-    pool = SimpleNamespace(apply=lambda o: calls.append(("apply", o)))
-    runner = SimpleNamespace(_seqs={}, features={}, pool=pool, transfers=transfers)
+    def take(orders, gates):
+        calls = []
+        transfers = SimpleNamespace(submit=lambda o, gated=False: calls.append(("submit", o.xfer, gated)),
+                                    wait=lambda xs: calls.append(("wait", tuple(xs))))
+        pool = SimpleNamespace(apply=lambda o: calls.append(("apply", o)))
+        runner = SimpleNamespace(_seqs={}, features={}, pool=pool, transfers=transfers, gates=gates)
+        ModelRunner.take(runner, StepPlan(kv_orders=orders, transfers_awaited=[2]))
+        return calls
+
     copy = PageCopy(3, 7)
-    plan = StepPlan(kv_orders=[Offload(1, (2,), (0,)), Restore(2, (1,), (3,)), copy], transfers_awaited=[2])
-    ModelRunner.take(runner, plan)
-    assert calls == [("wait", (2,)), ("submit", 1), ("submit", 2), ("wait", (2,)), ("apply", copy)]
+    offload, restore = Offload(1, (2,), (0,)), Restore(2, (1,), (3,))
+    for gates in (None, object()):
+        assert take([offload, restore, copy], gates) == [
+            ("wait", (2,)), ("submit", 1, False), ("submit", 2, False), ("wait", (2,)), ("apply", copy)]
+    assert take([offload, restore], None) == [("wait", (2,)), ("submit", 1, False), ("submit", 2, False),
+                                              ("wait", (2,))]
+    assert take([restore, offload], object()) == [("wait", (2,)), ("submit", 2, True), ("submit", 1, False)]
+
+
+def test_a_fork_of_a_restored_page_rides_the_restore():
+    """``fold_page_copies``: the copy-on-write of a page a restore of the same plan writes becomes
+    one more (host page, GPU page) pair of that restore (the same bits), so the forward need not wait
+    for the whole restore before it; anything else between them keeps the copy as it is."""
+    from engine.cache.kv_pool import PageCopy, SlotMove
+    from engine.cache.kv_transfer import fold_page_copies
+
+    restore = Restore(5, (10, 11, 12), (3, 4, 6))
+    other = Restore(6, (13,), (8,))
+    orders = [restore, other, PageCopy(6, 9), PageCopy(2, 1)]
+    assert fold_page_copies(orders) == [Restore(5, (10, 11, 12, 12), (3, 4, 6, 9)), other, PageCopy(2, 1)]
+    assert orders[0] is restore  # the list given is not changed
+    moved = [restore, SlotMove((24,), (25,)), PageCopy(6, 9)]
+    assert fold_page_copies(moved) == moved
+    assert fold_page_copies([PageCopy(6, 9), restore]) == [PageCopy(6, 9), restore]  # before the restore
 
 
 def test_a_failed_restore_fails_only_the_request_that_needed_it(tiny_engine_factory, photos):

@@ -82,8 +82,9 @@ def test_chunks_are_allocated_lazily_as_pages_are_handed_out():
     assert host.counters() == {"host_pages_total": 10, "host_pages_used": 10,
                                "host_bytes_allocated": 10 * pool.page_bytes}
     chunk = host.chunk(0)
-    assert chunk.k.shape == (4, LAYERS, HEADS, PAGE, DIM) and chunk.k.dtype == torch.uint8
-    assert chunk.k_scale.shape == (4, LAYERS, HEADS, PAGE) and chunk.k_scale.dtype == torch.float32
+    assert chunk.buffer(0).shape == (4, LAYERS, HEADS, PAGE, DIM) and chunk.buffer(0).dtype == torch.uint8
+    assert chunk.buffer(2).shape == (4, LAYERS, HEADS, PAGE) and chunk.buffer(2).dtype == torch.float32
+    assert host.layout.groups == LAYERS and chunk.raw.shape == (LAYERS, 4, host.layout.plane_bytes)
 
 
 class RecordingPool(HostPool):
@@ -197,7 +198,7 @@ def test_a_chunk_that_cannot_be_registered_comes_from_the_pinned_allocator(monke
                         lambda shape: fallback.append(shape) or torch.empty(shape, dtype=torch.uint8))
     host = HostPool(make_pool(), 10, pin=True, chunk_pages=4, prefetch=False)
     assert host.allocate(3) == [0, 1, 2]
-    assert fallback == [(4, host.layout.row_bytes)] and fake.registered == {}
+    assert fallback == [(host.layout.groups, 4, host.layout.plane_bytes)] and fake.registered == {}
     host.close()  # nothing registered to undo
 
 
@@ -233,7 +234,7 @@ def test_auto_host_pages_keep_the_model_dtype_and_no_scales():
     host = HostPool(make_pool("auto", torch.bfloat16), 2)
     host.allocate(1)
     chunk = host.chunk(0)
-    assert chunk.k.dtype == torch.bfloat16 and chunk.k_scale is None and chunk.v_scale is None
+    assert chunk.buffer(0).dtype == torch.bfloat16 and all(len(views) == 2 for views in chunk.planes)
 
 
 def test_allocate_prefers_low_contiguous_pages_and_refuses_whole():
@@ -354,15 +355,17 @@ def test_host_pages_hold_the_pages_page_major():
     transfers.submit(Offload(0, (5, 2), tuple(host.allocate(2))))
     drain(transfers)
     k = bits(pool.buffers()[0]).view(LAYERS, 6, HEADS, PAGE, DIM)
-    assert torch.equal(host.chunk(0).k[1], k[:, 2])  # host page 1 = pool page 2, every layer
-    assert torch.equal(host.chunk(0).k_scale[0], pool.buffers()[2].view(LAYERS, 6, HEADS, PAGE)[:, 5])
-    raw = host.chunk(0).raw  # one row of bytes a host page: a run of pages is one block
-    assert raw.shape == (4, pool.page_bytes) and raw.dtype == torch.uint8
-    def page2(i):  # pool page 2 of buffer i, every layer, as bytes
-        return bits(pool.buffers()[i]).view(LAYERS, 6, -1)[:, 2].reshape(-1).view(torch.uint8)
+    assert torch.equal(host.chunk(0).buffer(0)[1], k[:, 2])  # host page 1 = pool page 2, every layer
+    assert torch.equal(host.chunk(0).buffer(2)[0], pool.buffers()[2].view(LAYERS, 6, HEADS, PAGE)[:, 5])
+    raw = host.chunk(0).raw  # a plane a layer (group): one row of bytes a host page in each
+    assert raw.shape == (LAYERS, 4, pool.page_bytes // LAYERS) and raw.dtype == torch.uint8
 
-    expect = torch.cat([page2(2), page2(3), page2(0), page2(1)])
-    assert torch.equal(raw[1], expect)  # scales first (aligned), then K, then V
+    def page2(i, layer):  # pool page 2 of buffer i in one layer, as bytes
+        return bits(pool.buffers()[i]).view(LAYERS, 6, -1)[layer, 2].reshape(-1).view(torch.uint8)
+
+    for layer in range(LAYERS):  # scales first (aligned), then K, then V
+        assert torch.equal(raw[layer, 1], torch.cat([page2(2, layer), page2(3, layer), page2(0, layer),
+                                                     page2(1, layer)]))
 
 
 def test_a_fault_fails_that_transfer_alone_and_poll_keeps_submit_order():
@@ -455,7 +458,7 @@ def test_cuda_round_trip_through_a_small_staging_buffer(kv, dtype):
     pool = make_pool(kv, dtype, num_pages=4, device="cuda")
     transfers, host = round_trip("cuda", kv, dtype, staging_bytes=2 * pool.page_bytes + 1)  # 7 pages: 4 rounds
     assert transfers.staging_pages == 2 and host.pin
-    assert host.chunk(0).k.is_pinned()
+    assert host.chunk(0).raw.is_pinned() and host.chunk(0).planes[0][0].is_pinned()
 
 
 @cuda
@@ -473,6 +476,51 @@ def test_cuda_wait_orders_the_compute_stream_after_a_restore():
     assert same
     assert [d.xfer for d in transfers.poll()] == [0, 1] and transfers.in_flight() == 0
     transfers.wait([1])  # done: a no-op
+    transfers.close()
+
+
+@cuda
+def test_cuda_a_gated_restore_is_read_layer_group_by_layer_group_eagerly_and_in_a_graph():
+    """A gated restore records each layer group's gate as it lands; a read of layer ``l`` queued
+    after ``gates.wait(l)`` (eagerly, or replayed from a graph that captured the waits as external
+    event waits, as the decode graphs do) sees the restored data, with no wait for the whole copy.
+    The copy is queued behind ~0.5 s of compute work, so a read that skipped its gate would see the
+    destination's old data."""
+    pool = make_pool(num_pages=64, device="cuda", seed=3)
+    host = HostPool(pool, 64)
+    transfers = KVTransfers(pool, host, staging_bytes=4 * pool.page_bytes)
+    gates = transfers.gates
+    assert gates.groups == LAYERS
+    hp = tuple(host.allocate(32))
+    transfers.submit(Offload(0, tuple(range(32)), hp))
+    transfers.synchronize()
+    k = bits(pool.buffers()[0]).view(LAYERS, 64, -1)
+    want = k[:, :32].clone()
+    out = torch.zeros_like(want)
+
+    def read_layers():
+        for layer in range(LAYERS):
+            gates.wait(layer)
+            out[layer].copy_(k[layer, 32:])
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        read_layers()  # warm up outside the capture
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            read_layers()
+    torch.cuda.current_stream().wait_stream(side)
+    for replay in (False, True):
+        k[:, 32:].zero_()
+        out.zero_()
+        torch.cuda._sleep(500_000_000)  # the copy stream waits for this work before copying
+        transfers.submit(Restore(1 + replay, hp, tuple(range(32, 64))), gated=True)
+        graph.replay() if replay else read_layers()
+        gates.forward_queued()
+        transfers.synchronize()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"a layer read before its group landed (graph: {replay})"
     transfers.close()
 
 

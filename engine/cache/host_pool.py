@@ -1,12 +1,16 @@
 """The host-memory tier's pages: KV pages of a :class:`PagePool` kept in (pinned) host memory.
 
 A host page holds one GPU page over **all** layers, K, V and (FP8) scales, so an idle cached
-prefix can leave the GPU whole and come back bit for bit. A host page is one contiguous row of
-bytes (:class:`PageLayout`: the page's scales, then its K, then its V, each page-major: the page's
-layers side by side), unlike the layer-major GPU pool. A run of consecutive host pages is then one
-contiguous block of bytes, and moving it over PCIe is one ``copy_`` (not one per buffer: at the 8B
+prefix can leave the GPU whole and come back bit for bit. The layers are cut into equal **layer
+groups** (:func:`layer_groups`: 6 of 6 layers at the 8B shape), and a chunk of host pages is one
+**plane** per group: plane ``g`` holds every page's layers of group ``g`` as one contiguous row of
+bytes a page (:class:`PageLayout`: the group's scales, then its K, then its V, page-major), unlike
+the layer-major GPU pool. A run of consecutive host pages is then one contiguous block of bytes per
+plane, and moving it over PCIe is one ``copy_`` per group (not one per buffer and layer: at the 8B
 shape an FP8 scale block is 512 bytes a layer, and hundreds of tiny copies cost more in launches
-than the bytes do).
+than the bytes do). Groups let a restore land layer group by layer group, so a forward that reads
+the restored pages starts its first layers while the later groups are still on the bus
+(:class:`~.kv_transfer.LayerGates`).
 
 Memory comes in large chunks, each allocated the first time one of its pages is handed out (a tier
 sized at 100 GiB costs nothing until used; pinning is slow and pinned memory is scarce, so it is
@@ -57,64 +61,94 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if dtype.itemsize == 1 else dtype
 
 
+def layer_groups(num_layers: int, most: int = 6) -> int:
+    """The layer groups a host page is cut into by default: the largest divisor of ``num_layers``
+    up to ``most`` (6 groups of 6 layers at the 8B shape's 36; 4 of 7 at 28; 2 of 1 at 2). More
+    groups hide more of a restore behind the forward reading it (the forward waits for the first
+    group only), at the cost of more, smaller copies."""
+    return max(g for g in range(1, min(most, num_layers) + 1) if num_layers % g == 0)
+
+
 @dataclass(frozen=True)
 class PageLayout:
-    """Where each buffer of a :class:`PagePool` page sits in one host page's row of bytes.
+    """Where each buffer of a :class:`PagePool` page sits in host memory: ``groups`` planes, each one
+    row of ``plane_bytes`` bytes a page holding ``layers_per_group`` consecutive layers.
 
     Attributes:
         fields: per pool buffer, in :meth:`PagePool.buffers` order (``None`` ones left out):
-            ``(byte offset in the row, storage dtype, per-page shape)``; the shape is
-            ``(layers, kv_heads, page_size, head_dim)`` for K/V, ``(layers, kv_heads, page_size)``
-            for scales. Wider dtypes come first, so every field is aligned to its element size.
-        row_bytes: bytes of one row (the page's bytes, rounded up to 8 so rows stay aligned).
+            ``(byte offset in a plane's row, storage dtype, per-page shape within one group)``; the
+            shape is ``(layers_per_group, kv_heads, page_size, head_dim)`` for K/V,
+            ``(layers_per_group, kv_heads, page_size)`` for scales. Wider dtypes come first, so every
+            field is aligned to its element size.
+        groups: layer groups (planes); layer ``l`` is in group ``l // layers_per_group``.
+        plane_bytes: bytes of one page's row in one plane (rounded up to 8 so rows stay aligned).
     """
 
     fields: tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]
-    row_bytes: int
+    groups: int
+    plane_bytes: int
 
     @classmethod
-    def of(cls, pool: PagePool) -> PageLayout:
+    def of(cls, pool: PagePool, groups: int = 1) -> PageLayout:
+        """The layout of ``pool``'s pages cut into ``groups`` layer groups.
+
+        Raises:
+            ValueError: ``groups`` does not divide the pool's layers.
+        """
+        if groups < 1 or pool.num_layers % groups:
+            raise ValueError(f"{groups} layer groups do not divide {pool.num_layers} layers")
         bufs = [b for b in pool.buffers() if b is not None]
-        shapes = [(pool.num_layers, *b.shape[1:]) for b in bufs]
+        shapes = [(pool.num_layers // groups, *b.shape[1:]) for b in bufs]
         dtypes = [storage_dtype(b.dtype) for b in bufs]
         offsets = [0] * len(bufs)
         at = 0
         for i in sorted(range(len(bufs)), key=lambda i: -dtypes[i].itemsize):
             offsets[i] = at
             at += math.prod(shapes[i]) * dtypes[i].itemsize
-        return cls(tuple(zip(offsets, dtypes, shapes, strict=True)), -(-at // 8) * 8)
+        return cls(tuple(zip(offsets, dtypes, shapes, strict=True)), groups, -(-at // 8) * 8)
 
-    def views(self, raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``raw`` (uint8 ``[pages, row_bytes]``) as one view per field, ``[pages, *shape]`` of the
-        field's dtype (strided: consecutive pages are ``row_bytes`` apart)."""
+    @property
+    def layers_per_group(self) -> int:
+        return self.fields[0][2][0]
+
+    @property
+    def row_bytes(self) -> int:
+        """Host bytes of one page over all its planes."""
+        return self.groups * self.plane_bytes
+
+    def views(self, plane: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``plane`` (uint8 ``[pages, plane_bytes]``: one group's rows) as one view per field,
+        ``[pages, *shape]`` of the field's dtype (strided: consecutive pages are ``plane_bytes``
+        apart)."""
         out = []
         for offset, dtype, shape in self.fields:
             size = math.prod(shape) * dtype.itemsize
-            out.append(raw[:, offset:offset + size].view(dtype).view(raw.shape[0], *shape))
+            out.append(plane[:, offset:offset + size].view(dtype).view(plane.shape[0], *shape))
         return tuple(out)
 
 
 @dataclass(frozen=True)
 class HostChunk:
-    """One chunk of host pages: one row of bytes a page, and views of it per buffer.
+    """One chunk of host pages: one plane a layer group, and views of each plane per buffer.
 
     Attributes:
-        raw: uint8 ``[pages, row_bytes]``, host page ``i`` of the chunk is row ``i``
-            (:class:`PageLayout`).
-        k, v: views ``[pages, layers, kv_heads, page_size, head_dim]``, ``uint8`` (the bytes of FP8)
-            or the model dtype ("auto").
-        k_scale, v_scale: float32 views ``[pages, layers, kv_heads, page_size]``, ``None`` under "auto".
+        raw: uint8 ``[groups, pages, plane_bytes]``: host page ``i`` of the chunk is row ``i`` of
+            every plane (:class:`PageLayout`).
+        planes: per group, its views in :meth:`PagePool.buffers` order (``None`` ones left out):
+            K/V ``[pages, layers_per_group, kv_heads, page_size, head_dim]``, ``uint8`` (the bytes of
+            FP8) or the model dtype ("auto"); scales float32 ``[pages, layers_per_group, kv_heads,
+            page_size]`` (none under "auto").
     """
 
     raw: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None
-    v_scale: torch.Tensor | None
+    planes: tuple[tuple[torch.Tensor, ...], ...]
 
-    def buffers(self) -> tuple[torch.Tensor, ...]:
-        """The chunk's views in :meth:`PagePool.buffers` order, ``None`` ones left out."""
-        return tuple(b for b in (self.k, self.v, self.k_scale, self.v_scale) if b is not None)
+    def buffer(self, i: int) -> torch.Tensor:
+        """Buffer ``i`` (:meth:`PagePool.buffers` order, ``None`` ones left out) over every layer,
+        ``[pages, layers, ...]``: a view with one group, else a copy (for checks and debugging; the
+        copies between tiers go plane by plane)."""
+        parts = [views[i] for views in self.planes]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     @property
     def nbytes(self) -> int:
@@ -144,15 +178,17 @@ class HostPool:
             one, at most ``num_pages``.
         prefetch: allocate one chunk ahead of need on a background thread (see the module
             docstring); default: when ``pin``.
+        groups: layer groups of a host page (planes of a chunk, see the module docstring);
+            default :func:`layer_groups` of the pool's layers.
 
     Raises:
-        ValueError: ``num_pages < 0`` or ``chunk_pages < 1``.
+        ValueError: ``num_pages < 0``, ``chunk_pages < 1``, or ``groups`` not dividing the layers.
         RuntimeError: (from :meth:`allocate`, when a chunk is first allocated) ``pin`` without a
             CUDA driver.
     """
 
     def __init__(self, pool: PagePool, num_pages: int, *, pin: bool | None = None, chunk_pages: int | None = None,
-                 prefetch: bool | None = None):
+                 prefetch: bool | None = None, groups: int | None = None):
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         if chunk_pages is not None and chunk_pages < 1:
@@ -160,10 +196,9 @@ class HostPool:
         self.num_pages = num_pages
         self.page_bytes = pool.page_bytes
         self.num_layers = pool.num_layers
-        self.layout = PageLayout.of(pool)
+        self.layout = PageLayout.of(pool, layer_groups(pool.num_layers) if groups is None else groups)
         self.pin = pool.buffers()[0].device.type == "cuda" if pin is None else pin
         self.chunk_pages = chunk_pages or max(1, min(num_pages, CHUNK_BYTES // self.page_bytes))
-        self._scaled = pool.buffers()[2] is not None
         self._chunks: list[HostChunk | None] = [None] * (-(-num_pages // self.chunk_pages))
         self._used = bytearray(num_pages)
         # free host pages as sorted disjoint [start, stop) ranges: allocation takes the lowest range
@@ -279,7 +314,7 @@ class HostPool:
 
     def runs(self, host_pages: list[int] | tuple[int, ...]) -> list[Run]:
         """``host_pages`` (in the order given) cut into runs of consecutive ids inside one chunk:
-        a copy between them and a contiguous block of pages is one ``copy_`` per run and buffer.
+        a copy between them and a contiguous block of pages is one ``copy_`` per run and layer group.
         ``[5, 6, 7, 2]`` with 4 pages a chunk gives ``[Run(1, 1, 4, 0), Run(0, 2, 3, 3)]``.
 
         Ids are checked against the range only, not against this pool's bookkeeping: a
@@ -378,12 +413,9 @@ class HostPool:
     def _new_chunk(self, c: int) -> HostChunk:
         """Allocate chunk ``c``'s memory and views (no shared state: runs on either thread)."""
         n = min(self.chunk_pages, self.num_pages - c * self.chunk_pages)
-        raw = _pinned_empty((n, self.layout.row_bytes)) if self.pin else torch.empty((n, self.layout.row_bytes),
-                                                                                     dtype=torch.uint8)
-        views = list(self.layout.views(raw))
-        if not self._scaled:
-            views += [None, None]
-        return HostChunk(raw, *views)
+        shape = (self.layout.groups, n, self.layout.plane_bytes)
+        raw = _pinned_empty(shape) if self.pin else torch.empty(shape, dtype=torch.uint8)
+        return HostChunk(raw, tuple(self.layout.views(plane) for plane in raw))
 
     def _take(self, start: int, stop: int) -> None:
         """Remove ``[start, stop)`` (inside one free range) from the free ranges."""
@@ -407,7 +439,7 @@ class HostPool:
         self._free_stops.insert(i, stop)
 
 
-def _pinned_empty(shape: tuple[int, int]) -> torch.Tensor:
+def _pinned_empty(shape: tuple[int, ...]) -> torch.Tensor:
     """A uint8 host tensor of ``shape``, page-locked and registered with CUDA
     (``cudaHostRegister``), its pages faulted in first (see the module docstring for why not
     ``torch.empty(..., pin_memory=True)``). Released by :func:`_unpin` before it is freed.
@@ -445,7 +477,7 @@ def _pinned_empty(shape: tuple[int, int]) -> torch.Tensor:
     return raw[:nbytes].view(shape)
 
 
-def _host_alloc(shape: tuple[int, int]) -> torch.Tensor:
+def _host_alloc(shape: tuple[int, ...]) -> torch.Tensor:
     """Pinned memory from torch's allocator (``cudaHostAlloc``): the fallback of
     :func:`_pinned_empty`. Raises: RuntimeError: no CUDA driver, or the host refused."""
     return torch.empty(shape, dtype=torch.uint8, pin_memory=True)

@@ -6,22 +6,30 @@ which pages) and hands them to :class:`KVTransfers`, which runs them and reports
 (:class:`TransferDone`) in submit order.
 
 On CUDA the copies run on one dedicated copy stream, beside the compute stream, through one GPU
-staging buffer laid out as host pages (:class:`~.host_pool.PageLayout`): the pool is layer-major
+staging buffer laid out as host planes (:class:`~.host_pool.PageLayout`): the pool is layer-major
 and a page's rows are scattered over it, so they are first gathered (page-major,
 :meth:`PagePool.rows`) into staging, and only then moved over PCIe as one contiguous copy per run
-of host pages (:meth:`HostPool.runs`); a restore is the same backwards. A transfer larger than the
-staging buffer goes in rounds; the copy stream's order makes reusing staging safe. Nothing in
-:meth:`KVTransfers.submit` waits for the GPU. On the CPU the copies run at once, straight between
-the pool and the host chunks.
+of host pages and layer group (:meth:`HostPool.runs`); a restore is the same backwards. A copy goes
+layer group by layer group, each group in rounds of what the staging buffer holds; the copy
+stream's order makes reusing staging safe. Nothing in :meth:`KVTransfers.submit` waits for the GPU.
+On the CPU the copies run at once, straight between the pool and the host chunks.
+
+A restore the step being planned reads (a host hit's first prefill chunk rides the plan that orders
+its restore) records :class:`LayerGates` as each layer group lands, and the forward waits for group
+``g``'s gate just before its first layer of that group (:meth:`LayerGates.wait`, captured in the
+decode graphs as an external event wait): the first layers run while the later groups are still on
+the bus, instead of the whole forward waiting for the whole copy (2.3-2.5 ms for an 8-photo prefix
+at the 8B shape; docs/PERFORMANCE.md, host tier, v9).
 
 Every copy moves bits: each buffer's rows are viewed as integer words (int64 wherever the row
 sizes and offsets allow), so FP8 bytes, NaN payloads and bf16 values come back exactly as they
 left, and the per-element gather/scatter kernels do an eighth of the work of a byte view.
 
-Measured on one H200 (``benchmarks/bench_host_copy.py``, ``docs/gpu/host_copy_*_v1.json``): a
-103-page FP8 prefix of the 8B shape (125 MB) offloads and restores at 0.82-0.87x of a plain pinned
-copy of the same bytes (~55 GB/s) with the default 64 MiB staging, 0.79-0.83x with 16 MiB; bf16
-pages 0.88-0.91x. The gather and the PCIe copy do not overlap (one stream): most of the rest.
+Measured on one H200 (``benchmarks/bench_host_copy.py``, ``docs/gpu/host_copy_*_v1.json``, before
+layer groups): a 103-page FP8 prefix of the 8B shape (125 MB) offloads and restores at 0.82-0.87x of
+a plain pinned copy of the same bytes (~55 GB/s) with the default 64 MiB staging, 0.79-0.83x with
+16 MiB; bf16 pages 0.88-0.91x. The gather and the PCIe copy do not overlap (one stream): most of
+the rest.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .host_pool import HostPool
-from .kv_pool import PagePool
+from .kv_pool import PageCopy, PagePool
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -102,6 +110,84 @@ class TransferDone:
     error: str | None = None
 
 
+def fold_page_copies(orders: list) -> list:
+    """``orders`` with each copy-on-write :class:`~.kv_pool.PageCopy` of a page a :class:`Restore`
+    of the same list writes folded into that restore: the restore also copies the page's host page
+    to the copy's destination (same bits as copying the restored page). A host hit whose prefix ends
+    inside a page forks that page for its question; as a page copy on the compute stream it would
+    read every layer of the restored page before the forward starts, and so wait for the whole
+    restore, where the folded copy lands with each layer group (:class:`LayerGates`).
+
+    Only a copy that follows its restore with nothing but restores and page copies in between is
+    folded (nothing else can have written the page since). The list is not changed; the restore's
+    ``xfer`` is kept. Returns a new list."""
+    out: list = []
+    restored: dict[int, int] = {}  # GPU page -> index in out of the restore writing it
+    for order in orders:
+        if isinstance(order, Restore):
+            restored.update((p, len(out)) for p in order.pages)
+        elif isinstance(order, PageCopy) and order.src in restored:
+            i = restored[order.src]
+            r = out[i]
+            host = r.host_pages[r.pages.index(order.src)]
+            out[i] = Restore(r.xfer, (*r.host_pages, host), (*r.pages, order.dst))
+            restored[order.dst] = i
+            continue
+        elif not isinstance(order, PageCopy):
+            restored.clear()
+        out.append(order)
+    return out
+
+
+class LayerGates:
+    """One CUDA event a layer group: the compute stream's gate on each group of a restore it reads.
+
+    :meth:`KVTransfers.submit` records group ``g``'s event on the copy stream once that group's
+    pages landed; the forward calls :meth:`wait` before each layer's attention, which waits for
+    the group's event before the group's first layer (an eager step queues the wait, a decode graph
+    holds it as an external event wait node captured once). When no restore is read, every event
+    stands recorded in the past and the waits cost nothing. The events are external
+    (``torch.cuda.Event(external=True)``): a capture holds the wait, not a copy of the dependency.
+
+    A gate is recorded again only once every forward queued before has passed its waits
+    (:meth:`reopen` blocks the host on :meth:`forward_queued`'s event, normally long done: steps
+    that sample synchronise): a replay still queued must never meet a record made after it.
+
+    Args:
+        num_layers: the decoder's layers.
+        groups: layer groups (they must divide ``num_layers``; the host pool's planes).
+        device: the CUDA device.
+    """
+
+    def __init__(self, num_layers: int, groups: int, device: torch.device):
+        if num_layers % groups:
+            raise ValueError(f"{groups} layer groups do not divide {num_layers} layers")
+        self.groups, self.per_group, self.device = groups, num_layers // groups, device
+        self.events = [torch.cuda.Event(external=True) for _ in range(groups)]
+        self._passed = torch.cuda.Event()
+        stream = torch.cuda.current_stream(device)
+        for event in self.events:
+            event.record(stream)
+        self._passed.record(stream)
+
+    def wait(self, layer: int) -> None:
+        """Make the current stream wait for ``layer``'s group, when ``layer`` is its first layer."""
+        if layer % self.per_group == 0:
+            torch.cuda.current_stream(self.device).wait_event(self.events[layer // self.per_group])
+
+    def reopen(self) -> None:
+        """Block the host until every forward queued so far passed its waits, before new records."""
+        self._passed.synchronize()
+
+    def record(self, group: int, stream: torch.cuda.Stream) -> None:
+        """Group ``group`` lands when ``stream``'s work queued so far has run."""
+        self.events[group].record(stream)
+
+    def forward_queued(self) -> None:
+        """A forward that waits on the gates was queued on the current stream (see :meth:`reopen`)."""
+        self._passed.record(torch.cuda.current_stream(self.device))
+
+
 @dataclass
 class _Pending:
     order: Transfer
@@ -135,7 +221,10 @@ class KVTransfers:
     Attributes:
         fault: test hook, called with each order before its copy starts; an exception it raises
             makes that transfer fail (reported, with ``error``, like any failure in :meth:`submit`).
-        staging_pages: pages one round moves (CUDA; 0 on the CPU).
+        staging_pages: pages one round moves (CUDA; 0 on the CPU): of one layer group, as copies go
+            group by group.
+        gates: the :class:`LayerGates` a restore read by the step being planned records (CUDA;
+            None on the CPU, where copies are done when :meth:`submit` returns).
     """
 
     def __init__(self, pool: PagePool, host: HostPool, *, staging_bytes: int = 64 << 20):
@@ -145,9 +234,10 @@ class KVTransfers:
         self.page_bytes = pool.page_bytes
         self.fault: Callable[[Transfer], None] | None = None
         bufs = [b for b in pool.buffers() if b is not None]
-        # per buffer, the word every view of it (pool rows, host and staging pages) is copied in
-        self._widths = [_word_width(b[0].numel() * b.element_size(), offset, host.layout.row_bytes)
-                        for b, (offset, _, _) in zip(bufs, host.layout.fields, strict=True)]
+        layout = host.layout
+        # per buffer, the word every view of it (pool rows, host and staging planes) is copied in
+        self._widths = [_word_width(b[0].numel() * b.element_size(), offset, layout.plane_bytes)
+                        for b, (offset, _, _) in zip(bufs, layout.fields, strict=True)]
         self._buffers = tuple(words(b, 1, w) for b, w in zip(bufs, self._widths, strict=True))  # [L * N, W]
         self.device = self._buffers[0].device
         self.cuda = self.device.type == "cuda"
@@ -155,16 +245,18 @@ class KVTransfers:
         self._by_xfer: dict[int, _Pending] = {}
         self._closed = False
         self.staging_pages = 0
+        self.gates: LayerGates | None = None
         if self.cuda:
-            # one GPU buffer laid out as host pages, so a run of host pages moves as one copy
-            self.staging_pages = max(1, staging_bytes // host.layout.row_bytes)
+            # one GPU buffer laid out as one host plane (a layer group's rows), reused group by group
+            self.staging_pages = max(1, staging_bytes // layout.plane_bytes)
             self._stream = torch.cuda.Stream(device=self.device)
-            self._staging_raw = torch.empty((self.staging_pages, host.layout.row_bytes), dtype=torch.uint8,
+            self._staging_raw = torch.empty((self.staging_pages, layout.plane_bytes), dtype=torch.uint8,
                                             device=self.device)
-            self._staging_views = self._page_words(host.layout.views(self._staging_raw))
+            self._staging_views = self._page_words(layout.views(self._staging_raw))
+            self.gates = LayerGates(pool.num_layers, layout.groups, self.device)
 
     # ------------------------------------------------------------------ the interface
-    def submit(self, order: Transfer, after: torch.cuda.Event | None = None) -> None:
+    def submit(self, order: Transfer, after: torch.cuda.Event | None = None, *, gated: bool = False) -> None:
         """Start ``order`` (on the CPU: run it to the end). Never raises: a failure (a bad order,
         the :attr:`fault` hook, a copy that raised) is reported by the next :meth:`poll` as a
         :class:`TransferDone` with ``error`` set. On CUDA the copy stream first waits for the work
@@ -172,7 +264,10 @@ class KVTransfers:
         ``after`` (an event recorded on the current stream) only for the work queued before that
         event: a restore into free pages started while a step's forward runs need not wait for
         the forward, which touches no free page (:meth:`ModelRunner.start_transfers
-        <engine.serving.runner.ModelRunner.start_transfers>`)."""
+        <engine.serving.runner.ModelRunner.start_transfers>`). With ``gated`` (a restore the next
+        forward reads) :attr:`gates` record each layer group's landing (after
+        :meth:`LayerGates.reopen`); that forward waits for them layer group by layer group instead
+        of calling :meth:`wait`."""
         kind = "offload" if isinstance(order, Offload) else "restore"
         entry = _Pending(order, kind)
         try:
@@ -181,7 +276,7 @@ class KVTransfers:
                 self.fault(order)
             if self.cuda:
                 if order.pages:  # an empty order queues nothing: done at once
-                    self._run_cuda(order, entry, after)
+                    self._run_cuda(order, entry, after, gated and isinstance(order, Restore))
             else:
                 t = time.perf_counter()
                 self._run_cpu(order)
@@ -270,19 +365,31 @@ class KVTransfers:
         restore = isinstance(order, Restore)
         for run in self.host.runs(order.host_pages):
             n = run.stop - run.start
-            rows = self.pool.rows(list(order.pages[run.index:run.index + n]))
-            for pool_buf, host_buf in zip(self._buffers, self._host_buffers(run.chunk), strict=True):
-                _move(pool_buf, rows, host_buf[run.start:run.stop], restore)
+            rows = self._group_rows(self.pool.rows(list(order.pages[run.index:run.index + n])), n)
+            for g, plane in enumerate(self.host.chunk(run.chunk).planes):
+                held = self._page_words(plane)
+                for pool_buf, host_buf in zip(self._buffers, held, strict=True):
+                    _move(pool_buf, rows[g], host_buf[run.start:run.stop], restore)
 
-    def _run_cuda(self, order: Transfer, entry: _Pending, after: torch.cuda.Event | None = None) -> None:
+    def _group_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """:meth:`PagePool.rows` of ``n`` pages (``[n * layers]``, page-major) as ``[groups, n *
+        layers_per_group]``: each group's rows, page-major, as its plane holds them."""
+        groups = self.host.layout.groups
+        return rows.view(n, groups, -1).transpose(0, 1).reshape(groups, -1)
+
+    def _run_cuda(self, order: Transfer, entry: _Pending, after: torch.cuda.Event | None = None,
+                  gated: bool = False) -> None:
         restore = isinstance(order, Restore)
         stream = self._stream
         entry.start = torch.cuda.Event(enable_timing=True)
         entry.end = torch.cuda.Event(enable_timing=True)
-        layers = self.pool.num_layers
+        n_all = len(order.pages)
+        per_group = self.host.layout.layers_per_group
         # the index rows go up from pinned memory: a pageable upload would make the host wait for
         # the copy stream, and so for the compute work it waits on (submit must not block)
-        rows_host = self.pool.rows(list(order.pages), device="cpu").pin_memory()
+        rows_host = self._group_rows(self.pool.rows(list(order.pages), device="cpu"), n_all).pin_memory()
+        if gated:
+            self.gates.reopen()
         with torch.cuda.device(self.device):
             if after is None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -292,37 +399,42 @@ class KVTransfers:
                 entry.start.record(stream)
                 rows_all = rows_host.to(self.device, non_blocking=True)
                 entry.keep = [rows_host, rows_all]  # alive until reported: the GPU reads them
-                for first in range(0, len(order.pages), self.staging_pages):
-                    n = min(self.staging_pages, len(order.pages) - first)
-                    rows = rows_all[first * layers:(first + n) * layers]
-                    staged = [v[:n] for v in self._staging_views]
-                    if not restore:  # gather the pages' rows into staging, page-major
-                        for pool_buf, stage in zip(self._buffers, staged, strict=True):
-                            _move(pool_buf, rows, stage, restore=False)
-                    for run in self.host.runs(order.host_pages[first:first + self.staging_pages]):
-                        held = self.host.chunk(run.chunk).raw[run.start:run.stop]
-                        stage = self._staging_raw[run.index:run.index + run.stop - run.start]
-                        if restore:
-                            stage.copy_(held, non_blocking=True)
-                        else:
-                            held.copy_(stage, non_blocking=True)
-                    if restore:
-                        for pool_buf, stage in zip(self._buffers, staged, strict=True):
-                            _move(pool_buf, rows, stage, restore=True)
+                for g in range(self.host.layout.groups):
+                    for first in range(0, n_all, self.staging_pages):
+                        self._round(order, g, first, rows_all[g], per_group, restore)
+                    if gated:
+                        self.gates.record(g, stream)
                 entry.end.record(stream)
 
-    def _host_buffers(self, chunk: int) -> list[torch.Tensor]:
-        """Chunk ``chunk``'s views as words ``[pages, layers, W]``, in the order of the pool's buffers."""
-        return self._page_words(self.host.chunk(chunk).buffers())
+    def _round(self, order: Transfer, group: int, first: int, rows_all: torch.Tensor, per_group: int,
+               restore: bool) -> None:
+        """Layer group ``group`` of the order's pages ``first ..`` (as many as staging holds), on
+        the copy stream: gather into staging and copy to the host (offload), or the reverse."""
+        n = min(self.staging_pages, len(order.pages) - first)
+        rows = rows_all[first * per_group:(first + n) * per_group]
+        staged = [v[:n] for v in self._staging_views]
+        if not restore:  # gather the pages' rows of this group into staging, page-major
+            for pool_buf, stage in zip(self._buffers, staged, strict=True):
+                _move(pool_buf, rows, stage, restore=False)
+        for run in self.host.runs(order.host_pages[first:first + n]):
+            held = self.host.chunk(run.chunk).raw[group, run.start:run.stop]
+            stage = self._staging_raw[run.index:run.index + run.stop - run.start]
+            if restore:
+                stage.copy_(held, non_blocking=True)
+            else:
+                held.copy_(stage, non_blocking=True)
+        if restore:
+            for pool_buf, stage in zip(self._buffers, staged, strict=True):
+                _move(pool_buf, rows, stage, restore=True)
 
     def _page_words(self, views) -> list[torch.Tensor]:
         return [words(v, 2, w) for v, w in zip(views, self._widths, strict=True)]
 
 
 def _move(pool_buf: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, restore: bool) -> None:
-    """Copy between the pool's merged rows ``rows`` (``[n * layers]``) of ``pool_buf`` (``[L * N, W]``)
-    and ``pages``, a page-major (strided) view ``[n, layers, W]`` of the same dtype: into the pool
-    when ``restore``."""
+    """Copy between the pool's merged rows ``rows`` (``[n * layers]``, one group's layers) of
+    ``pool_buf`` (``[L * N, W]``) and ``pages``, a page-major (strided) view ``[n, layers, W]`` of the
+    same dtype: into the pool when ``restore``."""
     flat = (pages.shape[0] * pages.shape[1], pages.shape[2])
     if restore:
         pool_buf.index_copy_(0, rows, pages.reshape(flat))

@@ -56,9 +56,10 @@ def graphs_supported(device: torch.device) -> bool:
     return kernels_on(device)
 
 
-def capture_step_graphs(model, pool, *, decode_rows: int, max_model_len: int, prefill: bool):
+def capture_step_graphs(model, pool, *, decode_rows: int, max_model_len: int, prefill: bool, gates=None):
     """Capture the decode graphs (``decode_rows`` rows at most, block tables for ``max_model_len``
-    tokens) and, with ``prefill``, the prefill graphs of ``model`` over ``pool``, now (seconds).
+    tokens, waiting on the host tier's layer ``gates`` if any) and, with ``prefill``, the prefill
+    graphs of ``model`` over ``pool`` (cold prompts: they read no restored page), now (seconds).
 
     Returns:
         ``(DecodeGraphs, PrefillGraphs or None)``.
@@ -67,7 +68,7 @@ def capture_step_graphs(model, pool, *, decode_rows: int, max_model_len: int, pr
     from .prefill import PrefillGraphs
 
     decode = DecodeGraphs(model, pool, decode_rows, max_pages_per_seq=pool.pages_for(max_model_len),
-                          max_seq_len=max_model_len)
+                          max_seq_len=max_model_len, gates=gates)
     decode.capture()
     prefill_graphs = None
     if prefill:

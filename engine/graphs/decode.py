@@ -26,12 +26,15 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 class _GraphDecodeStep:
     """Attention context of a captured decode step: Triton store + the bucket's decode plan (kernel,
-    settings and split fixed at capture)."""
+    settings and split fixed at capture), after the layer group's gate (captured as an external
+    event wait) when there is a host tier."""
 
-    def __init__(self, pool: PagePool, meta: AttentionMetadata, plan: DecodePlan):
-        self.pool, self.meta, self.plan = pool, meta, plan
+    def __init__(self, pool: PagePool, meta: AttentionMetadata, plan: DecodePlan, gates=None):
+        self.pool, self.meta, self.plan, self.gates = pool, meta, plan, gates
 
     def attend(self, layer, q, k, v):
+        if self.gates is not None:
+            self.gates.wait(layer)
         cache = self.pool.layers[layer]
         store_kv(k, v, cache, self.meta.slot_mapping)
         return self.plan(q, cache, self.meta)
@@ -55,12 +58,15 @@ class DecodeGraphs:
         max_pages_per_seq: block-table width (the model length in pages).
         max_seq_len: the longest sequence: with the bucket's batch size it chooses each bucket's
             decode attention (:func:`ops.dispatch.decode_plan`: kernel, settings, context split).
+        gates: the host tier's :class:`~engine.cache.kv_transfer.LayerGates`, whose waits every
+            graph holds (a host hit's first chunk replays a graph while its restore lands), or None.
     """
 
     IDS, POS, SLOTS, LENS = 0, slice(1, 4), 4, 5  # rows of the packed input block
 
-    def __init__(self, model: Qwen3VL, pool: PagePool, max_batch: int, max_pages_per_seq: int, max_seq_len: int):
-        self.model, self.pool = model, pool
+    def __init__(self, model: Qwen3VL, pool: PagePool, max_batch: int, max_pages_per_seq: int, max_seq_len: int,
+                 gates=None):
+        self.model, self.pool, self.gates = model, pool, gates
         dev = model.device
         self.buckets = sorted({b for b in DEFAULT_BUCKETS if b < max_batch} | {max_batch})
         top = self.buckets[-1]
@@ -96,7 +102,7 @@ class DecodeGraphs:
                 self.inputs[self.SLOTS, :b], self.qsl[: b + 1], self.inputs[self.LENS, :b], self.tables[:b],
                 1, self.max_seq_len,
             )
-            logits = self.model(ids[:b], positions[:, :b], _GraphDecodeStep(self.pool, meta, self.plans[b]))
+            logits = self.model(ids[:b], positions[:, :b], _GraphDecodeStep(self.pool, meta, self.plans[b], self.gates))
             return logits, logits.argmax(dim=-1)
 
         captured = capture_per_size(self.model.device, self.buckets, step)

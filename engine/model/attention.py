@@ -127,12 +127,16 @@ class PagedStep:
         pool: the :class:`~engine.cache.kv_pool.PagePool`.
         meta: metadata of the sequences attended through their pages (rows after ``fresh``'s), or None.
         fresh: metadata of the leading fresh sequences (``fresh.fresh`` True), or None.
+        gates: the host tier's :class:`~engine.cache.kv_transfer.LayerGates` (each layer waits for
+            its layer group of a restore landing before it touches the pool), or None.
     """
 
-    def __init__(self, pool, meta, fresh=None):
-        self.pool, self.meta, self.fresh = pool, meta, fresh
+    def __init__(self, pool, meta, fresh=None, gates=None):
+        self.pool, self.meta, self.fresh, self.gates = pool, meta, fresh, gates
 
     def attend(self, layer, q, k, v):
+        if self.gates is not None:
+            self.gates.wait(layer)
         cache = self.pool.layers[layer]
         f = self.fresh.num_tokens if self.fresh is not None else 0
         parts = []

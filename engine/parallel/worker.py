@@ -87,7 +87,8 @@ def _start(model: Qwen3VL, init: tuple, device: torch.device) -> ModelRunner:
     transfers = KVTransfers(pool, HostPool(pool, host_pages)) if host_pages else None
     decode = prefill = None
     if graphs is not None:
-        decode, prefill = capture_step_graphs(model, pool, **graphs)
+        decode, prefill = capture_step_graphs(model, pool, **graphs,
+                                              gates=transfers.gates if transfers is not None else None)
     warm_up_kernels(pool.layers[0], model.language_model.layers[0].self_attn.heads, model.dtype)
     return ModelRunner(model, pool, None, decode, prefill, transfers=transfers)
 

@@ -109,6 +109,8 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.transfers = transfers  # copies between the pool and the host tier, or None without one
+        # each layer waits for its layer group of a restore this step reads (CUDA host tier only)
+        self.gates = transfers.gates if transfers is not None else None
         self.encode_vision = encode_vision
         self.scorer = scorer
         self.device = model.device
@@ -144,6 +146,8 @@ class ModelRunner:
         out.path = self.path_of(runs) if runs else "none"
         self._meanwhile_due = out.path if self.meanwhile is not None else None
         sampled = self._launch(plan, runs, features)
+        if self.gates is not None and runs:
+            self.gates.forward_queued()
         self._run_meanwhile()  # a step that samples nothing ran it nowhere yet
         for req_id, token in sampled:
             out.sampled[req_id] = token
@@ -174,10 +178,15 @@ class ModelRunner:
         awaited = set(plan.transfers_awaited)
         if awaited:
             self.transfers.wait(awaited)  # ordered by an earlier plan, not seen landing yet
-        for order in plan.kv_orders:
+        orders = plan.kv_orders
+        for i, order in enumerate(orders):
             if isinstance(order, (Offload, Restore)):
-                self.transfers.submit(order)
-                if order.xfer in awaited:  # read by this step (a page copy of it may come next)
+                read = order.xfer in awaited  # by this step's forward
+                # the forward waits layer group by layer group; a data move after the restore may
+                # read its pages whole, so then the stream waits for all of it first
+                gated = read and self.gates is not None and not _moves_after(orders, i)
+                self.transfers.submit(order, gated=gated)
+                if read and not gated:
                     self.transfers.wait((order.xfer,))
             else:
                 self.pool.apply(order)
@@ -271,8 +280,8 @@ class ModelRunner:
         if inputs.visual is not None:
             rows, feats = inputs.visual
             visual = VisualInjection(rows.to(dev), feats.embeds, feats.deepstack)
-        args = (torch.tensor(inputs.ids, device=dev), inputs.positions.to(dev), PagedStep(self.pool, cached, fresh),
-                visual)
+        args = (torch.tensor(inputs.ids, device=dev), inputs.positions.to(dev),
+                PagedStep(self.pool, cached, fresh, self.gates), visual)
         if not head:
             with torch.inference_mode():
                 return self.model.language_model(*args)
@@ -390,3 +399,8 @@ class ModelRunner:
         rows, features = span_features(self._seqs[run.req_id].info.spans, self.features[run.req_id],
                                        run.start, run.end, self.device)
         return None if features is None else (rows, features)
+
+
+def _moves_after(orders: list, i: int) -> bool:
+    """Whether a pool data move (not a tier copy) follows ``orders[i]``."""
+    return any(not isinstance(o, (Offload, Restore)) for o in orders[i + 1:])

@@ -66,7 +66,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..cache.kv_pool import PagePool
-from ..cache.kv_transfer import Restore
+from ..cache.kv_transfer import Restore, fold_page_copies
 from ..cache.prefix_reuse import PrefixReuse
 from ..errors import EngineOverloadedError, PrismError
 from .plan import NewRequest, ScheduledRun, StepOutput, StepPlan
@@ -328,7 +328,9 @@ class Scheduler:
                 plan.scores.append(req.id)
             if req.awaits is not None:
                 plan.transfers_awaited.append(req.awaits)
-        plan.kv_orders = self.pool.take_orders()  # last: admission and growth above may add some
+        # last: admission and growth above may add some; a host hit's fork of its prefix's last page
+        # rides its restore, so that the forward need not wait for the whole restore to fork it
+        plan.kv_orders = fold_page_copies(self.pool.take_orders())
         if self.reuse is not None:
             plan.transfers_landed = self.reuse.cache.take_landed()
             plan.in_flight = bool(self.reuse.cache.in_flight)

@@ -418,8 +418,8 @@ MUTANTS: list[Mutant] = [
         "the step plan carries the pool's data moves in reverse: a copy-on-write copy of a page runs before "
         "the compaction move that fills it",
         "engine/serving/scheduler.py",
-        "plan.kv_orders = self.pool.take_orders()",
-        "plan.kv_orders = self.pool.take_orders()[::-1]",
+        "plan.kv_orders = fold_page_copies(self.pool.take_orders())",
+        "plan.kv_orders = fold_page_copies(self.pool.take_orders()[::-1])",
         ("tests/test_scheduler_core.py::test_compaction_orders_the_kept_slots_before_the_next_copy_on_write",),
     ),
     Mutant(
@@ -659,9 +659,44 @@ MUTANTS: list[Mutant] = [
         "the runner starts a restore its runs read but does not wait for it before the next order (a "
         "copy-on-write of a restored page copies stale data)",
         "engine/serving/runner.py",
-        "                if order.xfer in awaited:  # read by this step",
-        "                if False:  # read by this step",
+        "                if read and not gated:",
+        "                if False:",
         (HOST + "test_the_runner_orders_a_read_restore_before_everything_after_it",),
+    ),
+    Mutant(
+        "gated-restore-before-a-move",
+        "a restore its runs read is started gated (the forward waits layer group by layer group) although a "
+        "data move after it reads its pages whole: that copy-on-write copies pages still on the bus",
+        "engine/serving/runner.py",
+        "gated = read and self.gates is not None and not _moves_after(orders, i)",
+        "gated = read and self.gates is not None",
+        (HOST + "test_the_runner_orders_a_read_restore_before_everything_after_it",),
+    ),
+    Mutant(
+        "fork-folded-from-the-wrong-host-page",
+        "a copy-on-write folded into its restore copies the restore's first host page, not the forked one's",
+        "engine/cache/kv_transfer.py",
+        "host = r.host_pages[r.pages.index(order.src)]",
+        "host = r.host_pages[0]",
+        (HOST + "test_a_fork_of_a_restored_page_rides_the_restore",
+         HOST + "test_a_session_pushed_to_the_host_comes_back_dense_and_exact"),
+    ),
+    Mutant(
+        "fork-folded-across-a-move",
+        "a copy-on-write is folded into a restore although a data move between them may have written the page",
+        "engine/cache/kv_transfer.py",
+        "            restored.clear()",
+        "            pass",
+        (HOST + "test_a_fork_of_a_restored_page_rides_the_restore",),
+    ),
+    Mutant(
+        "host-planes-mix-layer-groups",
+        "the rows of a transfer are cut into layer groups without the page-major reorder: each host plane "
+        "receives other groups' layers",
+        "engine/cache/kv_transfer.py",
+        "return rows.view(n, groups, -1).transpose(0, 1).reshape(groups, -1)",
+        "return rows.view(groups, -1)",
+        ("tests/test_host_tier_data.py::test_host_pages_hold_the_pages_page_major",),
     ),
     Mutant(
         "failed-restore-delivers-a-token",
