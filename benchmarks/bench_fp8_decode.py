@@ -153,17 +153,23 @@ def setup(batch: int, ctx: int, seed: int = 0):
 _KERNELS = {"mma": fp8_decode._fp8_mma_decode_kernel, "kam": fp8_decode_kam._fp8_kam_decode_kernel}
 
 
-def compiled_ptx(family: str) -> dict[int, str]:
-    """PTX of every compiled kernel of ``family`` (``"mma"`` / ``"kam"``), by object id (Triton
-    internals: {} if they moved)."""
+def compiled_kernels(family: str) -> dict[int, object]:
+    """Every compiled kernel of ``family`` (``"mma"`` / ``"kam"``) in this process, Triton's
+    ``CompiledKernel`` objects by object id (Triton internals: {} if they moved, or under the
+    interpreter)."""
     out = {}
     try:
         for entry in _KERNELS[family].device_caches.values():
             for kernel in entry[0].values():
-                out[id(kernel)] = kernel.asm.get("ptx", "")
+                out[id(kernel)] = kernel
     except Exception:  # noqa: BLE001 - only a report
         return {}
     return out
+
+
+def compiled_ptx(family: str) -> dict[int, str]:
+    """PTX of every compiled kernel of ``family``, by object id (see :func:`compiled_kernels`)."""
+    return {k: kernel.asm.get("ptx", "") for k, kernel in compiled_kernels(family).items()}
 
 
 def instructions(ptx: str) -> dict:

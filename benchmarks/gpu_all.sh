@@ -17,7 +17,11 @@
 # replaces its arguments but --out; default 2,500 held-out samples with the blind control and 500 of the transfer split, every selector x keep ratio), selectors
 # (benchmarks/bench_selectors.py: each selector's miss / hit TTFT at the 8B shape beside uniform's), http (benchmarks/bench_http.py at the 8B shape, in_process and process),
 # warm (benchmarks/bench_warm.py at the 8B shape through /v1; WARM_ARGS replaces its arguments but --out). fp8decode
-# (benchmarks/bench_fp8_decode.py: every FP8 decode variant at five batch x context points; FP8_ARGS adds arguments). HOST_COPY=0
+# (benchmarks/bench_fp8_decode.py: every FP8 decode variant at five batch x context points; FP8_ARGS adds arguments), kamdebug
+# (issue 36: benchmarks/debug_kam.py --sanitize, kam_p8's illegal address at 32x4k, one launch per process: p8 and its
+# kam_p16 control, p8 under compute-sanitizer memcheck where the machine has one (else under TRITON_DEBUG=1), then the
+# block_n 128 / 32, PV-on-mma.sync, CUDA-graph and no-PDL cases; under 2 minutes; KAM_ARGS adds arguments, e.g.
+# --setting num_stages=1,waves=2; kam_debug.txt, and each case's TTGIR / PTX / SASS in kam_debug.tgz). HOST_COPY=0
 # leaves bench_host_copy.py out of hosttier. Web steps (http, warm) need the web wheels (bench_http.py lists them; with
 # fastapi >= 0.16x also opentelemetry-api, importlib-metadata, zipp), carried in .whl_web in calls of their own.
 # STEPS=install installs the carried wheels only (with no STEPS the default kernels, smoke and bench run: minutes).
@@ -69,6 +73,11 @@ for step in ${STEPS:-kernels smoke bench}; do
              | grep -v Warning | tail -40 | tee "$OUT/fp8_decode.txt"
            [ -d "$OUT/fp8_decode.rows" ] && tar -czf "$OUT/fp8_decode_rows.tgz" -C "$OUT" fp8_decode.rows \
              && rm -rf "$OUT/fp8_decode.rows" ;;
+    # issue 36: why kam_p8 faults (benchmarks/debug_kam.py: each case in a process of its own, < 2 minutes)
+    kamdebug) timeout ${KAM_TIMEOUT:-115} python3 benchmarks/debug_kam.py --sanitize --dump "$OUT/kam_debug" ${KAM_ARGS:-} \
+             > "$OUT/kam_debug.txt" 2>&1
+           grep -v Warning "$OUT/kam_debug.txt" | tail -60
+           [ -d "$OUT/kam_debug" ] && tar -czf "$OUT/kam_debug.tgz" -C "$OUT" kam_debug && rm -rf "$OUT/kam_debug" ;;
     smoke) timeout 300 python3 benchmarks/gpu_smoke.py 2>&1 | grep -v Warning | tail -30 | tee "$OUT/smoke.txt" ;;
     workingset) timeout 560 python3 benchmarks/bench_working_set.py --shape 8b --device cuda \
              ${WS_ARGS:---worksets pressure --requests 200 --time-budget-s 470 \

@@ -666,3 +666,103 @@ def test_bench_closes_settings_a_dead_worker_left_running():
                        "row": {"block_n": 128, "splits": 2, "error": "worker died (exit -11)", "cuda_error": True}}]
     rows = bench.variant_rows(records + closed, "kam_p8")
     assert set(rows) == {"a", "b"} and bench.fastest(rows) == "a"
+
+
+def test_keys_as_m_kernel_touches_only_its_tensors(monkeypatch):
+    """Every pointer the keys-as-M kernel loads or stores with its mask on lies inside one of its
+    tensor arguments (the interpreter's loads and stores, wrapped; an address outside would segfault
+    or read a neighbour on the CPU, fault on the GPU): both PV types, 64- and 128-key blocks, PV both
+    ways, several chunks, partial last pages, head_dim 128 as the 8B shape. The H200's kam_p8
+    illegal address (docs/PERFORMANCE.md) has the same loads and stores as kam_p16 in the source."""
+    if not tk.fp8_decode._interpreting():
+        pytest.skip("checks the interpreter's memory accesses")
+    import numpy as np
+    from triton.runtime import interpreter
+
+    launcher = next((c for c in vars(interpreter).values() if isinstance(c, type) and "_init_args_hst" in vars(c)),
+                    None)
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if launcher is None or builder is None or not hasattr(builder, "create_masked_load"):
+        pytest.skip("Triton's interpreter internals moved")
+    extents, outside = [], []
+    init_args = launcher._init_args_hst
+
+    def init_hst(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        extents.clear()
+        for a in [*args_hst, *kwargs_hst.values()]:
+            if isinstance(a, torch.Tensor):  # the tensor's own extent, not its storage's
+                span = 1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride(), strict=True))
+                extents.append((a.data_ptr(), a.data_ptr() + span * a.element_size()))
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, what):
+        p = ptrs.data.astype(np.uint64)
+        size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+        active = p[np.broadcast_to(mask.data, p.shape)]
+        inside = np.zeros(active.shape, dtype=bool)
+        for lo, hi in extents:
+            inside |= (active >= lo) & (active + size <= hi)
+        if not inside.all():  # before the access: on the CPU it would crash the process
+            outside.append(what)
+            raise IndexError(f"{what}: {int((~inside).sum())} pointers outside every tensor argument")
+
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def checked_load(self, ptrs, mask, other, *a):
+        check(ptrs, mask, "load")
+        return load(self, ptrs, mask, other, *a)
+
+    def checked_store(self, ptrs, value, mask, *a):
+        check(ptrs, mask, "store")
+        return store(self, ptrs, value, mask, *a)
+
+    monkeypatch.setattr(launcher, "_init_args_hst", init_hst)
+    monkeypatch.setattr(builder, "create_masked_load", checked_load)
+    monkeypatch.setattr(builder, "create_masked_store", checked_store)
+    q, fp8, _, meta = _layout([1, 77, 200], hkv=2, group=4, d=128, seed=11, device=DEVICE)
+    for p_fp8 in (True, False):
+        for block_n, splits, pv_t in ((64, 3, True), (128, 2, True), (64, 2, False)):
+            got = tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=splits, p_fp8=p_fp8, block_n=block_n,
+                                                    pv_t=pv_t)
+            want = ref.paged_decode_attention_fp8_mma(q, fp8, meta, p_fp8=p_fp8, num_splits=splits, block_n=block_n)
+            torch.testing.assert_close(got, want, **KERNEL_TOL)
+    assert not outside and extents  # the wrapper saw the launches
+    # the check itself: a block table entry past the pool is caught before the read
+    meta.block_tables[1, 0] = fp8.k_cache.shape[0] + 10
+    with pytest.raises(Exception, match="outside every tensor argument"):
+        tk.paged_decode_attention_fp8_kam(q, fp8, meta, num_splits=2, p_fp8=True, block_n=64)
+
+
+def test_debug_kam_runs_each_case_in_its_own_process(tmp_path):
+    """benchmarks/debug_kam.py on the CPU (the bench's smoke mode): kam_p8 made to fail as on the
+    H200 (``PRISM_BENCH_CRASH``) costs only its own case, the kam_p16 control still runs and is
+    checked against the reference, ``--sanitize`` re-executes p8 under the sanitizer it finds (here a
+    stand-in that only prints report lines) and shows its report, and the JSON has every case."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text('#!/bin/sh\necho "========= FAKE-SANITIZER $1 $2"\n'
+                    'echo "========= ERROR SUMMARY: 1 error"\nexit 1\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PRISM_BENCH_SMOKE": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(root),
+           "PRISM_BENCH_CRASH": "kam_p8", "PRISM_COMPUTE_SANITIZER": str(fake)}
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "debug_kam.py"), "--point", "32x4k",
+                          "--cases", "p8,p16", "--sanitize", "--dump", str(tmp_path / "dump")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    text = run.stdout + run.stderr
+    assert run.returncode == 0, text[-3000:]
+    assert "[p8] kam_p8" in text and "FAULT RuntimeError: Triton Error [CUDA]: an illegal memory access" in text
+    assert "[p16] kam_p16" in text and "sanity ok" in text
+    assert "========= FAKE-SANITIZER --tool memcheck" in text and "ERROR SUMMARY: 1 error" in text
+    result = json.loads((tmp_path / "dump" / "kam_debug.json").read_text())
+    assert result["cases"]["p8"]["ok"] is False and result["cases"]["p16"]["ok"] is True
+    assert result["cases"]["p16"]["sanity_ok"] and result["cases"]["p16"]["splits"] >= 1
+    assert result["sanitizer"]["tool"] == str(fake)
+    assert result["sanitizer"]["result"] is None  # the stand-in ran nothing
+    assert result["reading"].startswith("p8 faults")
