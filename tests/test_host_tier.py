@@ -541,7 +541,7 @@ def test_a_host_hit_arriving_during_a_step_starts_its_restore_before_the_next_pl
     """A question that arrives while a step runs has its restore started at once (it overlaps the
     rest of that step): no plan orders it, the next plan carries the question's first chunk with
     the copy already landed (on the CPU copies run at once), and the answer equals a cold run's."""
-    engine = small(tiny_engine_factory, pages=24)
+    engine = small(tiny_engine_factory, pages=24, cuda_graphs=False)  # the hook wraps the eager forward
     a = photos[0]
     engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
     _offloaded(engine, media_first_messages([a], QUESTIONS[0]), "a")
@@ -557,7 +557,10 @@ def test_a_host_hit_arriving_during_a_step_starts_its_restore_before_the_next_pl
     assert not any(isinstance(o, Restore) for p in plans for o in p.kv_orders)  # started between plans
     prefix_len = engine.prompts.build(messages).prefix_len
     (first,) = [p for p in plans for r in p.runs if r.start == prefix_len and r.num_tokens > 1]
-    assert not first.transfers_awaited  # landed before that plan
+    # landed before that plan on the CPU (copies run at once); on CUDA it may still be on the bus,
+    # and then that plan's forward waits for it
+    awaited = first.transfers_awaited
+    assert not awaited if engine.loop.runner.device.type == "cpu" else len(awaited) <= 1
     cold = small(tiny_engine_factory, pages=64, host_pages=0, prefix_cache=False)
     assert hit.token_ids == cold.generate(messages, SP).token_ids
 
@@ -571,7 +574,7 @@ def test_the_watch_during_a_step_ends_before_the_shortest_recent_step_of_its_kin
 
     assert watch_deadline(10.0, [0.018, 0.005, 0.006]) == pytest.approx(10.0 + WATCH_SHARE * 0.005)
     assert watch_deadline(10.0, ()) == 10.0  # a kind never seen: no watch
-    engine = small(tiny_engine_factory, pages=24)
+    engine = small(tiny_engine_factory, pages=24, cuda_graphs=False)  # eager steps on CUDA too
     engine.generate(media_first_messages([photos[0]], QUESTIONS[0]), SP, cache_salt="a")
     kinds = engine.loop._exec_s
     assert {("eager", True), ("eager", False)} <= set(kinds)  # prefill and decode steps apart
@@ -585,7 +588,7 @@ def test_an_early_restore_takes_free_pages_only_and_leaves_cancellations_to_the_
     or offload under a running forward); else it is admitted by the next plan, which makes room. A
     cancellation that arrives meanwhile is applied after the step (the step still writes the
     cancelled request's pages)."""
-    engine = small(tiny_engine_factory, pages=9)
+    engine = small(tiny_engine_factory, pages=9, cuda_graphs=False)  # the hook wraps the eager forward
     a = photos[0]
     engine.generate(media_first_messages([a], QUESTIONS[0]), SP, cache_salt="a")
     _offloaded(engine, media_first_messages([a], QUESTIONS[0]), "a")

@@ -250,6 +250,8 @@ class KVTransfers:
             # one GPU buffer laid out as one host plane (a layer group's rows), reused group by group
             self.staging_pages = max(1, staging_bytes // layout.plane_bytes)
             self._stream = torch.cuda.Stream(device=self.device)
+            # a restore's scatters into the pool: the forward that reads them waits for them
+            self._scatter = torch.cuda.Stream(device=self.device, priority=-8)
             self._staging_raw = torch.empty((self.staging_pages, layout.plane_bytes), dtype=torch.uint8,
                                             device=self.device)
             self._staging_views = self._page_words(layout.views(self._staging_raw))
@@ -294,6 +296,7 @@ class KVTransfers:
         if entry.end is None:
             return
         try:
+            self._stream.wait_stream(self._scatter)
             entry.end.record(self._stream)
         except Exception:  # noqa: BLE001 - nothing queued can be fenced; report it now
             entry.start = entry.end = entry.keep = None
@@ -329,6 +332,7 @@ class KVTransfers:
         """Block until every submitted transfer finished (they are still reported by :meth:`poll`)."""
         if self.cuda and not self._closed:
             self._stream.synchronize()
+            self._scatter.synchronize()
 
     def close(self) -> None:
         """Wait for every transfer, then free the staging buffer and the events; idempotent.
@@ -395,37 +399,64 @@ class KVTransfers:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             else:
                 stream.wait_event(after)
+            stream.wait_stream(self._scatter)  # staging is free of the last restore's scatters
             with torch.cuda.stream(stream):  # temporaries made here are freed in this stream's order
                 entry.start.record(stream)
                 rows_all = rows_host.to(self.device, non_blocking=True)
                 entry.keep = [rows_host, rows_all]  # alive until reported: the GPU reads them
+                if restore:
+                    self._restore_pipelined(order, rows_all, per_group, gated)
+                    entry.end.record(self._scatter)
+                    return
                 for g in range(self.host.layout.groups):
                     for first in range(0, n_all, self.staging_pages):
-                        self._round(order, g, first, rows_all[g], per_group, restore)
-                    if gated:
-                        self.gates.record(g, stream)
+                        self._round(order, g, first, rows_all[g], per_group)
                 entry.end.record(stream)
 
-    def _round(self, order: Transfer, group: int, first: int, rows_all: torch.Tensor, per_group: int,
-               restore: bool) -> None:
-        """Layer group ``group`` of the order's pages ``first ..`` (as many as staging holds), on
-        the copy stream: gather into staging and copy to the host (offload), or the reverse."""
+    def _restore_pipelined(self, order: Restore, rows_all: torch.Tensor, per_group: int, gated: bool) -> None:
+        """A restore as units (a layer group's pages, as many as half the staging holds): the copy
+        stream moves unit ``i`` over PCIe into staging slot ``i % 2`` while the scatter stream (high
+        priority, so its kernels get SMs between the forward's) scatters unit ``i - 1`` from the
+        other slot into the pool; a slot is refilled only after its last scatter. With ``gated``
+        each group's gate is recorded after its last scatter. On one stream the bus idled during
+        every scatter, and the scatters waited behind the forward's kernels (H200 v9: restores
+        3.0 ms p50 against 2.4 before groups)."""
+        slot = max(1, self.staging_pages // 2)
+        slots = self.staging_pages // slot
+        units = [(g, first) for g in range(self.host.layout.groups) for first in range(0, len(order.pages), slot)]
+        scattered: list[torch.cuda.Event] = []
+        for i, (g, first) in enumerate(units):
+            n = min(slot, len(order.pages) - first)
+            base = (i % slots) * slot
+            if i >= slots:
+                self._stream.wait_event(scattered[i - slots])
+            for run in self.host.runs(order.host_pages[first:first + n]):
+                held = self.host.chunk(run.chunk).raw[g, run.start:run.stop]
+                self._staging_raw[base + run.index:base + run.index + run.stop - run.start].copy_(
+                    held, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+            self._scatter.wait_event(copied)
+            rows = rows_all[g][first * per_group:(first + n) * per_group]
+            with torch.cuda.stream(self._scatter):
+                for pool_buf, stage in zip(self._buffers, self._staging_views, strict=True):
+                    _move(pool_buf, rows, stage[base:base + n], restore=True)
+                done = torch.cuda.Event()
+                done.record(self._scatter)
+                scattered.append(done)
+                if gated and (i + 1 == len(units) or units[i + 1][0] != g):
+                    self.gates.record(g, self._scatter)
+
+    def _round(self, order: Offload, group: int, first: int, rows_all: torch.Tensor, per_group: int) -> None:
+        """Layer group ``group`` of an offload's pages ``first ..`` (as many as staging holds), on
+        the copy stream: gather into staging, then copy to the host."""
         n = min(self.staging_pages, len(order.pages) - first)
         rows = rows_all[first * per_group:(first + n) * per_group]
-        staged = [v[:n] for v in self._staging_views]
-        if not restore:  # gather the pages' rows of this group into staging, page-major
-            for pool_buf, stage in zip(self._buffers, staged, strict=True):
-                _move(pool_buf, rows, stage, restore=False)
+        for pool_buf, stage in zip(self._buffers, self._staging_views, strict=True):
+            _move(pool_buf, rows, stage[:n], restore=False)
         for run in self.host.runs(order.host_pages[first:first + n]):
             held = self.host.chunk(run.chunk).raw[group, run.start:run.stop]
-            stage = self._staging_raw[run.index:run.index + run.stop - run.start]
-            if restore:
-                stage.copy_(held, non_blocking=True)
-            else:
-                held.copy_(stage, non_blocking=True)
-        if restore:
-            for pool_buf, stage in zip(self._buffers, staged, strict=True):
-                _move(pool_buf, rows, stage, restore=True)
+            held.copy_(self._staging_raw[run.index:run.index + run.stop - run.start], non_blocking=True)
 
     def _page_words(self, views) -> list[torch.Tensor]:
         return [words(v, 2, w) for v, w in zip(views, self._widths, strict=True)]

@@ -208,7 +208,8 @@ def paged_decode_attention_fp8_kam(
             :func:`kam_decode_splits`.
         p_fp8: PV with P in E4M3 against V's payload (True) or float16 against widened V (False).
         q_terms: Q in 1 or 2 E4M3 terms.
-        block_n, num_warps, num_stages: launch settings; None takes :data:`KAM_DECODE_CONFIG`'s.
+        block_n, num_warps, num_stages: launch settings; None takes :data:`KAM_DECODE_CONFIG`'s
+            (``block_n`` 128 for ``p_fp8`` with ``pv_t`` on CUDA: 64 is miscompiled there).
             ``block_n`` a power of two >= 32 (64 or more fills a ``wgmma`` tile).
         pv_t: PV as ``V^T P^T`` (True: head_dim as M) or ``P V`` (False: the group as M); None takes
             the config's.
@@ -220,12 +221,19 @@ def paged_decode_attention_fp8_kam(
 
     Raises:
         ValueError: pages not FP8, a head_dim or ``block_n`` the FP8 product cannot take, ``q_terms``
-            not 1 or 2, an unknown ``dequant``.
+            not 1 or 2, an unknown ``dequant``; ``p_fp8`` with ``pv_t`` at ``block_n`` 64 (miscompiled).
         RuntimeError: ``q``'s device has no FP8 matrix units
             (:func:`~ops.triton_kernels.fp8_decode.fp8_mma_supported`).
     """
     cfg = KAM_DECODE_CONFIG
-    block_n = block_n or cfg["block_n"]
+    pv_t = cfg["pv_t"] if pv_t is None else pv_t
+    broken = p_fp8 and pv_t and q.is_cuda  # at block_n 64 (the interpreter computes it right)
+    block_n = block_n or (128 if broken else cfg["block_n"])
+    if broken and block_n == 64:
+        # V^T P^T with both operands E4M3 in 64-byte-swizzled shared memory: Triton 3.6's wgmma of it
+        # returns NaN eagerly and faults (illegal address) in a CUDA graph on the H200, where block_n
+        # 128 (128-byte swizzle), 32, and P V are right (benchmarks/debug_kam.py, docs/gpu/kam_debug_v1.txt)
+        raise ValueError("kam_p8 with pv_t at block_n 64 is miscompiled (Triton 3.6, sm_90): use block_n 128")
     asm = _check_fp8_product(q, cache, block_n, q_terms, dequant)
     b, hq, d = q.shape
     hkv = cache.num_kv_heads
@@ -259,7 +267,7 @@ def paged_decode_attention_fp8_kam(
         BLOCK_N=block_n,
         P_FP8=p_fp8,
         Q_TERMS=q_terms,
-        PV_T=cfg["pv_t"] if pv_t is None else pv_t,
+        PV_T=pv_t,
         ASM=asm,
         EXACT=not q.is_cuda,  # the interpreter's FP8 cast (see fp8_decode._round_e4m3)
         num_warps=num_warps or cfg["num_warps"],
