@@ -321,6 +321,31 @@ def test_binding2_curriculum_is_valid_and_weights_shape_and_weak_types_up():
     assert sc.heldout(5)[0].uid == "heldout:0" and {s.qtype for s in sc.heldout(5)} == set(sc.QUESTION_TYPES)
 
 
+def test_place_curriculum_weights_position_up_and_leaves_the_heldout_split():
+    """``place``: stages in order from 0 over the training types only, one weight per type, the last
+    stage the held-out layout; position has a larger share than in ``binding`` (the committed
+    probe's last curriculum) at every stage and at least a third of each, every other type of a
+    stage keeps at least a tenth; the held-out split still goes by ``i % 5``."""
+    stages = sc.CURRICULA["place"]
+    starts = [start for _, start, _ in stages]
+    assert starts[0] == 0.0 and starts == sorted(starts) and len(set(starts)) == len(starts)
+    for _, _, dist in stages:
+        assert set(dist.types) <= set(sc.TRAINING_TYPES) and len(dist.type_weights) == len(dist.types)
+    last = stages[-1][2]
+    assert (last.min_images, last.max_images, last.max_shapes, last.max_count, last.word_prob, last.min_gap) == (
+        sc.EVAL.min_images, sc.EVAL.max_images, sc.EVAL.max_shapes, sc.EVAL.max_count, sc.EVAL.word_prob,
+        sc.EVAL.min_gap)
+
+    def share(dist, qtype):
+        return dict(zip(dist.types, dist.type_weights, strict=True)).get(qtype, 0) / sum(dist.type_weights)
+
+    for (_, _, new), (_, _, old) in zip(stages, sc.CURRICULA["binding"], strict=True):
+        assert share(new, "position") > max(1 / 3 - 1e-9, share(old, "position"))
+        assert all(share(new, t) >= 0.1 for t in ("colour", "count", "word") + (("which_image",)
+                                                                               if new.max_images > 1 else ()))
+    assert [s.qtype for s in sc.heldout(10)] == list(sc.QUESTION_TYPES) * 2
+
+
 def _token_pixels(values: torch.Tensor, token: int, rgb, config) -> int:
     """Pixels of colour ``rgb`` among the 4 processor patches merged into visual token ``token``
     (rows ``4 token .. 4 token + 3`` of ``pixel_values``, as the merger takes them)."""
@@ -533,24 +558,39 @@ def test_checkpoint_shards_transfer_and_load(tmp_path, toy_checkpoint):
 def test_aux_place_targets_are_each_tokens_cell_in_raster_order():
     """``--aux-place``: merged token ``t`` of an image of 8 x 8 cells is labelled ``(t // 8, t % 8)``,
     image after image (the order :func:`cell_labels` documents and the test above checks against
-    the pixels), and its loss adds the row and column cross-entropies to the cell loss."""
+    the pixels); its loss adds the mean of the row and column cross-entropies over every cell and
+    over the cells holding a shape to the cell loss, and reports that part and the column hits on
+    shape cells; the cell heads start from the same weights as without place targets (a
+    continuation finds its tower matched to them)."""
     from benchmarks.quality.train import AuxHeads
 
+    torch.manual_seed(3)
     heads = AuxHeads(16, 1, grid=(8, 8))
+    torch.manual_seed(3)
+    plain = AuxHeads(16, 1)
+    assert plain.places is None
+    for a, b in zip(heads.heads.parameters(), plain.heads.parameters(), strict=True):
+        assert torch.equal(a, b)
     place = heads.place_labels(128, "cpu")
     assert place[:64].tolist() == [[t // 8, t % 8] for t in range(64)] and torch.equal(place[64:], place[:64])
     with pytest.raises(ValueError, match="whole images"):
         heads.place_labels(100, "cpu")
     torch.manual_seed(0)
     tokens, labels = torch.randn(128, 16), torch.zeros(128, 3, dtype=torch.long)
-    plain = AuxHeads(16, 1)
-    with torch.no_grad():
-        plain.heads[0].weight.copy_(heads.heads[0].weight[:plain.heads[0].out_features])
-        plain.heads[0].bias.copy_(heads.heads[0].bias[:plain.heads[0].out_features])
-        heads.heads[0].weight[plain.heads[0].out_features:] = 0  # uniform place logits: log 8 each
-        heads.heads[0].bias[plain.heads[0].out_features:] = 0
-    with_place, without = heads.loss([tokens], labels)[0], plain.loss([tokens], labels)[0]
-    assert abs(float(with_place - without) - math.log(8)) < 1e-5
+    with torch.no_grad():  # loss values only
+        heads.places[0].weight.zero_()  # uniform place logits: log 8 for the row and for the column
+        heads.places[0].bias.zero_()
+        without = plain.loss([tokens], labels)
+        with_place = heads.loss([tokens], labels)
+        assert without.column_hits is None and float(without.place) == 0.0
+        assert abs(float(with_place.loss - without.loss) - math.log(8)) < 1e-5  # no shape cell: every cell only
+        assert abs(float(with_place.place) - math.log(8)) < 1e-5
+        labels[[3, 9, 70], 0], labels[[3, 9, 70], 1] = 1, 2  # three shape cells: their term adds log 8 again
+        with_place, without = heads.loss([tokens], labels), plain.loss([tokens], labels)
+        assert abs(float(with_place.loss - without.loss) - 2 * math.log(8)) < 1e-5
+        assert with_place.column_hits[1] == 3 and 0 <= with_place.column_hits[0] <= 3
+        heads.places[0].bias[8:] = 100 * torch.eye(8)[1]  # always column 1: of cells 3, 9 and 70 only 9 is there
+        assert heads.loss([tokens], labels).column_hits.tolist() == [1.0, 3.0]
 
 
 def test_toy_run_with_aux_loss_and_size_override_saves_a_plain_qwen3vl(tmp_path, tiny_ckpt, processor):
@@ -558,8 +598,8 @@ def test_toy_run_with_aux_loss_and_size_override_saves_a_plain_qwen3vl(tmp_path,
     wider vision tower: it trains a few steps (aux statistics in the history), saves a checkpoint
     whose config has the run's size and whose tensors are exactly the model's (no aux head), which
     Prism's engine and transformers both load and answer with; the transfer folder carries the
-    config, so joining it over a default-size skeleton gives the same folder; an oversized model
-    is refused before training."""
+    config, so joining it over a default-size skeleton gives the same folder; an oversized model,
+    and place targets without the aux loss, are refused before training."""
     import json
 
     from benchmarks.quality.train import parse_args, train
@@ -574,6 +614,8 @@ def test_toy_run_with_aux_loss_and_size_override_saves_a_plain_qwen3vl(tmp_path,
     assert metrics["steps"] == 3 and metrics["aux_weight"] == 0.5 and metrics["aux_levels"] == 2
     assert metrics["aux_place"] is True
     assert all(np.isfinite(h["aux_loss"]) and 0 <= h["aux_kind_accuracy"] <= 1 for h in metrics["history"])
+    assert all(0 < h["aux_place_loss"] < h["aux_loss"] and 0 <= h["aux_column_accuracy"] <= 1
+               for h in metrics["history"])
     assert metrics["vision_config"]["hidden_size"] == 48
     config = json.loads((out / "config.json").read_text())
     assert config["vision_config"]["hidden_size"] == 48 and config["vision_config"]["intermediate_size"] == 96
@@ -603,6 +645,9 @@ def test_toy_run_with_aux_loss_and_size_override_saves_a_plain_qwen3vl(tmp_path,
     with pytest.raises(SystemExit, match="refused"):
         train(parse_args(["--out", str(tmp_path / "big"), "--skeleton", str(tiny_ckpt), "--vision-width", "256",
                           "--vision-mlp", "1024", "--device", "cpu", "--workers", "0"]))
+    with pytest.raises(SystemExit, match="aux-weight"):  # place targets without the aux loss would be ignored
+        train(parse_args(["--out", str(tmp_path / "noaux"), "--toy", "--aux-place", "--device", "cpu",
+                          "--workers", "0"]))
 
 
 # --------------------------------------------------------------------------------------------

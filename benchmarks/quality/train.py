@@ -23,6 +23,9 @@ short fine-tune with ``--curriculum binding`` (docs/QUALITY.md gives the command
 head (:class:`AuxHeads`, training only, never saved) predicts for each merged token what its
 32 x 32-pixel cell shows (the kind and colour of its main shape, whether a word is there; see
 :func:`benchmarks.quality.data.cell_labels`), so the vision tower is told shape kinds directly.
+``--aux-place`` adds a second head that predicts each token's cell row and column (the
+position questions compare two shapes' columns, which the committed probe's visual tokens do
+not carry); ``--curriculum place`` is the continuation of the committed probe that goes with it.
 ``--vision-width`` and the other size options (:func:`benchmarks.quality.checkpoint.add_size_arguments`)
 change the model's size; the run refuses a model whose committed folder would exceed
 :data:`benchmarks.quality.checkpoint.PROBE_BUDGET_BYTES`, and the saved ``config.json`` is the
@@ -39,6 +42,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -100,16 +104,40 @@ def make_optimizer(model: ProbeVL, lr: float, weight_decay: float = 0.05) -> tor
                              lr=lr, betas=(0.9, 0.95), fused=fused)
 
 
+class AuxLoss(NamedTuple):
+    """What :meth:`AuxHeads.loss` computes.
+
+    Attributes:
+        loss: float32 scalar, the auxiliary loss (levels averaged).
+        kind_hits, colour_hits: float32 ``[2]`` ``(correct, cells)`` of the merger head on the
+            cells holding a shape.
+        place: float32 scalar, the place part of ``loss`` (row and column cross-entropies, levels
+            averaged; zero without a grid).
+        column_hits: float32 ``[2]`` ``(correct, cells)`` of the merger head's column on the cells
+            holding a shape (None without a grid).
+    """
+
+    loss: torch.Tensor
+    kind_hits: torch.Tensor
+    colour_hits: torch.Tensor
+    place: torch.Tensor
+    column_hits: torch.Tensor | None = None
+
+
 class AuxHeads(nn.Module):
     """Training-only linear heads on the visual tokens: per merged token, logits of the cell's
     shape kind, colour and word classes (:data:`benchmarks.quality.data.CELL_CLASSES`), one head
     for the merger output and one per DeepStack output when ``levels > 1``. Not part of the
     checkpoint (the saved model is :class:`ProbeVL` alone).
 
-    With ``grid = (rows, cols)`` (``--aux-place``) each head also predicts its token's cell row and
-    column in the image (every image has the same grid), so the visual tokens carry their place
-    linearly in their features, where the decoder's attention can read it off the tokens a
-    question selects (the position questions compare two shapes' columns).
+    With ``grid = (rows, cols)`` (``--aux-place``) a second head per level (:attr:`places`)
+    predicts each token's cell row and column in the image (every image has the same grid), so
+    the visual tokens carry their place linearly in their features, where the decoder's attention
+    can read it off the tokens a question selects (the position questions compare two shapes'
+    columns). The place heads are built after the cell heads, so under one seed the cell heads
+    start from the same weights with or without them: a continuation from a checkpoint trained
+    with aux heads under that seed (the committed probe: seed 0) finds its vision tower already
+    matched to them (aux loss ~0.1 at the first step instead of ~9).
 
     Args:
         width: the visual tokens' width (``vision_config.out_hidden_size``).
@@ -121,8 +149,8 @@ class AuxHeads(nn.Module):
     def __init__(self, width: int, levels: int = 1, grid: tuple[int, int] | None = None):
         super().__init__()
         self.grid = grid
-        out = sum(CELL_CLASSES) + (sum(grid) if grid is not None else 0)
-        self.heads = nn.ModuleList(nn.Linear(width, out) for _ in range(levels))
+        self.heads = nn.ModuleList(nn.Linear(width, sum(CELL_CLASSES)) for _ in range(levels))
+        self.places = nn.ModuleList(nn.Linear(width, sum(grid)) for _ in range(levels)) if grid is not None else None
 
     def place_labels(self, tokens: int, device) -> torch.Tensor:
         """int64 ``[tokens, 2]``: each merged token's ``(row, col)`` in its image (cells in raster
@@ -133,46 +161,54 @@ class AuxHeads(nn.Module):
         cell = torch.arange(tokens, device=device) % (rows * cols)
         return torch.stack([cell // cols, cell % cols], dim=1)
 
-    def loss(self, tokens: Sequence[torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                       torch.Tensor]:
+    def loss(self, tokens: Sequence[torch.Tensor], labels: torch.Tensor) -> AuxLoss:
         """The auxiliary loss over the levels' tokens, and the merger head's hits on cells holding a shape.
 
         Per level: cross-entropy of kind, colour and word averaged over every cell, plus that of
         kind and colour averaged over the cells holding a shape (most cells are empty; this keeps
-        the signal for shapes from being diluted), plus with :attr:`grid` that of the cell's row and
-        column averaged over every cell; the levels are averaged.
+        the signal for shapes from being diluted), plus with :attr:`grid` the mean of the row and
+        column cross-entropies, likewise averaged over every cell plus over the cells holding a
+        shape (a position question reads the place of shapes, and an empty cell's place is nearly
+        the vision tower's position embedding); the levels are averaged.
 
         Args:
             tokens: ``levels`` tensors ``[T, width]`` (the merger output, then DeepStack outputs).
             labels: int64 ``[T, 3]`` (:func:`benchmarks.quality.data.cell_labels`, flattened).
 
         Returns:
-            ``(loss, kind_hits, colour_hits)``: a float32 scalar, and float32 ``[2]`` each as
-            ``(correct, cells)`` counted over the cells holding a shape (merger head).
+            :class:`AuxLoss`.
+
+        Raises:
+            ValueError: with a grid, ``T`` is not a whole number of images.
         """
-        nk, nc, nw = CELL_CLASSES
+        nk, nc, _ = CELL_CLASSES
         place = self.place_labels(len(labels), labels.device) if self.grid is not None else None
         shape = (labels[:, 0] > 0).float()
         cells = shape.sum().clamp(min=1.0)
         total = torch.zeros((), device=labels.device)
-        kind_hits = colour_hits = None
+        place_total = torch.zeros((), device=labels.device)
+        kind_hits = colour_hits = column_hits = None
         for j, (head, x) in enumerate(zip(self.heads, tokens, strict=False)):
             logits = head(x).float()
-            kind, colour, word = logits[:, :nk], logits[:, nk:nk + nc], logits[:, nk + nc:nk + nc + nw]
+            kind, colour, word = logits[:, :nk], logits[:, nk:nk + nc], logits[:, nk + nc:]
             ce_kind = F.cross_entropy(kind, labels[:, 0], reduction="none")
             ce_colour = F.cross_entropy(colour, labels[:, 1], reduction="none")
             ce_word = F.cross_entropy(word, labels[:, 2], reduction="none")
             every_cell = (ce_kind + ce_colour + ce_word).mean() / 3
             total = total + every_cell + ((ce_kind + ce_colour) * shape).sum() / (2 * cells)
             if place is not None:
-                rows = self.grid[0]
-                at = nk + nc + nw
-                total = total + (F.cross_entropy(logits[:, at:at + rows], place[:, 0])
-                                 + F.cross_entropy(logits[:, at + rows:], place[:, 1])) / 2
+                where = self.places[j](x).float()
+                row, col = where[:, :self.grid[0]], where[:, self.grid[0]:]
+                ce_place = (F.cross_entropy(row, place[:, 0], reduction="none")
+                            + F.cross_entropy(col, place[:, 1], reduction="none")) / 2
+                place_total = place_total + ce_place.mean() + (ce_place * shape).sum() / cells
+                if j == 0:
+                    column_hits = torch.stack([((col.argmax(-1) == place[:, 1]).float() * shape).sum(), shape.sum()])
             if j == 0:
                 kind_hits = torch.stack([((kind.argmax(-1) == labels[:, 0]).float() * shape).sum(), shape.sum()])
                 colour_hits = torch.stack([((colour.argmax(-1) == labels[:, 1]).float() * shape).sum(), shape.sum()])
-        return total / len(self.heads), kind_hits, colour_hits
+        levels = len(self.heads)
+        return AuxLoss((total + place_total) / levels, kind_hits, colour_hits, place_total / levels, column_hits)
 
 
 @dataclass
@@ -185,6 +221,9 @@ class StepLosses:
         aux: float32 scalar auxiliary loss (None without aux heads).
         aux_kind, aux_colour: float32 ``[2]`` ``(correct, cells)`` of the merger head on cells
             holding a shape (None without aux heads).
+        aux_place: float32 scalar, the place part of ``aux`` (None without aux heads).
+        aux_column: float32 ``[2]`` ``(correct, cells)`` of the merger head's column on cells
+            holding a shape (None without place targets).
     """
 
     answer: torch.Tensor
@@ -192,6 +231,8 @@ class StepLosses:
     aux: torch.Tensor | None = None
     aux_kind: torch.Tensor | None = None
     aux_colour: torch.Tensor | None = None
+    aux_place: torch.Tensor | None = None
+    aux_column: torch.Tensor | None = None
 
 
 def batch_losses(model: ProbeVL, batch: Batch, processor_config, aux: AuxHeads | None = None) -> StepLosses:
@@ -205,7 +246,8 @@ def batch_losses(model: ProbeVL, batch: Batch, processor_config, aux: AuxHeads |
     out = StepLosses(F.cross_entropy(logits, batch.target_ids), logits.argmax(-1) == batch.target_ids)
     if aux is not None:
         labels = cell_labels(batch.scenes, batch.size).reshape(-1, 3)
-        out.aux, out.aux_kind, out.aux_colour = aux.loss([embeds, *deepstack][:len(aux.heads)], labels)
+        out.aux, out.aux_kind, out.aux_colour, out.aux_place, out.aux_column = aux.loss(
+            [embeds, *deepstack][:len(aux.heads)], labels)
     return out
 
 
@@ -294,6 +336,8 @@ def save(model: ProbeVL, out: pathlib.Path, skeleton: pathlib.Path | None, trans
 
 def train(args: argparse.Namespace) -> dict:
     """The training run of :func:`main`; returns the metrics it also writes."""
+    if (args.aux_place or args.aux_deepstack) and args.aux_weight <= 0:
+        raise SystemExit("--aux-place and --aux-deepstack add to the aux loss: give --aux-weight W > 0")
     device = torch.device(args.device)
     out = pathlib.Path(args.out)
     spec = ckpt.probe_spec(ckpt.overrides_from_args(args, ckpt.TOY_OVERRIDES if args.toy else None))
@@ -340,6 +384,8 @@ def train(args: argparse.Namespace) -> dict:
     aux_running = torch.zeros((), device=device)
     aux_kind = torch.zeros(2, device=device)
     aux_colour = torch.zeros(2, device=device)
+    aux_place = torch.zeros((), device=device)
+    aux_column = torch.zeros(2, device=device)
     correct = torch.zeros(len(TRAINING_TYPES), device=device)
     seen = torch.zeros(len(TRAINING_TYPES), device=device)
     step, samples_seen, start = 0, 0, time.monotonic()
@@ -370,6 +416,9 @@ def train(args: argparse.Namespace) -> dict:
             aux_running += losses.aux.detach()
             aux_kind += losses.aux_kind
             aux_colour += losses.aux_colour
+            aux_place += losses.aux_place.detach()
+            if losses.aux_column is not None:
+                aux_column += losses.aux_column
         # first-token accuracy per type, without a host sync (no boolean indexing)
         seen.index_add_(0, batch.target_types, batch.first_rows.to(seen.dtype))
         correct.index_add_(0, batch.target_types, (hits & batch.first_rows).to(seen.dtype))
@@ -383,9 +432,13 @@ def train(args: argparse.Namespace) -> dict:
                 entry.update({"aux_loss": round(float(aux_running) / args.log_every, 4),
                               "aux_kind_accuracy": round(float(aux_kind[0] / aux_kind[1].clamp(min=1)), 3),
                               "aux_colour_accuracy": round(float(aux_colour[0] / aux_colour[1].clamp(min=1)), 3)})
+                if aux.grid is not None:  # the place part of aux_loss, and the column on shape cells
+                    entry.update({"aux_place_loss": round(float(aux_place) / args.log_every, 4),
+                                  "aux_column_accuracy": round(float(aux_column[0] / aux_column[1].clamp(min=1)), 3)})
             history.append(entry)
             print(json.dumps(entry), flush=True)
-            running.zero_(), correct.zero_(), seen.zero_(), aux_running.zero_(), aux_kind.zero_(), aux_colour.zero_()
+            for t in (running, correct, seen, aux_running, aux_kind, aux_colour, aux_place, aux_column):
+                t.zero_()
         if args.ckpt_minutes and time.monotonic() - last_ckpt >= args.ckpt_minutes * 60:
             save(model, out, skeleton, transfer, spec)
             last_ckpt = time.monotonic()
@@ -439,8 +492,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curriculum", choices=sorted(CURRICULA), default="v1",
-                   help="v1 trained the committed model; binding adds kind-naming questions (docs/QUALITY.md); "
-                        "binding2 asks them more often and weights colour/which_image/position up")
+                   help="v1 trained the first probe; binding adds kind-naming questions (the committed probe's last "
+                        "stage; docs/QUALITY.md); "
+                        "binding2 asks them more often and weights colour/which_image/position up; place gives "
+                        "position 36-50%% of the samples (with --aux-place, from the committed probe)")
     p.add_argument("--toy", action="store_true", help="a toy-sized model (CPU smoke tests); size options apply to it")
     p.add_argument("--aux-weight", type=float, default=0.0,
                    help="weight of the auxiliary per-visual-token loss (kind, colour, word of each cell; 0: off)")
