@@ -31,10 +31,12 @@ class EagerRows:
         self.model, self.pool, self.max_batch = model, pool, max_batch
         self.calls: list[list[int]] = []
 
-    def run(self, ids, positions, slots, seq_lens, tables):
+    def run(self, ids, positions, slots, seq_lens, tables, before_replay=None):
         self.calls.append(list(ids))
         meta = AttentionMetadata.build([1] * len(ids), seq_lens, tables, slots, self.model.device)
         assert meta.is_decode_only
+        if before_replay is not None:
+            before_replay()
         dev = self.model.device
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             PagedStep(self.pool, meta))

@@ -637,10 +637,11 @@ def test_an_early_restore_takes_free_pages_only_and_leaves_cancellations_to_the_
 
 def test_the_runner_orders_a_read_restore_before_everything_after_it():
     """A restore a plan's runs read: with layer gates (CUDA) and nothing after it, it is started
-    gated and the compute stream does not wait for all of it (the forward waits layer group by layer
-    group); with a data move after it (a copy-on-write of a restored page the scheduler could not
-    fold) or without gates, the compute stream waits for all of it right after starting it, so
-    that move and the forward see the copied data. An offload is never waited for."""
+    gated once the forward's inputs are queued, and the compute stream does not wait for all of it
+    (the forward waits layer group by layer group); with a data move after it (a copy-on-write of
+    a restored page the scheduler could not fold) or without gates, the compute stream waits for
+    all of it right after starting it, so that move and the forward see the copied data. An
+    offload is never waited for."""
     from types import SimpleNamespace
 
     from engine.cache.kv_pool import PageCopy
@@ -652,18 +653,22 @@ def test_the_runner_orders_a_read_restore_before_everything_after_it():
         transfers = SimpleNamespace(submit=lambda o, gated=False: calls.append(("submit", o.xfer, gated)),
                                     wait=lambda xs: calls.append(("wait", tuple(xs))))
         pool = SimpleNamespace(apply=lambda o: calls.append(("apply", o)))
-        runner = SimpleNamespace(_seqs={}, features={}, pool=pool, transfers=transfers, gates=gates)
+        runner = SimpleNamespace(_seqs={}, features={}, pool=pool, transfers=transfers, gates=gates, _deferred=[])
         ModelRunner.take(runner, StepPlan(kv_orders=orders, transfers_awaited=[2]))
+        calls.append("forward's inputs queued")  # where the forward calls submit_deferred
+        ModelRunner.submit_deferred(runner)
         return calls
 
     copy = PageCopy(3, 7)
     offload, restore = Offload(1, (2,), (0,)), Restore(2, (1,), (3,))
+    inputs = "forward's inputs queued"
     for gates in (None, object()):
         assert take([offload, restore, copy], gates) == [
-            ("wait", (2,)), ("submit", 1, False), ("submit", 2, False), ("wait", (2,)), ("apply", copy)]
+            ("wait", (2,)), ("submit", 1, False), ("submit", 2, False), ("wait", (2,)), ("apply", copy), inputs]
     assert take([offload, restore], None) == [("wait", (2,)), ("submit", 1, False), ("submit", 2, False),
-                                              ("wait", (2,))]
-    assert take([restore, offload], object()) == [("wait", (2,)), ("submit", 2, True), ("submit", 1, False)]
+                                              ("wait", (2,)), inputs]
+    # gated: started only once the forward's inputs are queued (they share the copy engine with it)
+    assert take([restore, offload], object()) == [("wait", (2,)), ("submit", 1, False), inputs, ("submit", 2, True)]
 
 
 def test_a_fork_of_a_restored_page_rides_the_restore():

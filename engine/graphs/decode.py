@@ -113,7 +113,7 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def run(self, ids: list[int], positions: list[list[int]], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            tables: list[list[int]], before_replay=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the bucket for ``n = len(ids)`` rows.
 
         Args:
@@ -122,6 +122,7 @@ class DecodeGraphs:
             slots: the slot each row's K/V goes to.
             seq_lens: the KV length each row attends to (its own token included).
             tables: each row's block table (rows of one sequence may pass the same list).
+            before_replay: called after the inputs' uploads are queued, just before the replay.
 
         Returns:
             ``(logits [n, vocab] float32, greedy ids [n] int64)``, views of the graph's outputs
@@ -139,6 +140,8 @@ class DecodeGraphs:
         self._send_tables(tables)
         if self._sent is not None:
             self._sent.record()
+        if before_replay is not None:
+            before_replay()
         graph.replay()
         return logits[:n], greedy[:n]
 

@@ -111,6 +111,7 @@ class ModelRunner:
         self.transfers = transfers  # copies between the pool and the host tier, or None without one
         # each layer waits for its layer group of a restore this step reads (CUDA host tier only)
         self.gates = transfers.gates if transfers is not None else None
+        self._deferred: list[Restore] = []  # gated restores of the plan taken, not started yet
         self.encode_vision = encode_vision
         self.scorer = scorer
         self.device = model.device
@@ -146,6 +147,7 @@ class ModelRunner:
         out.path = self.path_of(runs) if runs else "none"
         self._meanwhile_due = out.path if self.meanwhile is not None else None
         sampled = self._launch(plan, runs, features)
+        self.submit_deferred()  # a forward that read them has started them; else they start here
         if self.gates is not None and runs:
             self.gates.forward_queued()
         self._run_meanwhile()  # a step that samples nothing ran it nowhere yet
@@ -185,13 +187,25 @@ class ModelRunner:
                 # the forward waits layer group by layer group; a data move after the restore may
                 # read its pages whole, so then the stream waits for all of it first
                 gated = read and self.gates is not None and not _moves_after(orders, i)
-                self.transfers.submit(order, gated=gated)
-                if read and not gated:
+                if gated:  # started once the forward's inputs are queued (see submit_deferred)
+                    self._deferred.append(order)
+                    continue
+                self.transfers.submit(order)
+                if read:
                     self.transfers.wait((order.xfer,))
             else:
                 self.pool.apply(order)
         if self.transfers is not None and plan.transfers_landed:
             self.transfers.wait(plan.transfers_landed)
+
+    def submit_deferred(self) -> None:
+        """Start the plan's gated restores (the ones its forward reads layer group by layer group).
+        Called once the forward's inputs are queued and before its kernels: the inputs' small
+        host-to-device copies share the copy engine with the restore, and queued behind its
+        ~125 MB they held the whole forward back until the restore had landed (H200, v9)."""
+        deferred, self._deferred = self._deferred, []
+        for order in deferred:
+            self.transfers.submit(order, gated=True)
 
     def _run_meanwhile(self) -> None:
         """Call :attr:`meanwhile` once this step, with the step's GPU work queued and not waited for."""
@@ -282,10 +296,12 @@ class ModelRunner:
             visual = VisualInjection(rows.to(dev), feats.embeds, feats.deepstack)
         args = (torch.tensor(inputs.ids, device=dev), inputs.positions.to(dev),
                 PagedStep(self.pool, cached, fresh, self.gates), visual)
+        logit_rows = torch.tensor(inputs.logit_rows, device=dev, dtype=torch.long) if head else None
+        self.submit_deferred()
         if not head:
             with torch.inference_mode():
                 return self.model.language_model(*args)
-        return self.model(*args, torch.tensor(inputs.logit_rows, device=dev, dtype=torch.long))
+        return self.model(*args, logit_rows)
 
     def _sample(self, req_ids: list[int], logits: torch.Tensor, greedy: torch.Tensor | None):
         """Next token of each request: greedy rows from one batched argmax (one host sync),
@@ -361,11 +377,14 @@ class ModelRunner:
         return self._sample([run.req_id], logits, None) if head and run.sample else []
 
     def replay_decode(self, ids, positions, slots, seq_lens, tables):
-        """One replay of the decode graphs (see :meth:`engine.graphs.decode.DecodeGraphs.run`)."""
-        return self.graphs.run(ids, positions, slots, seq_lens, tables)
+        """One replay of the decode graphs (see :meth:`engine.graphs.decode.DecodeGraphs.run`); the
+        plan's gated restores start between the inputs' upload and the replay."""
+        return self.graphs.run(ids, positions, slots, seq_lens, tables, before_replay=self.submit_deferred)
 
     def replay_prefill(self, ids, positions, slots, rows, features):
-        """One replay of the prefill graphs (see :meth:`engine.graphs.prefill.PrefillGraphs.run`)."""
+        """One replay of the prefill graphs (see :meth:`engine.graphs.prefill.PrefillGraphs.run`): a
+        cold prompt, which reads no restored page, so the plan's restores may start first."""
+        self.submit_deferred()
         return self.prefill_graphs.run(ids, positions, slots, rows, features)
 
     # ------------------------------------------------------------------ vision

@@ -659,8 +659,8 @@ MUTANTS: list[Mutant] = [
         "the runner starts a restore its runs read but does not wait for it before the next order (a "
         "copy-on-write of a restored page copies stale data)",
         "engine/serving/runner.py",
-        "                if read and not gated:",
-        "                if False:",
+        "                if read:\n                    self.transfers.wait((order.xfer,))",
+        "                if False:\n                    self.transfers.wait((order.xfer,))",
         (HOST + "test_the_runner_orders_a_read_restore_before_everything_after_it",),
     ),
     Mutant(
