@@ -419,8 +419,9 @@ class KVTransfers:
         priority, so its kernels get SMs between the forward's) scatters unit ``i - 1`` from the
         other slot into the pool; a slot is refilled only after its last scatter. With ``gated``
         each group's gate is recorded after its last scatter. On one stream the bus idled during
-        every scatter, and the scatters waited behind the forward's kernels (H200 v9: restores
-        3.0 ms p50 against 2.4 before groups)."""
+        every scatter (H200, docs/PERFORMANCE.md host tier v8: restores 3.0 ms p50 against 2.4
+        before layer groups; v9, with this pipeline, 3.3: the extra copies of scattered host pages,
+        not the scatters, are what costs)."""
         slot = max(1, self.staging_pages // 2)
         slots = self.staging_pages // slot
         units = [(g, first) for g in range(self.host.layout.groups) for first in range(0, len(order.pages), slot)]
