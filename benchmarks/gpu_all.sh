@@ -23,7 +23,8 @@
 # block_n 128 / 32, PV-on-mma.sync, CUDA-graph and no-PDL cases; under 2 minutes; KAM_ARGS adds arguments, e.g.
 # --setting num_stages=1,waves=2; kam_debug.txt, and each case's TTGIR / PTX / SASS in kam_debug.tgz). HOST_COPY=0
 # leaves bench_host_copy.py out of hosttier. Web steps (http, warm) need the web wheels (bench_http.py lists them; with
-# fastapi >= 0.16x also opentelemetry-api, importlib-metadata, zipp), carried in .whl_web in calls of their own.
+# fastapi >= 0.16x also opentelemetry-api, importlib-metadata, zipp), carried in .whl_web in calls of their own
+# (benchmarks/gpu_wheels.sh builds .whl and .whl_web, and says how to fit .whl_web under the carry limit).
 # STEPS=install installs the carried wheels only (with no STEPS the default kernels, smoke and bench run: minutes).
 set -u
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
