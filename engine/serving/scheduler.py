@@ -100,8 +100,9 @@ class SchedulerConfig:
             budget (the per-step bounds alone). 0.03: a warm's own GPU work for 8 photos (~75 ms)
             is ~5.6% of a 256-token stream at the 8B shape, so an unbudgeted warm alone would
             exceed the 5% TPOT goal of a stream beside it.
-        warm_burst_s: most credit (seconds) the budget banks, and the most a step carrying warm
-            chunks waits for (a dearer step runs once the bucket is full): about one warm step.
+        warm_burst_s: most credit (seconds) the budget banks while a warm waits, and the most a
+            step carrying warm chunks waits for (a dearer step, and the first one, whose cost is
+            not known yet, run once the bucket is full): about one warm step.
 
     Raises:
         ValueError: ``warm_time_share`` outside (0, 1] or a negative ``warm_burst_s``.
@@ -452,9 +453,11 @@ class Scheduler:
         return {q.prefix_key for q in self.waiting if self.reuse.waits(q)}
 
     def _tick_warm_budget(self) -> None:
-        """Accrue the warms' time budget for the time since the last step's planning (it was
-        contended meanwhile if it was then) and start the step's count of budgeted warm tokens."""
-        self.warm_budget.tick(self._contended())
+        """Accrue the warms' time budget for the time since the last step's planning (it accrued
+        meanwhile if the engine was then contended with a warm waiting) and start the step's count
+        of budgeted warm tokens."""
+        warms_wait = bool(self.warming) or any(r.warm for r in self.running)
+        self.warm_budget.tick(warms_wait and self._contended())
         self._budgeted = 0
 
     def _charged_later(self, plan: StepPlan) -> StepPlan:

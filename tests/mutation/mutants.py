@@ -847,6 +847,15 @@ MUTANTS: list[Mutant] = [
         (BUDGET + "test_a_warm_beside_a_stream_takes_at_most_its_share_of_the_time_and_still_finishes",),
     ),
     Mutant(
+        "warm-budget-banks-without-a-warm",
+        "the warms' budget fills whenever the engine is contended, also with no warm waiting: a stream that "
+        "ran alone banks a burst, and the next warm's first step runs inside the next stream at once",
+        "engine/serving/scheduler.py",
+        "        self.warm_budget.tick(warms_wait and self._contended())\n",
+        "        self.warm_budget.tick(self._contended())\n",
+        (BUDGET + "test_contention_before_a_warm_banks_nothing_and_the_bank_is_capped",),
+    ),
+    Mutant(
         "joined-warm-throttled",
         "a warm that a waiting question joined stays under the per-step bounds and the time budget (the "
         "person waits on a throttled warm)",
