@@ -653,7 +653,8 @@ def test_the_runner_orders_a_read_restore_before_everything_after_it():
         transfers = SimpleNamespace(submit=lambda o, gated=False: calls.append(("submit", o.xfer, gated)),
                                     wait=lambda xs: calls.append(("wait", tuple(xs))))
         pool = SimpleNamespace(apply=lambda o: calls.append(("apply", o)))
-        runner = SimpleNamespace(_seqs={}, features={}, pool=pool, transfers=transfers, gates=gates, _deferred=[])
+        runner = SimpleNamespace(_seqs={}, features={}, pool=pool, transfers=transfers, gates=gates, _deferred=[],
+                                 _gated=[])
         ModelRunner.take(runner, StepPlan(kv_orders=orders, transfers_awaited=[2]))
         calls.append("forward's inputs queued")  # where the forward calls submit_deferred
         ModelRunner.submit_deferred(runner)
@@ -667,8 +668,35 @@ def test_the_runner_orders_a_read_restore_before_everything_after_it():
             ("wait", (2,)), ("submit", 1, False), ("submit", 2, False), ("wait", (2,)), ("apply", copy), inputs]
     assert take([offload, restore], None) == [("wait", (2,)), ("submit", 1, False), ("submit", 2, False),
                                               ("wait", (2,)), inputs]
-    # gated: started only once the forward's inputs are queued (they share the copy engine with it)
-    assert take([restore, offload], object()) == [("wait", (2,)), ("submit", 1, False), inputs, ("submit", 2, True)]
+    # gated (the plan's last order): started only once the forward's inputs are queued (they share
+    # the copy engine with it); a copy after it keeps plan order, so then it is not gated
+    assert take([offload, restore], object()) == [("wait", (2,)), ("submit", 1, False), inputs, ("submit", 2, True)]
+    assert take([restore, offload], object()) == [("wait", (2,)), ("submit", 2, False), ("wait", (2,)),
+                                                  ("submit", 1, False), inputs]
+
+
+def test_after_the_forward_every_gated_restore_is_started_and_waited_for():
+    """``finish_forward`` (rank 0's execute and every tensor-parallel worker call it, also when the
+    forward raised or there was none): a gated restore not started by a forward starts now, the
+    compute stream is ordered after every gated restore of the step (a page one of them writes may
+    be freed with a failed request and reused next step by work that holds no gate waits), and the
+    forward is noted for the gates' reopen."""
+    from types import SimpleNamespace
+
+    from engine.serving.runner import ModelRunner
+
+    calls = []
+    transfers = SimpleNamespace(submit=lambda o, gated=False: calls.append(("submit", o.xfer, gated)),
+                                wait=lambda xs: calls.append(("wait", tuple(xs))))
+    gates = SimpleNamespace(forward_queued=lambda: calls.append("forward queued"))
+    runner = SimpleNamespace(transfers=transfers, gates=gates, _deferred=[Restore(4, (1,), (3,))], _gated=[])
+    runner.submit_deferred = lambda: ModelRunner.submit_deferred(runner)
+    ModelRunner.finish_forward(runner)
+    assert calls == [("submit", 4, True), ("wait", (4,)), "forward queued"]
+    assert runner._deferred == [] and runner._gated == []
+    calls.clear()
+    ModelRunner.finish_forward(runner)  # nothing gated this step: no wait
+    assert calls == ["forward queued"]
 
 
 def test_a_fork_of_a_restored_page_rides_the_restore():

@@ -5,7 +5,8 @@ pages, every layer's K, V and scales, bit for bit. The policy side decides them 
 which pages) and hands them to :class:`KVTransfers`, which runs them and reports each one finished
 (:class:`TransferDone`) in submit order.
 
-On CUDA the copies run on one dedicated copy stream, beside the compute stream, through one GPU
+On CUDA the copies run on a dedicated copy stream (a restore's scatters into the pool on a second,
+high-priority one), beside the compute stream, through one GPU
 staging buffer laid out as host planes (:class:`~.host_pool.PageLayout`): the pool is layer-major
 and a page's rows are scattered over it, so they are first gathered (page-major,
 :meth:`PagePool.rows`) into staging, and only then moved over PCIe as one contiguous copy per run
@@ -142,7 +143,7 @@ def fold_page_copies(orders: list) -> list:
 class LayerGates:
     """One CUDA event a layer group: the compute stream's gate on each group of a restore it reads.
 
-    :meth:`KVTransfers.submit` records group ``g``'s event on the copy stream once that group's
+    :meth:`KVTransfers.submit` records group ``g``'s event on its scatter stream once that group's
     pages landed; the forward calls :meth:`wait` before each layer's attention, which waits for
     the group's event before the group's first layer (an eager step queues the wait, a decode graph
     holds it as an external event wait node captured once). When no restore is read, every event
@@ -415,7 +416,8 @@ class KVTransfers:
 
     def _restore_pipelined(self, order: Restore, rows_all: torch.Tensor, per_group: int, gated: bool) -> None:
         """A restore as units (a layer group's pages, as many as half the staging holds): the copy
-        stream moves unit ``i`` over PCIe into staging slot ``i % 2`` while the scatter stream (high
+        stream moves unit ``i`` over PCIe into staging slot ``i % slots`` (2, or 1 when staging holds
+        one plane row) while the scatter stream (high
         priority, so its kernels get SMs between the forward's) scatters unit ``i - 1`` from the
         other slot into the pool; a slot is refilled only after its last scatter. With ``gated``
         each group's gate is recorded after its last scatter. On one stream the bus idled during

@@ -117,9 +117,12 @@ def _serve(conn, runner: ModelRunner, collectives: Collectives, counter: EncodeC
                     picked = torch.arange(first, first + len(rows), device=device)
                     features[req_id] = (torch.tensor(rows, dtype=torch.long), received.select(picked))
                     first += len(rows)
-            if plan.runs:
-                runner.compute(plan.runs, features, head=False)
-                steps += 1
+            try:
+                if plan.runs:
+                    runner.compute(plan.runs, features, head=False)
+                    steps += 1
+            finally:  # as rank 0's execute: every gated restore of the plan started and ordered
+                runner.finish_forward()
         elif kind == "counters":
             conn.send(("counters", {"vision_images_encoded": counter.images, "steps": steps, "page_copies": copies,
                                  "slot_moves": moves, "value_merges": merges, "offloads": offloads,

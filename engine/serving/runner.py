@@ -112,6 +112,7 @@ class ModelRunner:
         # each layer waits for its layer group of a restore this step reads (CUDA host tier only)
         self.gates = transfers.gates if transfers is not None else None
         self._deferred: list[Restore] = []  # gated restores of the plan taken, not started yet
+        self._gated: list[int] = []  # ids of the gated restores started this step
         self.encode_vision = encode_vision
         self.scorer = scorer
         self.device = model.device
@@ -146,10 +147,10 @@ class ModelRunner:
         features = {run.req_id: f for run in runs if (f := self._run_features(run)) is not None}
         out.path = self.path_of(runs) if runs else "none"
         self._meanwhile_due = out.path if self.meanwhile is not None else None
-        sampled = self._launch(plan, runs, features)
-        self.submit_deferred()  # a forward that read them has started them; else they start here
-        if self.gates is not None and runs:
-            self.gates.forward_queued()
+        try:
+            sampled = self._launch(plan, runs, features)
+        finally:  # also when the forward raised: its restores must not start in a later step
+            self.finish_forward()
         self._run_meanwhile()  # a step that samples nothing ran it nowhere yet
         for req_id, token in sampled:
             out.sampled[req_id] = token
@@ -184,9 +185,10 @@ class ModelRunner:
         for i, order in enumerate(orders):
             if isinstance(order, (Offload, Restore)):
                 read = order.xfer in awaited  # by this step's forward
-                # the forward waits layer group by layer group; a data move after the restore may
-                # read its pages whole, so then the stream waits for all of it first
-                gated = read and self.gates is not None and not _moves_after(orders, i)
+                # the forward waits layer group by layer group, and the restore starts with the
+                # forward (submit_deferred), so only the plan's last order can be: a data move
+                # after it may read its pages whole, and a copy after it must keep plan order
+                gated = read and self.gates is not None and i == len(orders) - 1
                 if gated:  # started once the forward's inputs are queued (see submit_deferred)
                     self._deferred.append(order)
                     continue
@@ -206,6 +208,22 @@ class ModelRunner:
         deferred, self._deferred = self._deferred, []
         for order in deferred:
             self.transfers.submit(order, gated=True)
+            self._gated.append(order.xfer)
+
+    def finish_forward(self) -> None:
+        """After the step's forward is queued (or failed, or there was none: a plan whose reading
+        run failed, a tensor-parallel worker's plan without runs): start any gated restore not yet
+        started, order the compute stream after every gated restore of the step (a page one of them
+        writes, such as a fork folded into it, may be freed with a failed request and reused by the
+        next plan's moves or prefill graph, which hold no gate waits), and note the forward queued
+        for :meth:`LayerGates.reopen <engine.cache.kv_transfer.LayerGates.reopen>`. The forward
+        itself waited for every gate, so the wait costs it nothing."""
+        self.submit_deferred()
+        gated, self._gated = self._gated, []
+        if gated:
+            self.transfers.wait(gated)
+        if self.gates is not None:
+            self.gates.forward_queued()
 
     def _run_meanwhile(self) -> None:
         """Call :attr:`meanwhile` once this step, with the step's GPU work queued and not waited for."""
@@ -418,8 +436,3 @@ class ModelRunner:
         rows, features = span_features(self._seqs[run.req_id].info.spans, self.features[run.req_id],
                                        run.start, run.end, self.device)
         return None if features is None else (rows, features)
-
-
-def _moves_after(orders: list, i: int) -> bool:
-    """Whether a pool data move (not a tier copy) follows ``orders[i]``."""
-    return any(not isinstance(o, (Offload, Restore)) for o in orders[i + 1:])

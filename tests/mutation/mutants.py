@@ -668,9 +668,18 @@ MUTANTS: list[Mutant] = [
         "a restore its runs read is started gated (the forward waits layer group by layer group) although a "
         "data move after it reads its pages whole: that copy-on-write copies pages still on the bus",
         "engine/serving/runner.py",
-        "gated = read and self.gates is not None and not _moves_after(orders, i)",
+        "gated = read and self.gates is not None and i == len(orders) - 1",
         "gated = read and self.gates is not None",
         (HOST + "test_the_runner_orders_a_read_restore_before_everything_after_it",),
+    ),
+    Mutant(
+        "gated-restore-never-waited",
+        "after the forward the compute stream is not ordered after the step's gated restores: a page one of "
+        "them writes, freed with a failed request, is reused by the next plan while the scatter still runs",
+        "engine/serving/runner.py",
+        "        if gated:\n            self.transfers.wait(gated)\n",
+        "",
+        (HOST + "test_after_the_forward_every_gated_restore_is_started_and_waited_for",),
     ),
     Mutant(
         "fork-folded-from-the-wrong-host-page",
