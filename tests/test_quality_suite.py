@@ -297,11 +297,9 @@ def test_batch_targets_point_at_answer_tokens(tokens):
     assert int((batch.input_ids == tiny.IMAGE_PAD_ID).sum()) == batch.n_images * 64
 
 
-def test_binding2_curriculum_is_valid_and_weights_shape_and_weak_types_up():
-    """``binding2``: stages in order from 0 over the training types only, one weight per type, the
-    last stage the held-out layout (EVAL's limits), and a larger share of ``shape`` and of colour,
-    which_image and position than ``binding`` in the later stages; v1 and binding unchanged."""
-    stages = sc.CURRICULA["binding2"]
+def check_stages(stages) -> None:
+    """A curriculum's stages start in order from 0, each over the training types only with one
+    weight per type, and its last stage has the held-out layout (EVAL's limits)."""
     starts = [start for _, start, _ in stages]
     assert starts[0] == 0.0 and starts == sorted(starts) and len(set(starts)) == len(starts)
     for _, _, dist in stages:
@@ -310,6 +308,14 @@ def test_binding2_curriculum_is_valid_and_weights_shape_and_weak_types_up():
     assert (last.min_images, last.max_images, last.max_shapes, last.max_count, last.word_prob, last.min_gap) == (
         sc.EVAL.min_images, sc.EVAL.max_images, sc.EVAL.max_shapes, sc.EVAL.max_count, sc.EVAL.word_prob,
         sc.EVAL.min_gap)
+
+
+def test_binding2_curriculum_is_valid_and_weights_shape_and_weak_types_up():
+    """``binding2``: stages in order from 0 over the training types only, one weight per type, the
+    last stage the held-out layout (EVAL's limits), and a larger share of ``shape`` and of colour,
+    which_image and position than ``binding`` in the later stages; v1 and binding unchanged."""
+    stages = sc.CURRICULA["binding2"]
+    check_stages(stages)
 
     def share(dist, types):
         return sum(w for t, w in zip(dist.types, dist.type_weights, strict=True) if t in types) / sum(dist.type_weights)
@@ -327,14 +333,7 @@ def test_place_curriculum_weights_position_up_and_leaves_the_heldout_split():
     probe's last curriculum) at every stage and at least a third of each, every other type of a
     stage keeps at least a tenth; the held-out split still goes by ``i % 5``."""
     stages = sc.CURRICULA["place"]
-    starts = [start for _, start, _ in stages]
-    assert starts[0] == 0.0 and starts == sorted(starts) and len(set(starts)) == len(starts)
-    for _, _, dist in stages:
-        assert set(dist.types) <= set(sc.TRAINING_TYPES) and len(dist.type_weights) == len(dist.types)
-    last = stages[-1][2]
-    assert (last.min_images, last.max_images, last.max_shapes, last.max_count, last.word_prob, last.min_gap) == (
-        sc.EVAL.min_images, sc.EVAL.max_images, sc.EVAL.max_shapes, sc.EVAL.max_count, sc.EVAL.word_prob,
-        sc.EVAL.min_gap)
+    check_stages(stages)
 
     def share(dist, qtype):
         return dict(zip(dist.types, dist.type_weights, strict=True)).get(qtype, 0) / sum(dist.type_weights)
