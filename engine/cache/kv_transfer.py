@@ -10,10 +10,13 @@ high-priority one), beside the compute stream, through one GPU
 staging buffer laid out as host planes (:class:`~.host_pool.PageLayout`): the pool is layer-major
 and a page's rows are scattered over it, so they are first gathered (page-major,
 :meth:`PagePool.rows`) into staging, and only then moved over PCIe as one contiguous copy per run
-of host pages and layer group (:meth:`HostPool.runs`); a restore is the same backwards. A copy goes
-layer group by layer group, each group in rounds of what the staging buffer holds; the copy
-stream's order makes reusing staging safe. Nothing in :meth:`KVTransfers.submit` waits for the GPU.
-On the CPU the copies run at once, straight between the pool and the host chunks.
+of host pages and layer group (:meth:`HostPool.runs`); a restore is the same backwards, its PCIe
+copies and its scatters pipelined over two staging slots (an event per slot says when it may be
+refilled). A copy goes layer group by layer group, each group in rounds of what staging holds; an
+offload's rounds are ordered on the copy stream, and every transfer's copy stream first waits for
+the scatters before it, so staging is never reused under a read. Nothing in
+:meth:`KVTransfers.submit` waits for the GPU. On the CPU the copies run at once, straight between
+the pool and the host chunks.
 
 A restore the step being planned reads (a host hit's first prefill chunk rides the plan that orders
 its restore) records :class:`LayerGates` as each layer group lands, and the forward waits for group

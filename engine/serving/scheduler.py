@@ -88,8 +88,9 @@ class SchedulerConfig:
             warm chunk beside decode rows runs the eager forward (~15-20 ms of launch overhead
             whatever its tokens); with 1024 tokens and 4 images such a step took 48-92 ms (the
             first of a process compiles: docs/gpu/warm_http_8b_process_budget_v1.*) and the one
-            a 256-token stream met raised its TPOT 1.059x, over the 5% goal; half of it, an
-            estimated ~30-38 ms (not yet measured), keeps one step's stall under the goal.
+            a 256-token stream met raised its TPOT 1.059x, over the 5% goal. Halved, the step
+            still took 51-81 ms (2026-12-03, docs/gpu/warm_http_8b_process_budget_v2.*: the eager
+            step's fixed cost dominates), so the time budget, not this bound, keeps streams whole.
         max_warm_images: most images (or videos) a contended step's warm chunks reach for the first
             time, so encode (the encoder runs inside the step). 2: 512 tokens of 512 x 512 photos
             (~306 tokens each) reach at most 2 (~5 ms an image there, encoded together). 0: no
